@@ -1,0 +1,26 @@
+"""Session fixtures shared by all tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:  # so `tests.*` and the packages import without installing
+    sys.path.insert(0, _ROOT)
+
+from tests.dist_harness import DistRunner  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def dist() -> Iterator[DistRunner]:
+    """Multi-process runner: `dist.run(world, fn, *args, **kw)` -> list of results by rank.
+
+    Worker pools are started on first use of each world size and reused for the session.
+    """
+    runner = DistRunner()
+    yield runner
+    runner.shutdown()
