@@ -1,0 +1,493 @@
+"""Section models of the Zero3D config: one pydantic model per DeepSpeed config block.
+
+Key names and defaults are DeepSpeed's (deepspeed/runtime/config.py, constants.py,
+zero/config.py, precision_config.py, lr_schedules.py, engine.py), so a DeepSpeed JSON config
+loads unchanged. Each section also lists the DeepSpeed keys it knows but Zero3D does not
+implement (`ds_unimplemented`): such a key is accepted only at DeepSpeed's default value,
+where spelling it out means the same as leaving it out; any other value is refused.
+
+Validators raise `PydanticCustomError`s of three kinds that `parallel3d.config` turns into
+one `ConfigError` message:
+  zero3d_rule  "<dotted.path>: <value> <rule>"           (a field's value breaks a rule)
+  zero3d_key   "<dotted.path>.<key> <rule>"              (a key inside a section is refused)
+  zero3d       the message as written                    (a rule across several keys)
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import json
+from typing import Annotated, Any, ClassVar, Optional
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+NOT_SET = object()
+"""`ds_unimplemented` marker: no value of this key is harmless; any value is refused."""
+
+NOT_IMPLEMENTED = "is a DeepSpeed key Zero3D does not implement yet"
+
+
+def rule(text: str) -> PydanticCustomError:
+    return PydanticCustomError("zero3d_rule", "{rule}", {"rule": text})
+
+
+def key_rule(key: str, text: str) -> PydanticCustomError:
+    return PydanticCustomError("zero3d_key", "{key} {rule}", {"key": key, "rule": text})
+
+
+def problem(text: str) -> PydanticCustomError:
+    return PydanticCustomError("zero3d", "{message}", {"message": text})
+
+
+def disabled_block(value: Any) -> bool:
+    """Harmless value of a DeepSpeed feature block: absent, or present with enabled false."""
+    return value is None or (isinstance(value, dict) and value.get("enabled", False) is False)
+
+
+def _to_int(value: Any) -> Any:
+    """Accept 5e8 written as a float (JSON) or as a string (YAML); refuse true/false."""
+    if isinstance(value, bool):
+        raise rule("must be an integer, not true/false")
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise rule("must be an integer") from None
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise rule("must be a whole number")
+        return int(value)
+    return value
+
+
+def _to_float(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise rule("must be a number, not true/false")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_to_int)]
+PositiveInt = Annotated[int, BeforeValidator(_to_int), Field(gt=0)]
+NonNegInt = Annotated[int, BeforeValidator(_to_int), Field(ge=0)]
+NonNegFloat = Annotated[float, BeforeValidator(_to_float), Field(ge=0)]
+PositiveFloat = Annotated[float, BeforeValidator(_to_float), Field(gt=0)]
+
+
+class Section(BaseModel):
+    """Base of every config block: unknown keys are errors; DeepSpeed-only keys are checked."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    ds_unimplemented: ClassVar[dict[str, Any]] = {}
+    """DeepSpeed key -> its default (harmless) value, NOT_SET, or a predicate on the value."""
+    renames: ClassVar[dict[str, str]] = {}
+    """DeepSpeed spellings accepted as synonyms: other name -> field name."""
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        return [*cls.model_fields, *cls.ds_unimplemented, *cls.renames]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _screen_deepspeed_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in [k for k in data if k in cls.ds_unimplemented]:
+            harmless = cls.ds_unimplemented[key]
+            value = data.pop(key)
+            ok = harmless(value) if callable(harmless) else (harmless is not NOT_SET and value == harmless)
+            if not ok:
+                raise key_rule(key, NOT_IMPLEMENTED)
+        for other, name in cls.renames.items():
+            if other in data:
+                if name in data and data[name] != data[other]:
+                    raise key_rule(other, f"and {name} are the same setting; give only one")
+                data[name] = data.pop(other)
+        return data
+
+
+class FP16Config(Section):
+    """`fp16`: float16 working weights with (dynamic) loss scaling, DeepSpeed's semantics."""
+
+    ds_unimplemented = {"auto_cast": False, "fp16_master_weights_and_grads": False}
+
+    enabled: bool = False
+    """Train with float16 working params and an fp32 master copy."""
+    loss_scale: NonNegFloat = 0.0
+    """Static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: NonNegInt = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: PositiveInt = 1000
+    """Steps without overflow before the dynamic scale is doubled."""
+    hysteresis: PositiveInt = 2
+    """Overflows tolerated before the dynamic scale is halved (delayed shift)."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis counter after every step without overflow."""
+    min_loss_scale: PositiveFloat = 1.0
+    """Floor of the dynamic loss scale."""
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scale == 0
+
+
+class BF16Config(Section):
+    """`bf16` (DeepSpeed also reads the old name `bfloat16`): bfloat16 working weights."""
+
+    ds_unimplemented = {"immediate_grad_update": False, "check_grad_overflow": True, "check_overflow": False,
+                        "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
+
+    enabled: bool = False
+    """Train with bfloat16 working params and an fp32 master copy (no loss scaling)."""
+
+
+class ZeroConfig(Section):
+    """`zero_optimization`: which states are sharded over the data-parallel group, and how."""
+
+    ds_unimplemented = {
+        "offload_optimizer": lambda v: v is None or (isinstance(v, dict) and v.get("device") in (None, "none")),
+        "offload_param": lambda v: v is None or (isinstance(v, dict) and v.get("device") in (None, "none")),
+        "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": False,
+        "zenflow": None, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
+        "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
+        "mics_shard_size": NOT_SET, "mics_hierarchical_params_gather": NOT_SET, "zeropp_loco_param": NOT_SET,
+        "use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True, "load_from_fp32_weights": True,
+        "elastic_checkpoint": False, "ignore_unused_parameters": True, "legacy_stage1": False,
+        "parameter_alignment": False, "memory_efficient_linear": True, "pipeline_loading_checkpoint": False,
+        "override_module_apply": True, "log_trace_cache_warnings": False, "enable_sanity_checks": False,
+        "save_muon_momentum_buffer_in_memory": False, "leaf_module": NOT_SET,
+        "stage3_model_persistence_threshold": NOT_SET, "stage3_module_granularity_threshold": 0,
+        "stage3_use_all_reduce_for_fetch_params": False, "stage3_allgather_sequential": False,
+    }
+    renames = {  # DeepSpeed populates its fields by name too, and keeps one deprecated alias
+        "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+        "param_persistence_threshold": "stage3_param_persistence_threshold",
+        "max_live_parameters": "stage3_max_live_parameters",
+        "max_reuse_distance": "stage3_max_reuse_distance",
+        "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+
+    stage: Int = 0
+    """0: plain data parallel; 1: shard optimizer states; 2: + gradients; 3: + parameters."""
+    overlap_comm: Optional[bool] = None
+    """Reduce gradients while backward still runs. Unset means DeepSpeed's rule: on for stage 3."""
+    contiguous_gradients: bool = True
+    """Gradients are views into one flat buffer per group (no per-step copy)."""
+    reduce_scatter: bool = True
+    """Reduce gradients with reduce-scatter (each rank receives only its shard)."""
+    reduce_bucket_size: PositiveInt = 500_000_000
+    """Elements reduced per bucket."""
+    allgather_partitions: bool = True
+    """Stages 1/2: all-gather updated params (instead of a broadcast per partition)."""
+    allgather_bucket_size: NonNegInt = 500_000_000
+    """Elements all-gathered per bucket in stages 1/2."""
+    round_robin_gradients: bool = False
+    """Stage 1/2 with offload in DeepSpeed: spread gradient copies over ranks; no effect otherwise."""
+    sub_group_size: NonNegInt = 1_000_000_000
+    """Stage 3: elements per optimizer sub-group stepped at a time."""
+    stage3_prefetch_bucket_size: NonNegInt = 50_000_000
+    """Stage 3: elements of parameters fetched ahead of use."""
+    stage3_param_persistence_threshold: NonNegInt = 100_000
+    """Stage 3: params with fewer elements than this stay whole on every rank."""
+    stage3_max_live_parameters: NonNegInt = 1_000_000_000
+    """Stage 3: most gathered elements alive at once before released."""
+    stage3_max_reuse_distance: NonNegInt = 1_000_000_000
+    """Stage 3: keep a gathered param if it is reused within this many elements."""
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    """Stage 3: gather full 16-bit weights when the model is saved."""
+
+    @field_validator("stage", mode="after")
+    @classmethod
+    def _stage_known(cls, stage: int) -> int:
+        if stage not in (0, 1, 2, 3):
+            raise rule("is not allowed; must be one of 0, 1, 2, 3")
+        return stage
+
+    @model_validator(mode="after")
+    def _default_overlap_comm(self) -> "ZeroConfig":
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+        return self
+
+
+class TensorParallelConfig(Section):
+    """`tensor_parallel`: the tp dimension of the mesh (Megatron-style layers)."""
+
+    ds_unimplemented = {"dtype": NOT_SET, "tp_overlap_comm": False, "vocab_parallel_lm_head": None,
+                        "vocab_parallel_ce_backend": "torch", "tp": {}, "partition_config": None,
+                        "preset_model": None, "keep_module_on_host": False, "kernel_inject": False,
+                        "replace_with_kernel_inject": False, "injection_policy_tuple": None}
+
+    size: PositiveInt = 1
+    """Ranks each layer is split over. DeepSpeed's AutoTP spelling `autotp_size` is the same
+    setting (0 there means off, i.e. 1)."""
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        return [*super().known_keys(), "autotp_size"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _autotp_size(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "autotp_size" not in data:
+            return data
+        data = dict(data)
+        raw = data.pop("autotp_size")
+        try:
+            autotp = _to_int(raw)
+        except PydanticCustomError:
+            autotp = None
+        if not isinstance(autotp, int) or autotp < 0:
+            raise key_rule("autotp_size", f"must be an integer >= 0 (0 means off), got {show(raw)}")
+        autotp = autotp or 1
+        if "size" in data and data["size"] != autotp:
+            raise key_rule("autotp_size", f"= {autotp} differs from tensor_parallel.size = {data['size']}; "
+                           "they are the same setting, give one")
+        data["size"] = autotp
+        return data
+
+
+class PipelineConfig(Section):
+    """`pipeline`: the pp dimension of the mesh."""
+
+    ds_unimplemented = {"partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
+                        "pipe_partitioned": True, "grad_partitioned": True}
+
+    stages: PositiveInt = 1
+    """Pipeline stages the model is split into (DeepSpeed's "auto" is not supported)."""
+
+
+# --- optimizer -----------------------------------------------------------------------------
+
+_TORCH_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+_DS_ONLY_ADAM_KEYS = ("torch_adam", "adam_w_mode")
+_DS_OTHER_OPTIMIZERS = ("adagrad", "lamb", "onebitadam", "zerooneadam", "onebitlamb", "lion", "muon",
+                        "muadam", "muadamw", "musgd", "cpuadam", "fusedadam")
+
+
+def torch_optimizer_keywords(class_name: str) -> list[str]:
+    """Keyword names of torch.optim.<class_name>'s constructor (torch is imported lazily)."""
+    import torch.optim
+
+    params = inspect.signature(getattr(torch.optim, class_name).__init__).parameters
+    return [n for n, p in params.items() if n not in ("self", "params") and p.kind != p.VAR_KEYWORD]
+
+
+class OptimizerConfig(Section):
+    """`optimizer`: the inner torch.optim optimizer, run on each rank's fp32 master shard."""
+
+    ds_unimplemented = {"legacy_fusion": False}
+
+    type: str
+    """Adam, AdamW or SGD, case-insensitive like DeepSpeed; stored as the canonical name."""
+    params: dict[str, Any] = {}
+    """Constructor keywords of the torch class, plus DeepSpeed's `torch_adam` and `adam_w_mode`
+    for Adam/AdamW."""
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_type(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            raise rule("must be a string: Adam, AdamW or SGD")
+        if value.lower() in _TORCH_OPTIMIZERS:
+            return _TORCH_OPTIMIZERS[value.lower()]
+        if value.lower() in _DS_OTHER_OPTIMIZERS:
+            raise rule("is a DeepSpeed optimizer Zero3D does not implement yet; use Adam, AdamW or SGD")
+        raise rule("is not allowed; must be one of Adam, AdamW, SGD")
+
+    @model_validator(mode="after")
+    def _check_params(self) -> "OptimizerConfig":
+        if "max_grad_norm" in self.params:
+            raise problem("optimizer.params.max_grad_norm is not supported (as in DeepSpeed); "
+                          "use the top-level gradient_clipping")
+        allowed = torch_optimizer_keywords(self.torch_optimizer_class_name())
+        if self.type in ("Adam", "AdamW"):
+            allowed += _DS_ONLY_ADAM_KEYS
+        for key, value in self.params.items():
+            if key not in allowed:
+                near = difflib.get_close_matches(str(key), allowed, n=1)
+                hint = f"did you mean 'optimizer.params.{near[0]}'? " if near else ""
+                raise problem(f"unknown config key 'optimizer.params.{key}' for {self.type}; {hint}"
+                              f"allowed: {', '.join(sorted(allowed))}")
+            if key == "lr" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise problem(f"optimizer.params.lr: {show(value)} must be a number >= 0")
+        return self
+
+    def torch_optimizer_class_name(self) -> str:
+        """The torch.optim class DeepSpeed would run: its "Adam" is AdamW unless adam_w_mode is false
+        (engine.py `_configure_basic_optimizer`: AdamW if type is AdamW or adam_w_mode, default true)."""
+        if self.type == "Adam":
+            return "AdamW" if self.params.get("adam_w_mode", True) else "Adam"
+        return self.type
+
+    def torch_optimizer_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the torch class, DeepSpeed-only keys dropped. DeepSpeed runs its
+        Fused/CPU Adam (weight_decay default 0.0) unless torch_adam is set, where torch.optim.AdamW
+        would default to 0.01: the 0.0 is filled in so both agree with DeepSpeed."""
+        kwargs = {k: v for k, v in self.params.items() if k not in _DS_ONLY_ADAM_KEYS}
+        if "betas" in kwargs and isinstance(kwargs["betas"], list):
+            kwargs["betas"] = tuple(kwargs["betas"])
+        if self.torch_optimizer_class_name() == "AdamW" and not self.params.get("torch_adam", False):
+            kwargs.setdefault("weight_decay", 0.0)
+        return kwargs
+
+
+# --- scheduler -----------------------------------------------------------------------------
+
+
+def _warmup_type(value: Any) -> Any:
+    if value not in ("log", "linear"):
+        raise rule('is not allowed; must be one of "log", "linear"')
+    return value
+
+
+WarmupType = Annotated[str, BeforeValidator(_warmup_type)]
+
+
+class WarmupLRParams(Section):
+    """`scheduler.params` of WarmupLR: warm up from min to max lr, then stay."""
+
+    warmup_min_lr: NonNegFloat = 0.0
+    """Learning rate at step 0."""
+    warmup_max_lr: Optional[NonNegFloat] = None
+    """Learning rate reached after warmup; unset means the optimizer's lr (DeepSpeed's default)."""
+    warmup_num_steps: PositiveInt = 1000
+    """Steps of warmup (DeepSpeed uses at least 2)."""
+    warmup_type: WarmupType = "log"
+    """Warmup curve: "log" or "linear"."""
+
+
+class WarmupDecayLRParams(WarmupLRParams):
+    """`scheduler.params` of WarmupDecayLR: WarmupLR, then linear decay to 0 at total_num_steps."""
+
+    total_num_steps: PositiveInt
+    """Step at which the learning rate reaches 0."""
+    warmup_max_lr: NonNegFloat = 0.001
+    """Learning rate reached after warmup."""
+
+
+class WarmupCosineLRParams(Section):
+    """`scheduler.params` of WarmupCosineLR: ratios of the optimizer's lr, warmup then cosine."""
+
+    total_num_steps: PositiveInt
+    """Step at which the cosine decay ends."""
+    warmup_min_ratio: NonNegFloat = 0.0
+    """lr ratio at step 0."""
+    warmup_num_steps: PositiveInt = 1000
+    """Steps of warmup."""
+    cos_min_ratio: NonNegFloat = 0.0001
+    """lr ratio at the end of the cosine decay."""
+    warmup_type: WarmupType = "log"
+    """Warmup curve: "log" or "linear"."""
+
+
+SCHEDULER_PARAMS: dict[str, type[Section]] = {
+    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams}
+
+
+class SchedulerConfig(Section):
+    """`scheduler`: one of DeepSpeed's warmup schedules, stepped once per optimizer step."""
+
+    type: str
+    """WarmupLR, WarmupDecayLR or WarmupCosineLR (OneCycle and LRRangeTest are not implemented)."""
+    params: dict[str, Any] = {}
+    """The schedule's parameters; see WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams."""
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _known_type(cls, value: Any) -> Any:
+        names = {n.lower(): n for n in SCHEDULER_PARAMS}
+        if isinstance(value, str) and value.lower() in names:
+            return names[value.lower()]
+        if value in ("OneCycle", "LRRangeTest"):
+            raise rule("is a DeepSpeed scheduler Zero3D does not implement yet; "
+                       "use one of WarmupLR, WarmupDecayLR, WarmupCosineLR")
+        raise rule("is not allowed; must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR")
+
+    @model_validator(mode="after")
+    def _check_params(self) -> "SchedulerConfig":
+        model = SCHEDULER_PARAMS[self.type]
+        try:
+            model.model_validate(self.params)
+        except ValidationError as err:
+            raise problem(describe_validation_error(err, model, prefix="scheduler.params")) from None
+        return self
+
+    def typed_params(self) -> dict[str, Any]:
+        """The validated params with DeepSpeed's defaults filled in, as a plain dict."""
+        return SCHEDULER_PARAMS[self.type].model_validate(self.params).model_dump()
+
+
+# --- turning a pydantic ValidationError into one readable sentence -------------------------
+
+
+def section_of(model: type[BaseModel], name: str) -> Optional[type[BaseModel]]:
+    """The model class of field `name` of `model`, if that field holds a model."""
+    field = model.model_fields.get(name)
+    if field is None:
+        return None
+    candidates = [field.annotation, *getattr(field.annotation, "__args__", ())]
+    return next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+
+
+def show(value: Any) -> str:
+    """A value as the user wrote it in JSON."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def unknown_key_message(model: Optional[type[BaseModel]], path: list[str]) -> str:
+    """Unknown key at `path` of `model`: suggest the nearest known key, else list the implemented ones."""
+    dotted, parent = ".".join(path), "".join(p + "." for p in path[:-1])
+    fields = list(model.model_fields) if model is not None else []
+    known = model.known_keys() if model is not None and issubclass(model, Section) else fields
+    near = difflib.get_close_matches(path[-1], known, n=1)
+    if near:
+        return f"unknown config key '{dotted}'; did you mean '{parent}{near[0]}'?"
+    where = f" in {parent[:-1]}" if parent else ""
+    return f"unknown config key '{dotted}'; keys Zero3D implements{where}: {', '.join(sorted(fields))}"
+
+
+_BOUNDS = {"greater_than": ("> ", "gt"), "greater_than_equal": (">= ", "ge"),
+           "less_than": ("< ", "lt"), "less_than_equal": ("<= ", "le")}
+
+
+def describe_validation_error(err: ValidationError, root: type[BaseModel], prefix: str = "") -> str:
+    """First error of `err` as '<dotted.key>: <value> <rule>'."""
+    first = err.errors(include_url=False)[0]
+    loc = [str(part) for part in first["loc"]]
+    path = ([prefix] if prefix else []) + loc
+    dotted, kind, ctx = ".".join(path), first["type"], first.get("ctx") or {}
+    value = show(first.get("input"))
+    if kind == "zero3d":
+        return ctx["message"]
+    if kind == "zero3d_key":
+        return f"{'.'.join(path + [ctx['key']])} {ctx['rule']}"
+    if kind == "zero3d_rule":
+        return f"{dotted}: {value} {ctx['rule']}"
+    if kind == "extra_forbidden":
+        model: Optional[type[BaseModel]] = root
+        for part in loc[:-1]:
+            model = section_of(model, part) if model is not None else None
+        return unknown_key_message(model, path)
+    if kind == "invalid_key":
+        return f"{dotted}: config keys must be strings"
+    if kind == "missing":
+        return f"{dotted} is required"
+    if kind in _BOUNDS:
+        op, name = _BOUNDS[kind]
+        return f"{dotted}: {value} must be {op}{ctx.get(name)}"
+    for start, text in (("int_", "must be an integer"), ("float_", "must be a number"),
+                        ("bool_", "must be true or false"), ("string_", "must be a string"),
+                        ("dict_", "must be a mapping of keys to values"),
+                        ("model_", "must be a mapping of keys to values")):
+        if kind.startswith(start):
+            return f"{dotted}: {value} {text}"
+    return f"{dotted}: {value} is invalid: {first['msg']}"
