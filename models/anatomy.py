@@ -1,0 +1,36 @@
+"""The anatomy of a Hugging Face causal LM that the parallel engines need."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def fetch_unit_modules(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model`` (outermost first, in registration order).
+
+    HF models name their block class in ``_no_split_modules`` (``LlamaDecoderLayer``,
+    ``GPT2Block``...); those are the ZeRO-3 fetch units. A model without the attribute gets
+    no blocks, and ZeRO-3 then gathers all of its parameters as one root unit.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue
+        if type(module).__name__ in names:
+            blocks.append(module)
+            inside.update(id(m) for m in module.modules())
+    return blocks
+
+
+def tied_parameter_names(model: nn.Module) -> dict[str, str]:
+    """Parameter names that alias another parameter: ``{alias: owner}``."""
+    seen: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied[name] = seen[id(p)]
+        else:
+            seen[id(p)] = name
+    return tied

@@ -1,0 +1,101 @@
+"""Sharded checkpoints: one file per rank, written atomically, loaded without pickled code.
+
+Layout: ``save_dir/<tag>/rank<R>.pt`` plus ``save_dir/latest`` naming the newest tag. Each
+rank writes into ``save_dir/.<tag>.tmp``; after a barrier rank 0 renames the directory to
+its final name and only then updates ``latest``, so a crash mid-save leaves the previous
+checkpoint whole. Files hold only tensors and plain Python values and are read with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel3d.errors import ConfigError
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save(engine, save_dir: str | os.PathLike, tag: str | None = None) -> str:
+    """Save ``engine``'s state; returns the tag written."""
+    tag = tag or f"global_step{engine.global_steps}"
+    root = Path(save_dir)
+    tmp, final = root / f".{tag}.tmp", root / tag
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = engine.state_dict_for_checkpoint()
+    state["rng"] = _rng_state()
+    torch.save(state, tmp / f"rank{_rank()}.pt")
+    _barrier()
+    if _rank() == 0:
+        if final.exists():
+            old = root / f".{tag}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        latest_tmp = root / ".latest.tmp"
+        latest_tmp.write_text(tag)
+        latest_tmp.replace(root / "latest")
+    _barrier()
+    return tag
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
+    """The checkpoint directory for ``tag`` (or the ``latest`` one), checked to exist."""
+    root = Path(load_dir)
+    if tag is None:
+        latest = root / "latest"
+        if not latest.is_file():
+            raise ConfigError(f"no checkpoint in {root}: {latest} does not exist")
+        tag = latest.read_text().strip()
+    path = root / tag
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {path} does not exist")
+    return path
+
+
+def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> str:
+    """Restore ``engine`` from ``load_dir``; returns the tag read."""
+    path = resolve_tag(load_dir, tag)
+    file = path / f"rank{_rank()}.pt"
+    try:
+        state = torch.load(file, map_location=engine.device, weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {path} has no file for rank {_rank()} ({file.name}); was it written by a larger world?") from None
+    except Exception as exc:
+        raise ConfigError(f"checkpoint file {file} is unreadable: {exc}") from exc
+    engine.load_state_dict_from_checkpoint(state)
+    _set_rng_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state["rng"].items()})
+    return path.name

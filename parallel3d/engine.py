@@ -1,0 +1,183 @@
+"""The training engine returned by ``parallel3d.initialize``: DeepSpeed's loop, our ZeRO."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel3d import checkpoint
+from parallel3d.errors import ConfigError
+from parallel3d.mesh import Mesh3D
+from zero import ZeroOptimizer
+
+logger = logging.getLogger(__name__)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    """The loss in a model output: ``.loss`` (HF), the first element of a tuple, or a tensor."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    if loss is None and isinstance(output, torch.Tensor):
+        loss = output
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ConfigError(
+            "train_batch needs the model to return a scalar loss (an HF output with .loss, "
+            "a tuple starting with the loss, or a tensor); pass labels in each batch"
+        )
+    return loss
+
+
+class Engine:
+    """Wraps a model and its ZeRO optimizer; one instance per rank.
+
+    Call it like the model; ``backward`` then ``step`` every micro-batch (the optimizer steps
+    at the end of each ``gradient_accumulation_steps`` window), or ``train_batch`` for a whole
+    window at once.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config,
+        mesh: Mesh3D,
+        optimizer: ZeroOptimizer,
+        lr_scheduler=None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.mesh = mesh
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self.device = mesh.device
+
+    # -- the DeepSpeed loop --------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        self.optimizer.gather_for_forward()
+        output = self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            self.optimizer.release_after_forward()
+        return output
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        scale = self.optimizer.loss_scale / self.gradient_accumulation_steps
+        self.optimizer.start_backward(self.is_gradient_accumulation_boundary())
+        (loss * scale).backward()
+        self.optimizer.finish_backward()
+        return loss
+
+    def step(self) -> None:
+        """Count a micro-batch; at a window's end, step the optimizer and the LR schedule."""
+        if self.is_gradient_accumulation_boundary():
+            stepped = self.optimizer.step()
+            if stepped and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += self.config.train_batch_size
+        self.micro_steps += 1
+
+    def train_batch(self, data_iter: Iterator) -> float:
+        """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches.
+
+        Each item of ``data_iter`` is a dict of model keyword arguments (with labels) or a
+        tuple of positional ones. Returns the mean loss of the batch over all dp ranks.
+        """
+        losses = []
+        for _ in range(self.gradient_accumulation_steps):
+            batch = self._to_device(next(data_iter))
+            output = self(**batch) if isinstance(batch, dict) else self(*batch)
+            loss = _loss_of(output)
+            self.backward(loss)
+            self.step()
+            losses.append(loss.detach().float())
+        mean = torch.stack(losses).mean()
+        group = self.mesh.dp_group
+        if group is not None and self.mesh.dp > 1:
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=group)
+        value = float(mean)
+        if self.global_steps % self.config.steps_per_print == 0 and self._is_rank0():
+            logger.info("step %d loss %.6f lr %s", self.global_steps, value, self.get_lr())
+        return value
+
+    def _to_device(self, batch):
+        if isinstance(batch, dict):
+            return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(v.to(self.device) if isinstance(v, torch.Tensor) else v for v in batch)
+        raise ConfigError(f"train_batch expects dicts or tuples from data_iter, got {type(batch).__name__}")
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        return self.train(False)
+
+    @staticmethod
+    def _is_rank0() -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    # -- state ---------------------------------------------------------------------------
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes of model state on this rank: params, gradients, master params, optimizer states."""
+        return self.optimizer.memory_report()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter by name, whole and in fp32 (collective over dp)."""
+        by_param = self.optimizer.full_fp32_params()
+        return {name: by_param[p] for name, p in self.module.named_parameters() if p in by_param}
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None) -> str:
+        """Write this rank's shard under ``save_dir/tag`` (default ``global_step{N}``); see checkpoint."""
+        return checkpoint.save(self, save_dir, tag)
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> str:
+        """Restore the state written by ``save_checkpoint`` (same mesh shape and stage)."""
+        return checkpoint.load(self, load_dir, tag)
+
+    def state_dict_for_checkpoint(self) -> dict:
+        return {
+            "zero": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "global_samples": self.global_samples,
+            "mesh": [self.mesh.pp, self.mesh.dp, self.mesh.tp],
+        }
+
+    def load_state_dict_from_checkpoint(self, state: dict) -> None:
+        mesh = [self.mesh.pp, self.mesh.dp, self.mesh.tp]
+        if list(state["mesh"]) != mesh:
+            raise ConfigError(
+                f"checkpoint was written on a pp x dp x tp mesh of {state['mesh']}; this run's mesh is {mesh}"
+            )
+        self.optimizer.load_state_dict(state["zero"])
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.global_samples = state["global_samples"]

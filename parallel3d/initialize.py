@@ -1,0 +1,180 @@
+"""``parallel3d.initialize``: validate the config, build the mesh, shard the model, return an engine.
+
+The order matters and is fixed: (1) validate everything that can be validated without
+talking to other ranks, so a bad config fails the same way on every rank before any
+collective; (2) build the pp x dp x tp mesh; (3) cast the model to its working precision;
+(4) hand the trainable parameters to ZeRO over the dp group (stage 3 also gets the model's
+repeated blocks as fetch units).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models import fetch_unit_modules
+from parallel3d.config import Zero3DConfig, load_config
+from parallel3d.engine import Engine
+from parallel3d.errors import ConfigError
+from parallel3d.lr_schedules import build_lr_scheduler
+from parallel3d.mesh import build_mesh, default_device, ensure_process_group
+from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
+
+logger = logging.getLogger(__name__)
+
+_TORCH_OPTIMIZERS = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW, "SGD": torch.optim.SGD}
+
+
+def _working_dtype(cfg: Zero3DConfig) -> torch.dtype:
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    if cfg.fp16.enabled:
+        return torch.float16
+    return torch.float32
+
+
+def _loss_scaler(cfg: Zero3DConfig) -> LossScaler:
+    fp16 = cfg.fp16
+    if not fp16.enabled:
+        return LossScaler(1.0)
+    if fp16.loss_scale:
+        return LossScaler(fp16.loss_scale)
+    return DynamicLossScaler(
+        initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_loss_scale=fp16.min_loss_scale,
+    )
+
+
+def _param_groups(model: nn.Module, model_parameters: Iterable | None) -> list[dict]:
+    """Torch-style param groups of trainable params (each param once, tied weights too)."""
+    if model_parameters is None:
+        items: list = [p for p in model.parameters() if p.requires_grad]
+    else:
+        items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        groups = [dict(g, params=[p for p in g["params"] if p.requires_grad]) for g in items]
+    else:
+        groups = [{"params": [p for p in items if p.requires_grad]}]
+    owned = {id(p) for p in model.parameters()}
+    seen: set[int] = set()
+    for g in groups:
+        for p in g["params"]:
+            if id(p) not in owned:
+                raise ConfigError("model_parameters holds a parameter that is not a parameter of the model")
+            if id(p) in seen:
+                raise ConfigError("model_parameters lists a parameter twice (in two param groups?)")
+            seen.add(id(p))
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ConfigError("the model has no trainable parameters (requires_grad=True)")
+    return groups
+
+
+def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """How to build the inner optimizer over master shards: from the argument or the config."""
+    if optimizer is not None and cfg.optimizer is not None:
+        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' section; give one")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls, defaults = type(optimizer), dict(optimizer.defaults)
+        by_param = {id(p): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups for p in g["params"]}
+        for g in groups:
+            g.update(by_param.get(id(g["params"][0]), {}))
+        return lambda inner_groups: cls(inner_groups, **defaults)
+    if callable(optimizer):
+        return optimizer
+    if optimizer is not None:
+        raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable(param_groups), got {type(optimizer).__name__}")
+    if cfg.optimizer is None:
+        raise ConfigError("no optimizer: add an 'optimizer' section to the config (type Adam, AdamW or SGD) or pass optimizer=")
+    cls = _TORCH_OPTIMIZERS[cfg.optimizer.torch_optimizer_class_name()]
+    kwargs = cfg.optimizer.torch_optimizer_kwargs()
+    return lambda inner_groups: cls(inner_groups, **kwargs)
+
+
+def _lr_scheduler(cfg: Zero3DConfig, lr_scheduler: Any, optimizer: ZeroOptimizer):
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one")
+    if lr_scheduler is not None:
+        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+    if cfg.scheduler is None:
+        return None
+    return build_lr_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.typed_params())
+
+
+def _dataloader(cfg: Zero3DConfig, mesh, training_data, collate_fn):
+    if training_data is None:
+        return None
+    sampler = torch.utils.data.DistributedSampler(
+        training_data, num_replicas=mesh.dp, rank=mesh.local_rank("dp"), shuffle=True, drop_last=True
+    )
+    return torch.utils.data.DataLoader(
+        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn, drop_last=True
+    )
+
+
+def initialize(
+    model: nn.Module,
+    config: Any,
+    model_parameters: Iterable | None = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    training_data: Any = None,
+    collate_fn: Callable | None = None,
+    device: torch.device | str | None = None,
+):
+    """Build a training engine for ``model`` from ``config`` (DeepSpeed JSON/YAML path or dict).
+
+    Returns ``(engine, optimizer, dataloader, lr_scheduler)`` like ``deepspeed.initialize``;
+    the dataloader is None without ``training_data``, the scheduler None without one.
+    Launch under torchrun (any world size) or as a plain single process.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    device = torch.device(device) if device is not None else default_device()
+    ensure_process_group(device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = load_config(config, world)
+    if cfg.tensor_parallel.size > 1 or cfg.pipeline.stages > 1:
+        raise ConfigError(
+            f"tensor_parallel.size {cfg.tensor_parallel.size} / pipeline.stages {cfg.pipeline.stages}: "
+            "tensor and pipeline parallelism are not implemented yet; both must be 1"
+        )
+    groups = _param_groups(model, model_parameters)
+    factory = _optimizer_factory(cfg, optimizer, groups)
+    mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device)
+    dtype = _working_dtype(cfg)
+    model.to(device)
+    trainable = {id(p) for g in groups for p in g["params"]}
+    for p in model.parameters():
+        if id(p) not in trainable and p.is_floating_point():
+            p.data = p.data.to(dtype)
+    z = cfg.zero_optimization
+    settings = ZeroSettings(
+        stage=z.stage,
+        overlap_comm=z.overlap_comm,
+        reduce_bucket_size=z.reduce_bucket_size,
+        prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+        param_persistence_threshold=z.stage3_param_persistence_threshold,
+        max_live_parameters=z.stage3_max_live_parameters,
+        gradient_clipping=cfg.gradient_clipping,
+    )
+    zero_opt = ZeroOptimizer(
+        groups,
+        factory,
+        mesh.dp_group,
+        settings,
+        dtype=dtype,
+        loss_scaler=_loss_scaler(cfg),
+        fetch_modules=fetch_unit_modules(model) if z.stage == 3 else (),
+    )
+    scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
+    engine = Engine(model, cfg, mesh, zero_opt, scheduler)
+    return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

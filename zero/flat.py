@@ -1,0 +1,129 @@
+"""Flat, padded, sharded storage for a group of parameters (a *unit*).
+
+A unit is the grain of every ZeRO collective: its parameters are laid end to end in one
+flat buffer, padded to a multiple of the data-parallel size, and rank ``r`` owns the
+contiguous slice ``[r * shard_size, (r + 1) * shard_size)``. A parameter may straddle two
+owners. Because every unit is padded on its own, each reduce-scatter and all-gather moves
+equal chunks (``reduce_scatter_tensor`` / ``all_gather_into_tensor``), and a bucket of
+gradients, a stage-3 fetch unit and an all-gather bucket are the same object.
+
+A *persistent* unit keeps its full working buffer alive (stages 0-2, and stage-3 params
+under the persistence threshold); a non-persistent unit keeps only its shard and
+materializes the full buffer while it is gathered (stage 3).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def empty_like_nothing(dtype: torch.dtype) -> torch.Tensor:
+    """A shared zero-element tensor that released stage-3 params point at."""
+    if dtype not in _EMPTY:
+        _EMPTY[dtype] = torch.empty(0, dtype=dtype)
+    return _EMPTY[dtype]
+
+
+class FlatUnit:
+    """A list of parameters stored as one padded flat buffer, sharded over ``world`` ranks.
+
+    Args:
+        params: the parameters, in layout order; their current ``.data`` is the initial value.
+        group_index: index of the optimizer param group they belong to.
+        dtype: working precision of the flat buffer (the params are converted to it).
+        rank, world: this rank's position in the sharding group (world 1 = unsharded).
+        persistent: keep the full buffer materialized (stages 0-2) or only the shard (stage 3).
+        device: where the buffers live.
+
+    ``master`` is the fp32 master shard: a copy taken *before* the conversion to ``dtype``
+    under mixed precision, an alias of the working shard (no extra bytes) under fp32.
+    """
+
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        group_index: int,
+        dtype: torch.dtype,
+        rank: int,
+        world: int,
+        persistent: bool,
+        device: torch.device,
+    ) -> None:
+        self.params = params
+        self.group_index = group_index
+        self.dtype = dtype
+        self.rank = rank
+        self.world = world
+        self.persistent = persistent
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+        self.padded = max(world, math.ceil(self.numel / world) * world)
+        self.shard_size = self.padded // world
+        self.device = device
+        self.full: torch.Tensor | None = None
+        self.shard: torch.Tensor = torch.empty(0, dtype=dtype, device=device)
+        self.master: torch.Tensor | None = None
+        self.grad_full: torch.Tensor | None = None  # stages 0-1: full flat gradient buffer
+        self.grad_shard: torch.Tensor | None = None  # the reduced gradients this rank owns
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        start = self.rank * self.shard_size
+        return start, start + self.shard_size
+
+    def flatten_current(self) -> torch.Tensor:
+        """A new padded fp32 flat copy of the params' current values (used once, at setup)."""
+        flat = torch.zeros(self.padded, dtype=torch.float32, device=self.device)
+        for p, off, n in zip(self.params, self.offsets, self.numels):
+            flat[off : off + n].copy_(p.data.reshape(-1))
+        return flat
+
+    def install(self, full_fp32: torch.Tensor) -> None:
+        """Take ``full_fp32`` (identical on all ranks) as the unit's value and lay out storage.
+
+        Creates the fp32 master shard (an alias of the working shard when ``dtype`` is fp32),
+        the working shard, and for persistent units the full buffer the params view into.
+        """
+        start, end = self.shard_range
+        if self.persistent:
+            self.full = full_fp32 if self.dtype == torch.float32 else full_fp32.to(self.dtype)
+            self.shard = self.full[start:end]
+            self.point_params_at(self.full)
+        else:
+            self.shard = full_fp32[start:end].to(self.dtype, copy=True)
+            self.release()
+        if self.dtype == torch.float32:
+            self.master = self.shard
+        else:
+            self.master = full_fp32[start:end].clone()
+
+    def point_params_at(self, full: torch.Tensor) -> None:
+        """Make each param's ``.data`` a view into ``full``."""
+        for p, off, n, shape in zip(self.params, self.offsets, self.numels, self.shapes):
+            p.data = full[off : off + n].view(shape)
+
+    def release(self) -> None:
+        """Drop the full buffer of a non-persistent unit; params become zero-element tensors."""
+        if self.persistent:
+            return
+        self.full = None
+        empty = empty_like_nothing(self.dtype)
+        for p in self.params:
+            p.data = empty
+
+    @property
+    def is_materialized(self) -> bool:
+        return self.full is not None
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-param views into a flat buffer of this unit's layout."""
+        return [flat[off : off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]

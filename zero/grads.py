@@ -1,0 +1,165 @@
+"""Gradient readiness hooks and bucketed, overlapped gradient reduction over data parallel.
+
+Stages 0 and 1 accumulate full gradients locally: each ``param.grad`` is a view into its
+unit's flat gradient buffer, autograd adds into it in place, and only the last micro-batch
+of an accumulation window communicates (stage 0 all-reduces the buffer, stage 1
+reduce-scatters it and keeps the owned slice). Stages 2 and 3 keep only the owned
+gradient shard: as each gradient arrives it is copied into the unit's staging buffer and
+dropped, and a full unit is reduce-scattered into the shard on every micro-batch.
+
+A unit's collective starts as soon as its last gradient arrives (hook order is the same on
+every rank, so collectives match up) and runs while backward goes on; ``finish_backward``
+launches units whose params got no gradient and waits for everything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero.flat import FlatUnit
+
+AVG = dist.ReduceOp.AVG
+
+
+class GradientReducer:
+    """Owns the gradient buffers of ``units`` and reduces them over ``group``.
+
+    Args:
+        units: the flat units (all share the group's rank/world).
+        group: the data-parallel process group.
+        stage: ZeRO stage 0-3.
+        overlap_comm: start each unit's collective asynchronously from the hook.
+        on_unit_reduced: called with a unit once its gradients are handed to the
+            collective (stage 3 releases the gathered params there).
+    """
+
+    def __init__(
+        self,
+        units: Sequence[FlatUnit],
+        group: dist.ProcessGroup | None,
+        stage: int,
+        overlap_comm: bool = True,
+        on_unit_reduced: Callable[[FlatUnit], None] | None = None,
+    ) -> None:
+        self.units = list(units)
+        self.group = group
+        self.stage = stage
+        self.overlap = overlap_comm
+        self.on_unit_reduced = on_unit_reduced
+        self.accumulate_full = stage <= 1
+        self.group_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.boundary = True
+        self._unit_index: dict[nn.Parameter, tuple[int, int]] = {}
+        self._pending: list[tuple[dist.Work | None, Callable[[], None] | None]] = []
+        self._ready = [0] * len(self.units)
+        self._launched = [False] * len(self.units)
+        self._staging: list[torch.Tensor | None] = [None] * len(self.units)
+        self._shard_fresh = [True] * len(self.units)
+        self._handles: list = []
+        for ui, unit in enumerate(self.units):
+            if self.accumulate_full:
+                unit.grad_full = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
+                unit.grad_shard = unit.grad_full[slice(*unit.shard_range)]
+            else:
+                unit.grad_shard = torch.zeros(unit.shard_size, dtype=unit.dtype, device=unit.device)
+            for pi, p in enumerate(unit.params):
+                self._unit_index[p] = (ui, pi)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self.install_grad_views()
+
+    def install_grad_views(self) -> None:
+        """Stages 0-1: point every ``param.grad`` at its slice of the unit's flat buffer."""
+        if not self.accumulate_full:
+            return
+        for unit in self.units:
+            for p, view in zip(unit.params, unit.views(unit.grad_full)):
+                p.grad = view
+
+    def start_backward(self, boundary: bool) -> None:
+        """Called before each backward: ``boundary`` marks the last micro-batch of a window."""
+        self.boundary = boundary
+        self._ready = [0] * len(self.units)
+        self._launched = [False] * len(self.units)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        ui, pi = self._unit_index[p]
+        unit = self.units[ui]
+        if self.accumulate_full:
+            if not self.boundary:
+                return
+        else:
+            staging = self._staging_for(ui)
+            off, n = unit.offsets[pi], unit.numels[pi]
+            staging[off : off + n].copy_(p.grad.reshape(-1))
+            p.grad = None
+        self._ready[ui] += 1
+        if self._ready[ui] == len(unit.params):
+            self._launch(ui)
+
+    def _staging_for(self, ui: int) -> torch.Tensor:
+        if self._staging[ui] is None:
+            unit = self.units[ui]
+            self._staging[ui] = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
+        return self._staging[ui]
+
+    def _launch(self, ui: int) -> None:
+        if self._launched[ui]:
+            return
+        self._launched[ui] = True
+        unit = self.units[ui]
+        work, finish = self._reduce(ui, unit)
+        self._pending.append((work, finish))
+        if not self.overlap:
+            self._drain()
+        if self.on_unit_reduced is not None:
+            self.on_unit_reduced(unit)
+
+    def _reduce(self, ui: int, unit: FlatUnit) -> tuple[dist.Work | None, Callable[[], None] | None]:
+        """Start the unit's collective; return its handle and what to do once it is done."""
+        if unit.world == 1:
+            if self.accumulate_full:
+                if self.group_size == 1:
+                    return None, None
+                return dist.all_reduce(unit.grad_full, op=AVG, group=self.group, async_op=True), None
+            staging, self._staging[ui] = self._staging[ui], None
+            return None, lambda: unit.grad_shard.add_(staging)
+        if self.accumulate_full:
+            received = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
+            work = dist.reduce_scatter_tensor(received, unit.grad_full, op=AVG, group=self.group, async_op=True)
+            return work, lambda: unit.grad_shard.copy_(received)
+        staging = self._staging_for(ui)
+        self._staging[ui] = None
+        if self._shard_fresh[ui]:
+            self._shard_fresh[ui] = False
+            work = dist.reduce_scatter_tensor(unit.grad_shard, staging, op=AVG, group=self.group, async_op=True)
+            return work, lambda: staging
+        received = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
+        work = dist.reduce_scatter_tensor(received, staging, op=AVG, group=self.group, async_op=True)
+        return work, lambda: (unit.grad_shard.add_(received), staging)
+
+    def _drain(self) -> None:
+        for work, finish in self._pending:
+            if work is not None:
+                work.wait()
+            if finish is not None:
+                finish()
+        self._pending.clear()
+
+    def finish_backward(self) -> None:
+        """After backward: reduce units whose params got no gradient, then wait for all."""
+        if self.accumulate_full and not self.boundary:
+            return
+        for ui in range(len(self.units)):
+            if not self._launched[ui]:
+                self._launch(ui)
+        self._drain()
+
+    def zero_grad(self) -> None:
+        for unit in self.units:
+            (unit.grad_full if self.accumulate_full else unit.grad_shard).zero_()
+        self._shard_fresh = [True] * len(self.units)
+        self.install_grad_views()

@@ -1,0 +1,290 @@
+"""The ZeRO optimizer: sharded fp32 master weights and optimizer states over one dp group.
+
+It knows nothing of tensor or pipeline parallelism beyond two things handed to it: the
+data-parallel group its shards live on, and the extra groups over which the squared
+gradient norm must also be summed (model-parallel ranks hold disjoint pieces).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero.flat import FlatUnit
+from zero.grads import GradientReducer
+from zero.loss_scaler import LossScaler
+from zero.partition import UnitLayout, bucketed_layout, fetch_unit_layout
+from zero.stage3 import ParamFetcher
+
+logger = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+@dataclass
+class ZeroSettings:
+    """The knobs of the ZeRO engine (DeepSpeed's ``zero_optimization`` section, resolved)."""
+
+    stage: int = 0
+    overlap_comm: bool = True
+    reduce_bucket_size: int = 500_000_000
+    prefetch_bucket_size: int = 50_000_000
+    param_persistence_threshold: int = 100_000
+    max_live_parameters: int = 1_000_000_000
+    gradient_clipping: float = 0.0
+
+
+class ZeroOptimizer:
+    """Shards master weights and optimizer states (1), gradients (2) and parameters (3).
+
+    Args:
+        param_groups: the trainable parameters, as torch-style groups (dicts with
+            ``params`` and per-group options such as ``lr`` or ``weight_decay``).
+        optimizer_factory: builds the inner ``torch.optim`` optimizer from groups of master
+            shards; its states are shard-sized by construction.
+        group: the data-parallel process group (None: the default group).
+        settings: stage, buckets, clipping.
+        dtype: working precision of the params (fp32, bf16 or fp16); masters are fp32.
+        loss_scaler: the fp16 loss scaler (a static scale of 1 otherwise).
+        fetch_modules: stage 3's fetch units (the model's repeated blocks).
+        norm_groups: further groups over which the squared grad norm is summed.
+    """
+
+    def __init__(
+        self,
+        param_groups: Sequence[dict],
+        optimizer_factory: OptimizerFactory,
+        group: dist.ProcessGroup | None,
+        settings: ZeroSettings,
+        dtype: torch.dtype = torch.float32,
+        loss_scaler: LossScaler | None = None,
+        fetch_modules: Iterable[nn.Module] = (),
+        norm_groups: Sequence[dist.ProcessGroup] = (),
+    ) -> None:
+        self.settings = settings
+        self.group = group
+        self.dtype = dtype
+        self.loss_scaler = loss_scaler or LossScaler()
+        self.norm_groups = list(norm_groups)
+        self.dp_world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
+        params = [list(g["params"]) for g in param_groups]
+        device = params[0][0].device
+        self.layout = self._layout(params, list(fetch_modules), device)
+        self.units = self.layout.units
+        self._install_values()
+        self.fetcher: ParamFetcher | None = None
+        if settings.stage == 3:
+            self.fetcher = ParamFetcher(
+                self.layout.module_units,
+                self.layout.root_units,
+                group,
+                prefetch_numel=settings.prefetch_bucket_size,
+                max_live_numel=settings.max_live_parameters,
+            )
+        self.reducer = GradientReducer(
+            self.units,
+            group,
+            settings.stage,
+            overlap_comm=settings.overlap_comm,
+            on_unit_reduced=self._release_after_reduce if self.fetcher else None,
+        )
+        self.masters = [nn.Parameter(u.master) for u in self.units]
+        inner_groups = []
+        for gi, g in enumerate(param_groups):
+            options = {k: v for k, v in g.items() if k != "params"}
+            inner_groups.append({"params": [m for m, u in zip(self.masters, self.units) if u.group_index == gi], **options})
+        self.inner = optimizer_factory(inner_groups)
+        self.last_grad_norm: float | None = None
+        self.skipped_steps = 0
+
+    def _layout(self, params: list[list[nn.Parameter]], fetch_modules: list[nn.Module], device) -> UnitLayout:
+        s = self.settings
+        world = 1 if s.stage == 0 else self.dp_world
+        rank = 0 if s.stage == 0 else self.dp_rank
+        if s.stage == 3:
+            return fetch_unit_layout(
+                params,
+                fetch_modules,
+                bucket_size=s.reduce_bucket_size,
+                persistence_threshold=s.param_persistence_threshold,
+                rank=rank,
+                world=world,
+                dtype=self.dtype,
+                device=device,
+            )
+        return bucketed_layout(params, bucket_size=s.reduce_bucket_size, rank=rank, world=world, dtype=self.dtype, device=device)
+
+    def _install_values(self) -> None:
+        """Broadcast initial values from dp rank 0 (so every replica starts equal) and shard them."""
+        src = dist.get_global_rank(self.group, 0) if self.dp_world > 1 and self.group is not None else 0
+        for unit in self.units:
+            full = unit.flatten_current()
+            if self.dp_world > 1:
+                dist.broadcast(full, src=src, group=self.group)
+            unit.install(full)
+
+    def _release_after_reduce(self, unit: FlatUnit) -> None:
+        if not unit.persistent and unit not in self.layout.root_units:
+            unit.release()
+
+    # -- the step ------------------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's groups: LR schedulers set ``lr`` here."""
+        return self.inner.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def start_backward(self, boundary: bool) -> None:
+        self.reducer.start_backward(boundary)
+
+    def finish_backward(self) -> None:
+        self.reducer.finish_backward()
+        if self.fetcher is not None:
+            self.fetcher.end_step_recording()
+            self.fetcher.release_all()
+
+    def gather_for_forward(self) -> None:
+        """Stage 3: materialize the root units before the model's forward."""
+        if self.fetcher is not None:
+            self.fetcher.gather_root()
+
+    def release_after_forward(self) -> None:
+        """Stage 3, forward without grad: drop the root units again."""
+        if self.fetcher is not None:
+            self.fetcher.release_all()
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        grads = []
+        for master, unit in zip(self.masters, self.units):
+            g = unit.grad_shard
+            master.grad = g if g.dtype == torch.float32 else g.float()
+            grads.append(master.grad)
+        return grads
+
+    def global_grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """L2 norm over all shards: local squares summed over dp (when sharded) and norm groups."""
+        device = grads[0].device if grads else torch.device("cpu")
+        squares = torch.zeros((), dtype=torch.float32, device=device)
+        if grads:
+            squares = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
+        if self.settings.stage > 0 and self.dp_world > 1:
+            dist.all_reduce(squares, group=self.group)
+        for g in self.norm_groups:
+            dist.all_reduce(squares, group=g)
+        return squares.sqrt()
+
+    def step(self) -> bool:
+        """Unscale, clip and apply the update at an accumulation boundary.
+
+        Returns False when the step was skipped because the gradients overflowed.
+        """
+        grads = self._master_grads()
+        scale = self.loss_scaler.scale
+        if scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        clip = self.settings.gradient_clipping
+        overflow = False
+        if clip > 0 or self.loss_scaler.dynamic or self.dtype == torch.float16:
+            norm = self.global_grad_norm(grads)
+            self.last_grad_norm = float(norm)
+            overflow = not torch.isfinite(norm).item()
+            if clip > 0 and not overflow:
+                coef = (clip / (norm + 1e-6)).clamp(max=1.0)
+                torch._foreach_mul_(grads, coef)
+        self.loss_scaler.update(overflow)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self.inner.step()
+            self.publish_params()
+        self.zero_grad()
+        return not overflow
+
+    def publish_params(self) -> None:
+        """Copy updated masters into the working params; all-gather persistent shards."""
+        works = []
+        for unit in self.units:
+            if unit.master is not unit.shard:
+                unit.shard.copy_(unit.master)
+            if unit.persistent and unit.world > 1:
+                works.append(dist.all_gather_into_tensor(unit.full, unit.shard, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradient buffers (the flat views stay installed)."""
+        for master in self.masters:
+            master.grad = None
+        self.reducer.zero_grad()
+
+    # -- state ---------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the training state (masters, inner optimizer, loss scaler)."""
+        return {
+            "stage": self.settings.stage,
+            "dp_world": self.dp_world,
+            "masters": [m.detach().clone() for m in self.masters],
+            "inner": self.inner.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["stage"] != self.settings.stage or state["dp_world"] != self.dp_world:
+            raise ValueError(
+                f"checkpoint was written with ZeRO stage {state['stage']} on data-parallel size "
+                f"{state['dp_world']}; this engine runs stage {self.settings.stage} on {self.dp_world}"
+            )
+        with torch.no_grad():
+            for master, saved in zip(self.masters, state["masters"], strict=True):
+                master.copy_(saved)
+        self.inner.load_state_dict(state["inner"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+        self.skipped_steps = state["skipped_steps"]
+        self.publish_params()
+
+    def full_fp32_params(self) -> dict[nn.Parameter, torch.Tensor]:
+        """Every trainable parameter, whole, in fp32 from the masters (a collective over dp)."""
+        out: dict[nn.Parameter, torch.Tensor] = {}
+        for unit in self.units:
+            full = unit.master.new_empty(unit.padded)
+            if unit.world > 1:
+                dist.all_gather_into_tensor(full, unit.master.detach(), group=self.group)
+            else:
+                full.copy_(unit.master.detach())
+            for p, view in zip(unit.params, unit.views(full)):
+                out[p] = view.clone()
+        return out
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for each kind of model state (steady state, between steps).
+
+        Under fp32 the master shard *is* the working shard (one tensor), so ``master_params``
+        is 0 there: its bytes are already counted in ``params``.
+        """
+
+        def nbytes(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        report = {"params": 0, "gradients": 0, "master_params": 0, "optimizer_states": 0}
+        for unit in self.units:
+            report["params"] += nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
+            report["gradients"] += nbytes(unit.grad_full) if self.reducer.accumulate_full else nbytes(unit.grad_shard)
+            if unit.master is not unit.shard:
+                report["master_params"] += nbytes(unit.master)
+        for state in self.inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    report["optimizer_states"] += nbytes(value)
+        return report
