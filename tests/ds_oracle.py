@@ -61,6 +61,23 @@ def _prepare_config(config: dict, micro_batches: list) -> dict:
     return cfg
 
 
+def _forget_cached_groups() -> None:
+    """Drop the process groups DeepSpeed caches in module globals.
+
+    The test harness destroys every sub-group after each call, so a group DeepSpeed cached
+    during an earlier call is dead by the next one; DeepSpeed recreates them on demand.
+    """
+    from deepspeed.utils import groups
+
+    groups._WORLD_GROUP = None
+    groups._DATA_PARALLEL_GROUP = None
+    groups._MODEL_PARALLEL_GROUP = None
+    groups._TENSOR_MODEL_PARALLEL_GROUP = None
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    for cache in (groups._EXPERT_PARALLEL_GROUP, groups._EXPERT_DATA_PARALLEL_GROUP, groups._ALL_TO_ALL_GROUP):
+        cache.clear()
+
+
 def make_engine(model: torch.nn.Module, config: dict, micro_batches: list):
     """deepspeed.initialize on a deepcopy of `model` inside the existing group."""
     if not dist.is_initialized():
@@ -69,6 +86,7 @@ def make_engine(model: torch.nn.Module, config: dict, micro_batches: list):
     if bad:
         raise ValueError(f"dropout > 0 makes DeepSpeed incomparable with torch: {bad[:3]}")
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    _forget_cached_groups()
     engine, _, _, _ = deepspeed.initialize(model=copy.deepcopy(model),
                                            config=_prepare_config(config, micro_batches))
     return engine

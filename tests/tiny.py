@@ -60,7 +60,7 @@ def rank_micro_batches(data: torch.Tensor, dp_rank: int) -> list[dict]:
     return [{"input_ids": data[s, a, dp_rank], "labels": data[s, a, dp_rank]} for s in range(steps) for a in range(gas)]
 
 
-def ds_config(stage: int, gas: int, dp: int, clip: float = 1.0, lr: float = 1e-3, **zero) -> dict:
+def ds_config(stage: int, gas: int, dp: int, clip: float = 0.5, lr: float = 1e-3, **zero) -> dict:
     """A DeepSpeed-style config for the parity runs."""
     return {
         "train_batch_size": MICRO * gas * dp,
@@ -73,7 +73,7 @@ def ds_config(stage: int, gas: int, dp: int, clip: float = 1.0, lr: float = 1e-3
     }
 
 
-def oracle_run(kind: str, data: torch.Tensor, clip: float = 1.0, lr: float = 1e-3) -> tuple[list[float], dict[str, torch.Tensor]]:
+def oracle_run(kind: str, data: torch.Tensor, clip: float = 0.5, lr: float = 1e-3) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW over the global batch: per-step mean losses and final params."""
     model = make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
