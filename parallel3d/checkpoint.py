@@ -1,6 +1,8 @@
 """Sharded checkpoints: one file per rank, written atomically, loaded without pickled code.
 
-Layout: ``save_dir/<tag>/rank<R>.pt`` plus ``save_dir/latest`` naming the newest tag. Each
+Layout: ``save_dir/<tag>/rank<R>.pt`` (with the unit layout, so the fp32 weights can be
+reassembled without an engine), ``save_dir/<tag>/config.json`` (the HF model config, when
+the model has one) and ``save_dir/latest`` naming the newest tag. Each
 rank writes into ``save_dir/.<tag>.tmp``; after a barrier rank 0 renames the directory to
 its final name and only then updates ``latest``, so a crash mid-save leaves the previous
 checkpoint whole. Files hold only tensors and plain Python values and are read with
@@ -43,8 +45,8 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save(engine, save_dir: str | os.PathLike, tag: str | None = None) -> str:
-    """Save ``engine``'s state; returns the tag written."""
+def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict) -> str:
+    """Save ``engine``'s state and ``client_state``; returns the tag written."""
     tag = tag or f"global_step{engine.global_steps}"
     root = Path(save_dir)
     tmp, final = root / f".{tag}.tmp", root / tag
@@ -54,7 +56,11 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None = None) -> str:
     _barrier()
     state = engine.state_dict_for_checkpoint()
     state["rng"] = _rng_state()
+    state["client_state"] = client_state
     torch.save(state, tmp / f"rank{_rank()}.pt")
+    hf_config = getattr(engine.module, "config", None)
+    if _rank() == 0 and hasattr(hf_config, "to_json_file"):
+        hf_config.to_json_file(tmp / "config.json")
     _barrier()
     if _rank() == 0:
         if final.exists():
@@ -86,8 +92,8 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
     return path
 
 
-def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> str:
-    """Restore ``engine`` from ``load_dir``; returns the tag read."""
+def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[str, dict]:
+    """Restore ``engine`` from ``load_dir``; returns the checkpoint path and the client state."""
     path = resolve_tag(load_dir, tag)
     file = path / f"rank{_rank()}.pt"
     try:
@@ -98,4 +104,4 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> str:
         raise ConfigError(f"checkpoint file {file} is unreadable: {exc}") from exc
     engine.load_state_dict_from_checkpoint(state)
     _set_rng_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state["rng"].items()})
-    return path.name
+    return str(path), state.get("client_state", {})

@@ -151,16 +151,40 @@ class Engine:
         by_param = self.optimizer.full_fp32_params()
         return {name: by_param[p] for name, p in self.module.named_parameters() if p in by_param}
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None) -> str:
-        """Write this rank's shard under ``save_dir/tag`` (default ``global_step{N}``); see checkpoint."""
-        return checkpoint.save(self, save_dir, tag)
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+        """Write this rank's shard under ``save_dir/tag`` (default ``global_step{N}``).
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> str:
-        """Restore the state written by ``save_checkpoint`` (same mesh shape and stage)."""
+        ``client_state`` (plain values and tensors) is stored with it and handed back by
+        ``load_checkpoint``, as in DeepSpeed. Returns the tag.
+        """
+        return checkpoint.save(self, save_dir, tag, client_state or {})
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+        """Restore the state written by ``save_checkpoint`` (same mesh shape and stage).
+
+        Returns ``(checkpoint_path, client_state)`` like DeepSpeed.
+        """
         return checkpoint.load(self, load_dir, tag)
+
+    def checkpoint_layout(self) -> list[dict]:
+        """Where each parameter lives in this rank's master shards (for export without the engine)."""
+        names = {p: n for n, p in self.module.named_parameters()}
+        return [
+            {
+                "names": [names[p] for p in unit.params],
+                "shapes": [list(s) for s in unit.shapes],
+                "offsets": list(unit.offsets),
+                "padded": unit.padded,
+                "shard_size": unit.shard_size,
+                "rank": unit.rank,
+                "world": unit.world,
+            }
+            for unit in self.optimizer.units
+        ]
 
     def state_dict_for_checkpoint(self) -> dict:
         return {
+            "layout": self.checkpoint_layout(),
             "zero": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "global_steps": self.global_steps,
