@@ -21,11 +21,13 @@ STEPS, GAS = 5, 2
 RTOL = 1e-5
 
 
-def train_ranks(kind: str, stage: int, dp: int, zero_extra: dict) -> tuple[list[float], dict]:
+def train_ranks(kind: str, stage: int, dp: int, zero_extra: dict, checkpointing: bool = False) -> tuple[list[float], dict]:
     """On every rank: train STEPS steps through the DeepSpeed-style loop; return losses and params."""
     import parallel3d
 
     model = make_model(kind)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     engine, _, _, _ = parallel3d.initialize(model=model, config=ds_config(stage, GAS, dp, **zero_extra))
     rank = torch.distributed.get_rank()
     batches = rank_micro_batches(token_batches(STEPS, GAS, dp), rank)
@@ -71,6 +73,16 @@ def test_matches_single_process(dist, kind, stage, dp, extra):
         assert rank_losses == pytest.approx(want_losses, rel=RTOL)
         err, name = max_rel_param_error(params, want_params)
         assert err < RTOL, f"{name} differs by {err:.2e} (relative to its largest entry)"
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_hf_activation_checkpointing(dist, stage):
+    """Blocks re-run forward inside backward; stage 3 must keep them gathered for it."""
+    results = dist.run(2, train_ranks, "llama", stage, 2, {"stage3_param_persistence_threshold": 0}, True)
+    want_losses, want_params = oracle("llama", 2)
+    for losses, params in results:
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        assert max_rel_param_error(params, want_params)[0] < RTOL
 
 
 def test_train_batch_equals_manual_loop(dist):

@@ -128,6 +128,10 @@ class ParamFetcher:
         self._prefetch_after(mi, +1)
 
     def _post_forward(self, mi: int, module: nn.Module, args, output):
+        if torch._C._current_graph_task_id() != -1:
+            # A forward re-run inside backward (activation checkpointing): its backward
+            # follows at once and needs the params, which the reducer releases afterwards.
+            return output
         units = self.module_units[mi][1]
         self.release(units)
         if torch.is_grad_enabled():
