@@ -83,11 +83,13 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' section; give one")
     if isinstance(optimizer, torch.optim.Optimizer):
-        cls, defaults = type(optimizer), dict(optimizer.defaults)
-        by_param = {id(p): {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups for p in g["params"]}
+        # Rebuild the same class over the master shards; every group carries all of its
+        # options (torch fills the defaults into each group), so no constructor kwargs.
+        cls = type(optimizer)
         for g in groups:
-            g.update(by_param.get(id(g["params"][0]), {}))
-        return lambda inner_groups: cls(inner_groups, **defaults)
+            for key, value in optimizer.defaults.items():
+                g.setdefault(key, value)
+        return lambda inner_groups: cls(inner_groups)
     if callable(optimizer):
         return optimizer
     if optimizer is not None:
@@ -103,20 +105,23 @@ def _lr_scheduler(cfg: Zero3DConfig, lr_scheduler: Any, optimizer: ZeroOptimizer
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one")
     if lr_scheduler is not None:
-        return lr_scheduler(optimizer) if callable(lr_scheduler) and not hasattr(lr_scheduler, "step") else lr_scheduler
+        if hasattr(lr_scheduler, "step"):
+            return lr_scheduler
+        # torch's schedulers insist on a torch.optim.Optimizer: hand them the inner one,
+        # whose param_groups are the engine's, so the lr they set is the lr used.
+        return lr_scheduler(optimizer.inner)
     if cfg.scheduler is None:
         return None
     return build_lr_scheduler(optimizer, cfg.scheduler.type, cfg.scheduler.typed_params())
 
 
 def _dataloader(cfg: Zero3DConfig, mesh, training_data, collate_fn):
+    """DeepSpeed's default loader: shuffled, sharded over dp only, micro-batch sized."""
     if training_data is None:
         return None
-    sampler = torch.utils.data.DistributedSampler(
-        training_data, num_replicas=mesh.dp, rank=mesh.local_rank("dp"), shuffle=True, drop_last=True
-    )
+    sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=mesh.dp, rank=mesh.local_rank("dp"))
     return torch.utils.data.DataLoader(
-        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn, drop_last=True
+        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
     )
 
 
@@ -147,6 +152,8 @@ def initialize(
             f"tensor_parallel.size {cfg.tensor_parallel.size} / pipeline.stages {cfg.pipeline.stages}: "
             "tensor and pipeline parallelism are not implemented yet; both must be 1"
         )
+    if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
+        model_parameters = optimizer.param_groups  # a client optimizer names its params
     groups = _param_groups(model, model_parameters)
     factory = _optimizer_factory(cfg, optimizer, groups)
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device)

@@ -1,0 +1,78 @@
+"""The rest of the engine surface: dataloader, client optimizers and schedulers, step counting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
+
+
+def _dataloader_shards():
+    import parallel3d
+
+    data = torch.arange(40).reshape(20, 2)
+    engine, _, loader, _ = parallel3d.initialize(
+        model=make_model("llama"), config=ds_config(1, 1, 2), training_data=torch.utils.data.TensorDataset(data)
+    )
+    rows = [r for (batch,) in loader for r in batch[:, 0].tolist()]
+    return rows, [len(b) for (b,) in loader]
+
+
+def test_dataloader_shards_over_dp(dist):
+    (rows0, sizes0), (rows1, sizes1) = dist.run(2, _dataloader_shards)
+    assert sizes0 == sizes1 == [2] * 5  # micro-batch 2, 20 samples over 2 ranks
+    assert sorted(rows0 + rows1) == list(range(0, 40, 2))  # disjoint and complete
+
+
+def _client_optimizer_and_scheduler(kind: str):
+    import parallel3d
+
+    model = make_model("llama")
+    config = ds_config(2, 2, 1)
+    del config["optimizer"]
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "instance":
+        optimizer = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95))
+        sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (s + 1))  # noqa: E731
+        engine, opt, _, lr_sched = parallel3d.initialize(model=model, config=config, optimizer=optimizer, lr_scheduler=sched)
+    else:
+        factory = lambda gs: torch.optim.AdamW(gs, lr=1e-3, betas=(0.9, 0.95))  # noqa: E731
+        engine, opt, _, lr_sched = parallel3d.initialize(model=model, config=config, model_parameters=groups, optimizer=factory)
+    batches = iter(rank_micro_batches(token_batches(3, 2, 1), 0))
+    lrs = []
+    for _ in range(3):
+        engine.train_batch(batches)
+        lrs.append(engine.get_lr())
+    return [g["weight_decay"] for g in opt.param_groups], lrs, engine.global_steps, engine.micro_steps
+
+
+def test_client_optimizer_instance_keeps_groups_and_scheduler():
+    wd, lrs, steps, micro = _client_optimizer_and_scheduler("instance")
+    assert wd == [0.1, 0.0]
+    assert lrs == [[pytest.approx(1e-3 / (s + 2))] * 2 for s in range(3)]
+    assert (steps, micro) == (3, 6)
+
+
+def test_client_optimizer_factory_with_model_parameters():
+    wd, lrs, steps, _ = _client_optimizer_and_scheduler("factory")
+    assert wd == [0.1, 0.0]
+    assert lrs == [[1e-3, 1e-3]] * 3 and steps == 3
+
+
+def test_step_only_at_accumulation_boundary():
+    import parallel3d
+
+    engine, opt, _, _ = parallel3d.initialize(model=make_model("llama"), config=ds_config(1, 2, 1))
+    before = {n: p.clone() for n, p in engine.full_parameters().items()}
+    mb = rank_micro_batches(token_batches(1, 2, 1), 0)
+    engine.backward(engine(**mb[0]).loss)
+    engine.step()
+    assert engine.global_steps == 0
+    assert all(torch.equal(before[n], p) for n, p in engine.full_parameters().items())
+    engine.backward(engine(**mb[1]).loss)
+    engine.step()
+    assert engine.global_steps == 1
+    assert not all(torch.equal(before[n], p) for n, p in engine.full_parameters().items())
