@@ -37,6 +37,8 @@ class GradientReducer:
             collective (stage 3 releases the gathered params there).
     """
 
+    MAX_IN_FLIGHT = 2
+
     def __init__(
         self,
         units: Sequence[FlatUnit],
@@ -113,8 +115,9 @@ class GradientReducer:
         unit = self.units[ui]
         work, finish = self._reduce(ui, unit)
         self._pending.append((work, finish))
-        if not self.overlap:
-            self._drain()
+        # Overlap at most MAX_IN_FLIGHT units: each in-flight unit holds a full-size
+        # staging buffer (stages 2-3), so an unbounded queue would hold every gradient.
+        self._drain(keep=self.MAX_IN_FLIGHT if self.overlap else 0)
         if self.on_unit_reduced is not None:
             self.on_unit_reduced(unit)
 
@@ -141,13 +144,14 @@ class GradientReducer:
         work = dist.reduce_scatter_tensor(received, staging, op=AVG, group=self.group, async_op=True)
         return work, lambda: (unit.grad_shard.add_(received), staging)
 
-    def _drain(self) -> None:
-        for work, finish in self._pending:
+    def _drain(self, keep: int = 0) -> None:
+        """Complete the oldest pending collectives until at most ``keep`` remain."""
+        while len(self._pending) > keep:
+            work, finish = self._pending.pop(0)
             if work is not None:
                 work.wait()
             if finish is not None:
                 finish()
-        self._pending.clear()
 
     def finish_backward(self) -> None:
         """After backward: reduce units whose params got no gradient, then wait for all."""
