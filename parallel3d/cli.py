@@ -1,0 +1,116 @@
+"""The ``zero3d`` command: ``train``, ``launch``, ``export``, ``plot``.
+
+    zero3d train [CONFIG] [--nproc-per-node N] [--print-config] [key.sub=value ...]
+    zero3d launch ...   (parallel3d.launcher)    zero3d export ...   (parallel3d.export)
+    zero3d plot ...     (parallel3d.plot)
+
+``zero3d train`` validates the whole job and prepares its tokenizer and packed data in this
+process, so bad input stops here with one message, then starts N local workers through
+torchrun (`parallel3d.launcher.run_local`) running ``parallel3d.job.run``. With N = 1 it
+trains in this process. For several machines use
+``zero3d launch --hostfile hosts -m parallel3d.job.run CONFIG key=value ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from parallel3d.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_DISPATCH = {
+    "launch": ("parallel3d.launcher", "run a training script on one or many nodes through torchrun"),
+    "export": ("parallel3d.export", "write a checkpoint as a Hugging Face from_pretrained() directory"),
+    "plot": ("parallel3d.plot", "draw a run's loss and validation curves as a PNG"),
+}
+
+USAGE = """zero3d <command> [args]
+
+commands:
+  train    train a Hugging Face causal LM from a job config (no config: the built-in default)
+{others}
+'zero3d <command> --help' describes each."""
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zero3d train", allow_abbrev=False,
+        description="Train a Hugging Face causal LM from a job config (YAML/JSON). Without CONFIG, the built-in "
+                    "default: a small Llama on the CPython documentation, 2 local CPU processes, ZeRO stage 2.",
+        epilog="overrides: key.sub=value, typed like YAML scalars, e.g. train.max_steps=200 "
+               "engine.zero_optimization.stage=3 data.seq_len=256")
+    p.add_argument("config", nargs="?", help="job config file (.yaml/.yml/.json); default: the built-in quickstart")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
+    p.add_argument("--nproc-per-node", type=int, help="local worker processes (default: train.nproc_per_node)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved job config and exit")
+    return p
+
+
+def train_main(argv: Sequence[str]) -> int:
+    """``zero3d train``: validate and prepare here, then train in N local workers."""
+    from parallel3d.job import run as job_run
+
+    args = train_parser().parse_intermixed_args(list(argv))
+    positional = ([args.config] if args.config else []) + list(args.overrides)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if "WORLD_SIZE" in os.environ:  # already a torchrun worker: be one
+        return job_run.main(positional)
+    job_run.setup_logging(0)
+    try:
+        config, overrides = job_run.split_args(positional)
+        from parallel3d.job.config import load_job_config
+
+        job = load_job_config(config, overrides)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="")
+            return 0
+        nproc = args.nproc_per_node or job.train.nproc_per_node
+        if nproc < 1:
+            raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+        from parallel3d.job.prepare import prepare
+
+        prep = prepare(job, nproc)
+        if nproc == 1:
+            from parallel3d.job.trainer import train
+
+            train(prep)
+            return 0
+    except ConfigError as exc:
+        print(f"zero3d train: error: {exc}", file=sys.stderr)
+        return 2
+    from parallel3d.launcher import run_local
+
+    logger.info("starting %d local workers", nproc)
+    return run_local(["parallel3d.job.run", *positional], nproc, module=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``zero3d`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    others = "\n".join(f"  {name:<8} {text}" for name, (_, text) in _DISPATCH.items())
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE.format(others=others))
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        try:
+            return train_main(rest)
+        except SystemExit as exc:  # argparse: --help or a usage error, already printed
+            return int(exc.code or 0)
+    if command in _DISPATCH:
+        module = importlib.import_module(_DISPATCH[command][0])
+        return int(module.main(rest) or 0)
+    print(f"zero3d: unknown command {command!r}\n\n" + USAGE.format(others=others), file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

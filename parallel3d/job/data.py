@@ -1,0 +1,181 @@
+"""Data: documents through `datasets`, a held-out validation split, tokenization and packing.
+
+    docs = load_documents(job)                      # {"train": Dataset, "validation": Dataset | None}
+    blocks = pack_documents(docs, tokenizer, job)   # same splits, one column input_ids of seq_len ids
+
+Tokenization is ``map(batched=True)``; packing concatenates each batch of tokenized
+documents with EOS after every document and cuts fixed blocks of ``seq_len`` (the tail of
+each map batch that does not fill a block is dropped, as in HF's run_clm). Packed blocks are
+cached (see `parallel3d.job.cache`) by a hash of the corpus identity (files, sizes, mtimes),
+the split settings, the tokenizer and seq_len, so workers and later runs load them memory-mapped.
+The training order is not decided here: see `parallel3d.job.sampler`.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from itertools import chain
+from pathlib import Path
+
+from parallel3d.errors import ConfigError
+from parallel3d.job.cache import cached_dir, key_of
+from parallel3d.job.config import JobConfig
+from parallel3d.job.corpus import pydoc_documents, pydoc_identity
+
+logger = logging.getLogger(__name__)
+
+MAP_BATCH = 1000
+
+
+def _files_of(spec, key: str) -> list[str]:
+    """Existing local files of one data_files entry (paths or globs); ConfigError if one is missing."""
+    out = []
+    for pattern in [spec] if isinstance(spec, str) else spec:
+        if "://" in pattern:
+            raise ConfigError(f'{key}: "{pattern}" is a URL; zero3d train reads local files only')
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True)) if glob.has_magic(pattern) else (
+            [os.path.expanduser(pattern)] if Path(os.path.expanduser(pattern)).exists() else [])
+        if not matches:
+            kind = "matches no file" if glob.has_magic(pattern) else "does not exist"
+            raise ConfigError(f'{key}: "{pattern}" {kind} (relative paths are read from {os.getcwd()})')
+        out.extend(matches)
+    return out
+
+
+def _stat(path: str) -> list:
+    paths = [path] if os.path.isfile(path) else sorted(str(p) for p in Path(path).rglob("*") if p.is_file())
+    return [[os.path.abspath(p), os.path.getsize(p), os.stat(p).st_mtime_ns] for p in paths]
+
+
+def _raw_dataset(job: JobConfig):
+    """(DatasetDict of the source, identity for cache keys)."""
+    import datasets
+
+    d = job.data
+    source = d.source
+    if source == "pydoc":
+        ds = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": pydoc_documents()})})
+        return ds, {"source": "pydoc", **pydoc_identity()}, "text"
+    if source == "disk":
+        if not Path(d.path).exists():
+            raise ConfigError(f'data.path: "{d.path}" does not exist')
+        try:
+            ds = datasets.load_from_disk(d.path)
+        except (FileNotFoundError, ValueError) as exc:
+            raise ConfigError(f'data.path: "{d.path}" is not a dataset saved with save_to_disk: {exc}') from None
+        if isinstance(ds, datasets.Dataset):
+            ds = datasets.DatasetDict({d.train_split: ds})
+        return ds, {"source": "disk", "files": _stat(d.path)}, d.text_column
+    if isinstance(d.data_files, dict):
+        files = {split: _files_of(spec, f"data.data_files.{split}") for split, spec in d.data_files.items()}
+        stats = {split: [s for f in fs for s in _stat(f)] for split, fs in files.items()}
+    else:
+        files = _files_of(d.data_files, "data.data_files")
+        stats = [s for f in files for s in _stat(f)]
+    try:
+        ds = datasets.load_dataset(source, data_files=files)
+    except Exception as exc:  # datasets raises many kinds for unreadable files
+        raise ConfigError(f"data.data_files: the {source} builder cannot read {d.data_files}: {exc}") from None
+    return ds, {"source": source, "files": stats}, d.text_column
+
+
+def load_documents(job: JobConfig) -> tuple[dict, dict]:
+    """The train and validation documents (only the text column) and the corpus identity."""
+    import datasets
+
+    d = job.data
+    ds, identity, column = _raw_dataset(job)
+    splits = list(ds)
+    if d.train_split not in ds:
+        raise ConfigError(f'data.train_split: "{d.train_split}" is not a split of the dataset (splits: {", ".join(splits)})')
+    if d.validation_split is not None and d.validation_split not in ds:
+        raise ConfigError(f'data.validation_split: "{d.validation_split}" is not a split of the dataset '
+                          f'(splits: {", ".join(splits)})')
+    train = ds[d.train_split]
+    if column not in train.column_names:
+        raise ConfigError(f'data.text_column: "{column}" is not a column of the dataset '
+                          f'(columns: {", ".join(train.column_names)})')
+    feature = train.features[column]
+    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+        raise ConfigError(f'data.text_column: column "{column}" holds {feature}, not text')
+    if len(train) == 0:
+        raise ConfigError(f'data: the "{d.train_split}" split has no documents')
+    train = train.select_columns([column])
+    validation = None
+    if d.validation_split is not None:
+        validation = ds[d.validation_split].select_columns([column])
+    elif d.validation_fraction > 0:
+        n_val = round(len(train) * d.validation_fraction)
+        if n_val < 1 or n_val >= len(train):
+            raise ConfigError(f"data.validation_fraction: {d.validation_fraction} of {len(train)} documents holds "
+                              f"out {n_val}; need at least 1 and fewer than all")
+        split = train.train_test_split(test_size=n_val, seed=job.train.seed, shuffle=True)
+        train, validation = split["train"], split["test"]
+    identity = {**identity, "text_column": column, "train_split": d.train_split,
+                "validation_split": d.validation_split, "validation_fraction": d.validation_fraction,
+                "seed": job.train.seed if d.validation_split is None and d.validation_fraction > 0 else None}
+    return {"train": train, "validation": validation, "column": column}, identity
+
+
+def iter_texts(dataset, column: str):
+    """Texts of a Dataset, streamed in batches."""
+    for batch in dataset.iter(batch_size=MAP_BATCH):
+        yield from (t for t in batch[column] if t)
+
+
+def tokenizer_key(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(sorted(tokenizer.get_vocab().items()))
+    return key_of({"tokenizer": text, "eos": tokenizer.eos_token_id})
+
+
+def _tokenize_and_pack(dataset, column: str, tokenizer, seq_len: int, num_proc, fingerprint: str):
+    eos = tokenizer.eos_token_id
+
+    def tokenize(batch):
+        texts = [t or "" for t in batch[column]]
+        ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        return {"input_ids": [x + [eos] for x in ids]}
+
+    def pack(batch):
+        flat = list(chain.from_iterable(batch["input_ids"]))
+        n = len(flat) // seq_len * seq_len
+        return {"input_ids": [flat[i : i + seq_len] for i in range(0, n, seq_len)]}
+
+    tokens = dataset.map(tokenize, batched=True, batch_size=MAP_BATCH, remove_columns=dataset.column_names,
+                         num_proc=num_proc, new_fingerprint=f"{fingerprint}-tok", desc="tokenize")
+    n_tokens = sum(len(x) for b in tokens.iter(batch_size=MAP_BATCH) for x in b["input_ids"])
+    blocks = tokens.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=tokens.column_names,
+                        num_proc=num_proc, new_fingerprint=f"{fingerprint}-pack", desc="pack")
+    return blocks, {"documents": len(dataset), "tokens": n_tokens, "blocks": len(blocks)}
+
+
+def pack_documents(docs: dict, identity: dict, tokenizer, job: JobConfig) -> tuple[dict, dict]:
+    """Packed blocks {"train": Dataset, "validation": Dataset | None} (cached) and their stats."""
+    import datasets
+
+    seq_len = job.data.seq_len
+    key = key_of({"packed": 1, "corpus": identity, "tokenizer": tokenizer_key(tokenizer), "seq_len": seq_len})
+    stats: dict = {}
+
+    def build(tmp: Path) -> None:
+        logger.info("tokenizing and packing %d training documents into blocks of %d tokens", len(docs["train"]), seq_len)
+        out = {}
+        for split in ("train", "validation"):
+            if docs[split] is not None:
+                out[split], stats[split] = _tokenize_and_pack(docs[split], docs["column"], tokenizer, seq_len,
+                                                              job.data.num_proc, f"{key}-{split}")
+        datasets.DatasetDict(out).save_to_disk(str(tmp))
+        (tmp / "stats.json").write_text(json.dumps(stats))
+
+    path = cached_dir("packed", key, build)
+    stats = json.loads((path / "stats.json").read_text())
+    packed = datasets.load_from_disk(str(path))
+    blocks = {"train": packed["train"], "validation": packed["validation"] if "validation" in packed else None}
+    if len(blocks["train"]) == 0:
+        raise ConfigError(f"data.seq_len: the training split ({stats['train']['tokens']} tokens) does not fill "
+                          f"one block of {seq_len} tokens")
+    return blocks, stats

@@ -1,0 +1,112 @@
+"""The model of a job: an HF config (random init) or a local pretrained directory.
+
+Everything that can be checked without weights is checked in `hf_config`: unknown config
+overrides (transformers would keep them silently), ``seq_len`` against the model's context.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from pathlib import Path
+
+import torch
+
+from parallel3d.errors import ConfigError
+from parallel3d.job.config import JobConfig
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def hf_config(job: JobConfig):
+    """The HF config of the job's model, with overrides applied and checked, without weights."""
+    from transformers import AutoConfig
+
+    m = job.model
+    if m.path is not None:
+        if not (Path(m.path) / "config.json").is_file():
+            raise ConfigError(f'model.path: "{m.path}" is not a local model directory (no config.json)')
+        try:
+            config = AutoConfig.from_pretrained(m.path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f'model.path: "{m.path}" has a config transformers cannot read: {exc}') from None
+    else:
+        default = AutoConfig.for_model(m.model_type)
+        try:
+            config = AutoConfig.for_model(m.model_type, **m.config)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"model.config: transformers refuses these overrides for {m.model_type}: {exc}") from None
+        known = [*default.to_dict(), *getattr(default, "attribute_map", {})]
+        for key in sorted(set(config.to_dict()) - set(default.to_dict())):
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f"; did you mean 'model.config.{near[0]}'?" if near else ""
+            raise ConfigError(f"unknown config key 'model.config.{key}': {type(default).__name__} has no such field{hint}")
+    max_pos = getattr(config, "max_position_embeddings", None)
+    seq_len = job.data.seq_len
+    if isinstance(max_pos, int) and seq_len > max_pos:
+        where = "model.config.max_position_embeddings" if m.path is None else f"{m.path}/config.json"
+        raise ConfigError(f"data.seq_len: {seq_len} is above the model's max_position_embeddings {max_pos} "
+                          f"({where}); lower data.seq_len or raise max_position_embeddings")
+    return config
+
+
+def fit_to_tokenizer(job: JobConfig, config, tokenizer) -> None:
+    """Vocabulary size and special token ids of ``config`` from the tokenizer (random init),
+    or a check that a pretrained model's embedding covers the tokenizer."""
+    n_tokens = len(tokenizer)
+    if job.model.path is None:
+        given = job.model.config.get("vocab_size")
+        if given is None:
+            config.vocab_size = n_tokens
+        elif given < n_tokens:
+            raise ConfigError(f"model.config.vocab_size: {given} is smaller than the tokenizer's {n_tokens} tokens")
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if name not in job.model.config:
+                setattr(config, name, getattr(tokenizer, name))
+    elif config.vocab_size < n_tokens:
+        raise ConfigError(f"model.path: the model's vocab_size {config.vocab_size} is smaller than the "
+                          f"tokenizer's {n_tokens} tokens")
+
+
+def check_dtype(job: JobConfig, precision: str) -> None:
+    """model.dtype must be "auto" or the engine's working precision (fp32/bf16/fp16)."""
+    engine_dtype = PRECISION_DTYPE[precision]
+    if job.model.dtype not in ("auto", engine_dtype):
+        raise ConfigError(f'model.dtype: "{job.model.dtype}" disagrees with the engine\'s working precision '
+                          f"{engine_dtype} (engine bf16/fp16 sections); use \"auto\" or enable the matching "
+                          "engine section")
+
+
+def build_model(job: JobConfig, config, precision: str, log: bool = True) -> torch.nn.Module:
+    """The model: random init from ``config`` (fp32; the engine casts it), or loaded from model.path."""
+    from transformers import AutoModelForCausalLM
+
+    m = job.model
+    kwargs = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
+    try:
+        if m.path is None:
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        else:
+            dtype = DTYPES[PRECISION_DTYPE[precision]]
+            model = AutoModelForCausalLM.from_pretrained(m.path, config=config, local_files_only=True, dtype=dtype, **kwargs)
+    except ValueError as exc:
+        if "attn_implementation" in str(exc):
+            raise ConfigError(f'model.attn_implementation: "{m.attn_implementation}" is not supported here: {exc}') from None
+        raise ConfigError(f"model: transformers cannot build the model: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f'model.path: "{m.path}" has no weights transformers can load: {exc}') from None
+    if log:
+        n = sum(p.numel() for p in model.parameters())
+        logger.info("model: %s, %.2fM parameters", type(model).__name__, n / 1e6)
+    return model
+
+
+def check_buildable(job: JobConfig, config) -> None:
+    """Build the model on the meta device (no memory, no weights) to surface errors before launch."""
+    if job.model.path is not None:
+        return
+    with torch.device("meta"):
+        build_model(job, config, "fp32", log=False)

@@ -1,0 +1,120 @@
+"""Worker entry point of ``zero3d train``: ``python -m parallel3d.job.run [CONFIG] [key=value ...]``.
+
+`zero3d train` starts this module under torchrun on each local process; it also runs as a
+plain single process, or under ``zero3d launch -m parallel3d.job.run CONFIG`` on many nodes.
+The first process of each node prepares the tokenizer and packed data (cached) while the
+others wait, then they load them from the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from parallel3d.errors import ConfigError
+from parallel3d.job.config import JobConfig, load_job_config
+from parallel3d.job.metrics import TqdmHandler
+from parallel3d.job.prepare import Prepared, prepare
+
+logger = logging.getLogger(__name__)
+
+
+class ReportedElsewhere(ConfigError):
+    """A ConfigError another rank has already printed."""
+
+
+def setup_logging(rank: int) -> None:
+    """INFO on rank 0 (through tqdm, so the bar stays whole), warnings elsewhere; quiet libraries."""
+    handler = TqdmHandler()
+    prefix = "" if rank == 0 else f"[rank {rank}] "
+    handler.setFormatter(logging.Formatter(f"{prefix}%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    for noisy in ("transformers", "datasets", "httpx", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # the engine calls torch.distributed's *_tensor collectives, deprecated in torch 2.13
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    try:
+        import datasets
+        import transformers
+
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def _agree(message: str | None) -> None:
+    """Raise on every rank if any rank failed (so none waits in a collective for a dead peer)."""
+    messages: list = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    failed = next((m for m in messages if m is not None), None)
+    if failed is not None:
+        raise (ConfigError if message is not None else ReportedElsewhere)(message or failed)
+
+
+def prepare_all_ranks(job: JobConfig, world_size: int) -> Prepared:
+    """`prepare` on the first process of each node, then (cache hits) on the others."""
+    if not dist.is_initialized():
+        return prepare(job, world_size)
+    first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    prep, error = None, None
+    for turn in (True, False):
+        if first == turn:
+            try:
+                prep = prepare(job, world_size)
+            except ConfigError as exc:
+                error = str(exc)
+        _agree(error)
+    return prep
+
+
+def run_job(job: JobConfig) -> dict:
+    """Join the job's process group (torchrun's environment), prepare, train; returns the summary."""
+    from parallel3d.job.trainer import train
+    from parallel3d.mesh import default_device, ensure_process_group
+
+    ensure_process_group(default_device())
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return train(prepare_all_ranks(job, world))
+
+
+def split_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """[CONFIG] [key=value ...] -> (config path or None, overrides)."""
+    config, overrides = None, []
+    for arg in argv:
+        if "=" in arg and not os.path.isfile(arg):
+            overrides.append(arg)
+        elif config is None:
+            config = arg
+        else:
+            raise ConfigError(f"unexpected argument {arg!r}: give one config file and key.sub=value overrides")
+    return config, overrides
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(rank)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        config, overrides = split_args(sys.argv[1:] if argv is None else argv)
+        run_job(load_job_config(config, overrides))
+    except ReportedElsewhere:
+        return 2
+    except ConfigError as exc:
+        print(f"zero3d train: error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
