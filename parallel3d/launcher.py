@@ -28,6 +28,7 @@ from parallel3d.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29500
+SSH = ["ssh", "-o", "BatchMode=yes"]  # no password prompts: fail fast when keys are not set up
 # Environment variables forwarded to remote nodes over ssh (prefix match), like DeepSpeed's
 # EXPORT_ENVS: the worker needs the same Python path, thread and communication settings.
 EXPORT_PREFIXES = ("PYTHON", "OMP_", "NCCL_", "GLOO_", "TORCH_", "CUDA_", "HF_", "TRANSFORMERS_", "DS_", "ZERO3D_")
@@ -212,15 +213,12 @@ def expand_nodelist(nodelist: str) -> list[str]:
     return names
 
 
-@dataclass(frozen=True)
-class SlurmInfo:
-    hosts: list[str]
-    node_rank: int
-    job_id: str
+def slurm_info(env: Mapping[str, str]) -> tuple[list[str], int] | None:
+    """Node list and this node's rank from ``SLURM_*`` (the step's values when inside srun).
 
-
-def slurm_info(env: Mapping[str, str]) -> SlurmInfo | None:
-    """Node list and this node's rank from ``SLURM_*`` (the step's values when inside srun)."""
+    One ``zero3d launch`` must run per node (``srun --ntasks-per-node=1 zero3d launch ...``);
+    each then starts only its own node's torchrun.
+    """
     if "SLURM_JOB_ID" not in env:
         return None
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
@@ -231,7 +229,7 @@ def slurm_info(env: Mapping[str, str]) -> SlurmInfo | None:
     if nnodes and int(nnodes) != len(hosts):
         raise ConfigError(f"Slurm says {nnodes} nodes but its nodelist {nodelist!r} has {len(hosts)}")
     node_rank = int(env.get("SLURM_NODEID") or env.get("SLURM_PROCID") or 0)
-    return SlurmInfo(hosts, node_rank, env["SLURM_JOB_ID"])
+    return hosts, node_rank
 
 
 # -- plan: what runs where -----------------------------------------------------------------
@@ -268,7 +266,7 @@ def build_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         if args.nproc_per_node is not None and args.nproc_per_node > slots:
             raise ConfigError(f"--nproc-per-node {args.nproc_per_node} exceeds the hostfile's slots={slots}")
     elif slurm is not None:
-        hosts = filter_hosts([Host(h, args.nproc_per_node or 1) for h in slurm.hosts], args.include, args.exclude)
+        hosts = filter_hosts([Host(h, args.nproc_per_node or 1) for h in slurm[0]], args.include, args.exclude)
     elif args.include or args.exclude:
         raise ConfigError("--include/--exclude need a --hostfile (or a Slurm allocation)")
     nproc = args.nproc_per_node or (hosts[0].nproc if hosts else 1)
@@ -294,7 +292,7 @@ def build_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
     if args.node_rank is not None:
         own = args.node_rank
     elif slurm is not None:
-        own, source = slurm.node_rank, "SLURM_NODEID"
+        own, source = slurm[1], "SLURM_NODEID"
     elif nnodes > 1 and args.hostfile:
         return Plan(nodes, "ssh", None)
     else:
@@ -312,8 +310,8 @@ def ssh_command(node: NodeCommand, env: Mapping[str, str], cwd: str) -> list[str
     if "OMP_NUM_THREADS" not in exports:  # split the remote node's cores among its workers
         n = node.argv[node.argv.index("--nproc-per-node") + 1]
         assigns.append(f'OMP_NUM_THREADS="$(( $(nproc) / {n} > 1 ? $(nproc) / {n} : 1 ))"')
-    remote = f"cd {shlex.quote(cwd)} && env {' '.join(assigns)} {shlex.join(node.argv)}"
-    return ["ssh", "-o", "BatchMode=yes", node.host, remote]
+    remote = f"cd {shlex.quote(cwd)} && exec env {' '.join(assigns)} {shlex.join(node.argv)}"
+    return [*SSH, node.host, remote]
 
 
 def _run_ssh(plan: Plan, env: Mapping[str, str]) -> int:

@@ -94,7 +94,7 @@ def test_hostfile_ssh_dry_run(tmp_path, capsys, monkeypatch):
     for rank, (host, ssh) in enumerate(out.items()):
         assert ssh[:4] == ["ssh", "-o", "BatchMode=yes", host]
         remote = ssh[4]
-        assert remote.startswith(f"cd {shlex.quote(str(Path.cwd()))} && env ")
+        assert remote.startswith(f"cd {shlex.quote(str(Path.cwd()))} && exec env ")
         assert "OMP_NUM_THREADS=" in remote
         inner = shlex.split(remote[remote.index(sys.executable):])
         assert inner == torchrun_command(["train.py", "--config", "ds.json"], nproc_per_node=2, nnodes=2,
@@ -193,3 +193,31 @@ def test_real_local_run(tmp_path, monkeypatch):
         total, threads = (tmp_path / f"r{r}").read_text().split()
         assert float(total) == 3.0 and int(threads) >= 1
     assert launcher.run_local([str(script), str(tmp_path), "3"], 2) != 0
+
+
+def test_ssh_runner_starts_every_node(tmp_path, monkeypatch):
+    """The ssh runner for real, with ssh replaced by a local shell: two 'nodes' on this machine
+    rendezvous through node 0 (nnodes=2); when one node fails, the others are stopped."""
+    monkeypatch.setattr(launcher, "ssh_command", _local_shell(launcher.ssh_command))
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, sys, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "if dist.get_rank() == int(sys.argv[2]): sys.exit(3)\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+        "open(os.path.join(sys.argv[1], f'r{dist.get_rank()}'), 'w').write(str(t.item()))\n")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = str(launcher.free_port())
+    assert main(["--hostfile", str(hosts), "--master-port", port, str(script), str(tmp_path), "-1"]) == 0
+    assert [(tmp_path / f"r{r}").read_text() for r in range(2)] == ["2.0", "2.0"]
+    port = str(launcher.free_port())
+    assert main(["--hostfile", str(hosts), "--master-port", port, str(script), str(tmp_path), "1"]) != 0
+
+
+def _local_shell(ssh_command):
+    def command(node, env, cwd):
+        argv = ssh_command(node, env, cwd)
+        return ["sh", "-c", argv[-1]]  # drop the host: run the remote command here
+    return command
