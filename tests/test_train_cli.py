@@ -1,0 +1,129 @@
+"""`zero3d train` end to end: the real CLI on 2 processes (loss falls, checkpoints, keep-last,
+tokenizer, metrics), resume equality on the shared gloo harness, and bad input at the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from parallel3d import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tiny_job(output_dir: Path, **train) -> dict:
+    """A job that trains in seconds: a 2-layer Llama on the bundled corpus, 512-token BPE, 32-token blocks."""
+    return {
+        "model": {"model_type": "llama", "config": {
+            "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 64}},
+        "tokenizer": {"vocab_size": 512},
+        "data": {"builder": "pydoc", "seq_len": 32, "validation_fraction": 0.05},
+        "engine": {
+            "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_type": "linear"}},
+            "zero_optimization": {"stage": 2}},
+        "train": {"max_steps": 12, "eval_interval": 4, "eval_batches": 4, "save_interval": 4, "keep_last": 2,
+                  "output_dir": str(output_dir), "seed": 3, "progress": True, **train},
+    }
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zero3d-cache")
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_zero3d_train_two_processes_end_to_end(tmp_path, cache_dir):
+    run = tmp_path / "run"
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_job(run)))
+    env = dict(os.environ, ZERO3D_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(config), "--nproc-per-node", "2",
+                           "train.max_steps=12"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = read_metrics(run)
+    assert [r["step"] for r in records] == list(range(13))
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(vals) == 4 and vals[-1] < vals[0] - 0.5, vals  # step 0, 4, 8, 12
+    losses = [r["loss"] for r in records[1:]]
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert all(r["tokens_per_s"] > 0 and r["memory_mib"] > 0 for r in records[1:])
+    assert records[-1]["tokens"] == 12 * 4 * 2 * 2 * 32  # steps x micro x accumulation x dp x seq_len
+    ckpts = run / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["global_step12", "global_step8", "latest"]  # keep_last 2
+    assert (ckpts / "latest").read_text() == "global_step12"
+    assert sorted(p.name for p in (ckpts / "global_step12").iterdir()) == ["config.json", "rank0.pt", "rank1.pt"]
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(str(run / "tokenizer"))) == 512
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 12 and summary["last_val_loss"] == vals[-1] and summary["world_size"] == 2
+    assert "val loss" in proc.stderr and "train:" in proc.stderr  # summary and progress bar (rank 0)
+    assert proc.stderr.count("summary:") == 1
+
+
+def _train_in_workers(job: dict, cache: str) -> list[dict]:
+    os.environ["ZERO3D_CACHE"] = cache
+    from parallel3d.job.config import load_job_config
+    from parallel3d.job.run import run_job
+
+    return run_job(load_job_config(job))["records"]
+
+
+def test_resumed_run_continues_exactly_as_the_uninterrupted_one(dist, tmp_path, cache_dir):
+    def job(run, steps, **train):
+        j = tiny_job(run, max_steps=steps, save_interval=3, keep_last=5, eval_interval=3, progress=False, **train)
+        j["engine"]["zero_optimization"]["stage"] = 3
+        return j
+
+    full = dist.run(2, _train_in_workers, job(tmp_path / "a", 6), str(cache_dir))[0]
+    first = dist.run(2, _train_in_workers, job(tmp_path / "b", 3), str(cache_dir))[0]
+    second = dist.run(2, _train_in_workers, job(tmp_path / "b", 6, resume=True), str(cache_dir))[0]
+    assert [r["step"] for r in first] == [0, 1, 2, 3] and [r["step"] for r in second] == [4, 5, 6]
+
+    def numbers(records):
+        return [(r["step"], r.get("loss"), r.get("val_loss"), r.get("lr"), r.get("tokens")) for r in records]
+
+    assert numbers(first + second) == numbers(full)  # bit-identical losses, val losses, lrs
+    assert numbers(read_metrics(tmp_path / "b")) == numbers(read_metrics(tmp_path / "a"))  # one history
+    auto = dist.run(2, _train_in_workers, job(tmp_path / "b", 6, resume="auto"), str(cache_dir))[0]
+    assert auto == []  # already at max_steps: nothing to train
+
+
+def test_cli_bad_input_is_one_message_before_launch(tmp_path, capsys):
+    config = tmp_path / "bad.yaml"
+    job = tiny_job(tmp_path / "run")
+    job["data"] = {"builder": "text", "data_files": str(tmp_path / "missing.txt"), "seq_len": 32}
+    config.write_text(yaml.safe_dump(job))
+    assert cli.main(["train", str(config), "--nproc-per-node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f'zero3d train: error: data.data_files: "{tmp_path / "missing.txt"}" does not exist' in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
+    assert cli.main(["train", str(config), "train.max_stepz=3"]) == 2
+    assert "did you mean 'train.max_steps'?" in capsys.readouterr().err
+
+
+def test_cli_print_config_and_dispatch(capsys, monkeypatch):
+    assert cli.main(["train", "--print-config", "train.max_steps=9", "engine.zero_optimization.stage=3"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["train"]["max_steps"] == 9 and printed["engine"]["zero_optimization"]["stage"] == 3
+    assert printed["model"]["model_type"] == "llama"  # the built-in default
+    seen = {}
+    for name, (module_name, _) in cli._DISPATCH.items():
+        module = __import__(module_name, fromlist=["main"])
+        monkeypatch.setattr(module, "main", lambda argv, name=name: seen.setdefault(name, list(argv)) and 0)
+    assert cli.main(["launch", "--dry-run", "x.py"]) == 0 and seen["launch"] == ["--dry-run", "x.py"]
+    assert cli.main(["export", "a", "b"]) == 0 and seen["export"] == ["a", "b"]
+    assert cli.main(["plot", "runs/x"]) == 0 and seen["plot"] == ["runs/x"]
+    assert cli.main(["bogus"]) == 2
