@@ -194,14 +194,37 @@ class Engine:
         }
 
     def load_state_dict_from_checkpoint(self, state: dict) -> None:
+        """Restore from a checkpoint's rank state; refuse, before changing anything, one that does not fit."""
         mesh = [self.mesh.pp, self.mesh.dp, self.mesh.tp]
         if list(state["mesh"]) != mesh:
             raise ConfigError(
                 f"checkpoint was written on a pp x dp x tp mesh of {state['mesh']}; this run's mesh is {mesh}"
             )
+        saved_stage, stage = state["zero"]["stage"], self.optimizer.settings.stage
+        if saved_stage != stage:
+            raise ConfigError(
+                f"checkpoint was written with ZeRO stage {saved_stage} on data-parallel size "
+                f"{state['zero']['dp_world']}; this engine runs stage {stage} on {self.mesh.dp}"
+            )
+        self._check_layout(state["layout"])
         self.optimizer.load_state_dict(state["zero"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
         self.global_samples = state["global_samples"]
+
+    def _check_layout(self, saved: list[dict]) -> None:
+        ours = self.checkpoint_layout()
+        if saved == ours:
+            return
+        if len(saved) != len(ours):
+            where = f"it has {len(saved)} parameter units, this engine {len(ours)}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(saved, ours)) if a != b)
+            where = f"unit {i} holds {saved[i]['names'][:3]}... there and {ours[i]['names'][:3]}... here"
+        raise ConfigError(
+            f"checkpoint's parameter layout differs from this engine's ({where}); the model, "
+            "zero_optimization.reduce_bucket_size and stage3_param_persistence_threshold must be "
+            "the ones the checkpoint was written with"
+        )

@@ -102,8 +102,6 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
 
 
 def _lr_scheduler(cfg: Zero3DConfig, lr_scheduler: Any, optimizer: ZeroOptimizer):
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one")
     if lr_scheduler is not None:
         if hasattr(lr_scheduler, "step"):
             return lr_scheduler
@@ -156,6 +154,8 @@ def initialize(
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     groups = _param_groups(model, model_parameters)
     factory = _optimizer_factory(cfg, optimizer, groups)
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one")
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device)
     dtype = _working_dtype(cfg)
     model.to(device)
