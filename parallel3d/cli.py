@@ -52,6 +52,14 @@ def train_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _steps_done(prep) -> int | None:
+    """The step of the checkpoint the job resumes from (from its default tag), if any."""
+    import re
+
+    match = re.fullmatch(r"global_step(\d+)", prep.resume_from.name) if prep.resume_from is not None else None
+    return int(match[1]) if match else None
+
+
 def train_main(argv: Sequence[str]) -> int:
     """``zero3d train``: validate and prepare here, then train in N local workers."""
     from parallel3d.job import run as job_run
@@ -78,6 +86,11 @@ def train_main(argv: Sequence[str]) -> int:
         from parallel3d.job.prepare import prepare
 
         prep = prepare(job, nproc)
+        done = _steps_done(prep)
+        if done is not None and done >= prep.total_steps:
+            logger.info("nothing to train: %s is at step %d and the job asks for %d steps; raise train.max_steps "
+                        "(or train.epochs) to continue it", prep.resume_from, done, prep.total_steps)
+            return 0
         if nproc == 1:
             from parallel3d.job.trainer import train
 
