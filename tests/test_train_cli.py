@@ -127,3 +127,49 @@ def test_cli_print_config_and_dispatch(capsys, monkeypatch):
     assert cli.main(["export", "a", "b"]) == 0 and seen["export"] == ["a", "b"]
     assert cli.main(["plot", "runs/x"]) == 0 and seen["plot"] == ["runs/x"]
     assert cli.main(["bogus"]) == 2
+
+
+def _error_in_workers(job: dict) -> tuple[str, str]:
+    from parallel3d import ConfigError
+    from parallel3d.job.config import load_job_config
+    from parallel3d.job.run import run_job
+
+    try:
+        run_job(load_job_config(job))
+    except ConfigError as exc:
+        return type(exc).__name__, str(exc)
+    return "no error", ""
+
+
+def test_worker_bad_input_stops_every_rank_and_one_reports_it(dist, tmp_path):
+    job = tiny_job(tmp_path / "run")
+    job["data"] = {"builder": "json", "data_files": str(tmp_path / "gone.jsonl"), "seq_len": 32}
+    (rank0_kind, rank0_msg), (rank1_kind, rank1_msg) = dist.run(2, _error_in_workers, job)
+    assert rank0_kind == "ConfigError" and rank1_kind == "ReportedElsewhere"  # rank 1 stays quiet
+    assert rank0_msg == rank1_msg and "data.data_files" in rank0_msg and "does not exist" in rank0_msg
+
+
+def test_tensorboard_events_when_tensorboard_is_importable(tmp_path, monkeypatch):
+    import types
+
+    from parallel3d.job.metrics import Metrics
+
+    scalars = []
+
+    class FakeWriter:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def add_scalar(self, key, value, step):
+            scalars.append((key, value, step))
+
+        def close(self):
+            scalars.append("closed")
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
+    metrics = Metrics(tmp_path, active=True, total_steps=2, start_step=0, progress=False)
+    metrics.log({"step": 0, "val_loss": 5.0})
+    metrics.log({"step": 1, "loss": 4.0, "lr": 0.1})
+    metrics.close()
+    assert scalars == [("val_loss", 5.0, 0), ("loss", 4.0, 1), ("lr", 0.1, 1), "closed"]
+    assert read_metrics(tmp_path) == [{"step": 0, "val_loss": 5.0}, {"step": 1, "loss": 4.0, "lr": 0.1}]

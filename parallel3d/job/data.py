@@ -138,7 +138,7 @@ def _tokenize_and_pack(dataset, column: str, tokenizer, seq_len: int, num_proc, 
     def tokenize(batch):
         texts = [t or "" for t in batch[column]]
         ids = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        return {"input_ids": [x + [eos] for x in ids]}
+        return {"input_ids": [x + [eos] for x in ids], "n": [len(x) + 1 for x in ids]}
 
     def pack(batch):
         flat = list(chain.from_iterable(batch["input_ids"]))
@@ -147,7 +147,7 @@ def _tokenize_and_pack(dataset, column: str, tokenizer, seq_len: int, num_proc, 
 
     tokens = dataset.map(tokenize, batched=True, batch_size=MAP_BATCH, remove_columns=dataset.column_names,
                          num_proc=num_proc, new_fingerprint=f"{fingerprint}-tok", desc="tokenize")
-    n_tokens = sum(len(x) for b in tokens.iter(batch_size=MAP_BATCH) for x in b["input_ids"])
+    n_tokens = int(tokens.with_format("numpy")["n"].sum()) if len(tokens) else 0
     blocks = tokens.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=tokens.column_names,
                         num_proc=num_proc, new_fingerprint=f"{fingerprint}-pack", desc="pack")
     return blocks, {"documents": len(dataset), "tokens": n_tokens, "blocks": len(blocks)}
