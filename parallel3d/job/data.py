@@ -147,7 +147,7 @@ def _tokenize_and_pack(dataset, column: str, tokenizer, seq_len: int, num_proc, 
 
     tokens = dataset.map(tokenize, batched=True, batch_size=MAP_BATCH, remove_columns=dataset.column_names,
                          num_proc=num_proc, new_fingerprint=f"{fingerprint}-tok", desc="tokenize")
-    n_tokens = int(tokens.with_format("numpy")["n"].sum()) if len(tokens) else 0
+    n_tokens = int(tokens.data.column("n").to_numpy().sum()) if len(tokens) else 0
     blocks = tokens.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=tokens.column_names,
                         num_proc=num_proc, new_fingerprint=f"{fingerprint}-pack", desc="pack")
     return blocks, {"documents": len(dataset), "tokens": n_tokens, "blocks": len(blocks)}
