@@ -21,7 +21,7 @@ QUICKSTART: dict = {
         "dtype": "auto",
     },
     "tokenizer": {"vocab_size": 4096},
-    "data": {"builder": "pydoc", "seq_len": 128, "validation_fraction": 0.05},
+    "data": {"builder": "pydoc", "seq_len": 128, "validation_fraction": 0.1},
     "engine": {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": 1,
