@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero.comm import reduce_scatter
 from zero.flat import FlatUnit
 
 AVG = dist.ReduceOp.AVG
@@ -132,16 +133,16 @@ class GradientReducer:
             return None, lambda: unit.grad_shard.add_(staging)
         if self.accumulate_full:
             received = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
-            work = dist.reduce_scatter_tensor(received, unit.grad_full, op=AVG, group=self.group, async_op=True)
+            work = reduce_scatter(received, unit.grad_full, op=AVG, group=self.group, async_op=True)
             return work, lambda: unit.grad_shard.copy_(received)
         staging = self._staging_for(ui)
         self._staging[ui] = None
         if self._shard_fresh[ui]:
             self._shard_fresh[ui] = False
-            work = dist.reduce_scatter_tensor(unit.grad_shard, staging, op=AVG, group=self.group, async_op=True)
+            work = reduce_scatter(unit.grad_shard, staging, op=AVG, group=self.group, async_op=True)
             return work, lambda: staging
         received = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
-        work = dist.reduce_scatter_tensor(received, staging, op=AVG, group=self.group, async_op=True)
+        work = reduce_scatter(received, staging, op=AVG, group=self.group, async_op=True)
         return work, lambda: (unit.grad_shard.add_(received), staging)
 
     def _drain(self, keep: int = 0) -> None:

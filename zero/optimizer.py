@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero.comm import all_gather
 from zero.flat import FlatUnit
 from zero.grads import GradientReducer
 from zero.loss_scaler import LossScaler
@@ -217,7 +218,7 @@ class ZeroOptimizer:
             if unit.master is not unit.shard:
                 unit.shard.copy_(unit.master)
             if unit.persistent and unit.world > 1:
-                works.append(dist.all_gather_into_tensor(unit.full, unit.shard, group=self.group, async_op=True))
+                works.append(all_gather(unit.full, unit.shard, group=self.group, async_op=True))
         for w in works:
             w.wait()
 
@@ -260,7 +261,7 @@ class ZeroOptimizer:
         for unit in self.units:
             full = unit.master.new_empty(unit.padded)
             if unit.world > 1:
-                dist.all_gather_into_tensor(full, unit.master.detach(), group=self.group)
+                all_gather(full, unit.master.detach(), group=self.group)
             else:
                 full.copy_(unit.master.detach())
             for p, view in zip(unit.params, unit.views(full)):

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from zero.comm import all_gather
 from zero.flat import FlatUnit
 
 
@@ -73,7 +74,7 @@ class ParamFetcher:
             unit.point_params_at(unit.shard)
             return
         full = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
-        work = dist.all_gather_into_tensor(full, unit.shard, group=self.group, async_op=True)
+        work = all_gather(full, unit.shard, group=self.group, async_op=True)
         self._in_flight[id(unit)] = (work, full)
 
     def gather(self, units: Sequence[FlatUnit]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -38,8 +37,6 @@ def setup_logging(rank: int) -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    # the engine calls torch.distributed's *_tensor collectives, deprecated in torch 2.13
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     try:
         import datasets
         import transformers
