@@ -60,6 +60,7 @@ class FlatUnit:
         self.rank = rank
         self.world = world
         self.persistent = persistent
+        self.model_parallel = False  # split across a tensor-parallel group (for the grad norm)
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [0]

@@ -53,7 +53,12 @@ class ZeroOptimizer:
         dtype: working precision of the params (fp32, bf16 or fp16); masters are fp32.
         loss_scaler: the fp16 loss scaler (a static scale of 1 otherwise).
         fetch_modules: stage 3's fetch units (the model's repeated blocks).
-        norm_groups: further groups over which the squared grad norm is summed.
+        model_parallel_params: params split across a model-parallel (tensor) group: each
+            rank holds a different piece, so their squared grad norms are also summed over
+            ``model_parallel_group``; all other params are replicated there and counted once.
+        model_parallel_group: the tensor-parallel group of ``model_parallel_params``.
+        norm_groups: groups over which the whole squared norm is also summed (pipeline
+            stages hold disjoint params).
     """
 
     def __init__(
@@ -65,6 +70,8 @@ class ZeroOptimizer:
         dtype: torch.dtype = torch.float32,
         loss_scaler: LossScaler | None = None,
         fetch_modules: Iterable[nn.Module] = (),
+        model_parallel_params: Iterable[nn.Parameter] = (),
+        model_parallel_group: dist.ProcessGroup | None = None,
         norm_groups: Sequence[dist.ProcessGroup] = (),
     ) -> None:
         self.settings = settings
@@ -74,10 +81,21 @@ class ZeroOptimizer:
         self.norm_groups = list(norm_groups)
         self.dp_world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
-        params = [list(g["params"]) for g in param_groups]
+        self.model_parallel_group = model_parallel_group
+        # Units never mix split and replicated params, so the norm can weigh each unit.
+        split = {id(p) for p in model_parallel_params}
+        params, origin = [], []
+        for gi, g in enumerate(param_groups):
+            for is_split in (False, True):
+                ps = [p for p in g["params"] if (id(p) in split) == is_split]
+                if ps:
+                    params.append(ps)
+                    origin.append((gi, is_split))
         device = params[0][0].device
         self.layout = self._layout(params, list(fetch_modules), device)
         self.units = self.layout.units
+        for unit in self.units:
+            unit.group_index, unit.model_parallel = origin[unit.group_index]
         self._install_values()
         self.fetcher: ParamFetcher | None = None
         if settings.stage == 3:
@@ -173,16 +191,26 @@ class ZeroOptimizer:
         return grads
 
     def global_grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """L2 norm over all shards: local squares summed over dp (when sharded) and norm groups."""
-        device = grads[0].device if grads else torch.device("cpu")
-        squares = torch.zeros((), dtype=torch.float32, device=device)
+        """L2 norm of the whole model's gradient, from this rank's shards.
+
+        Squares of [replicated, model-parallel] units are summed over dp when sharded (the
+        shards are disjoint), the model-parallel part also over the model-parallel group
+        (its pieces are disjoint, the replicated params are the same on every rank there),
+        then everything over the norm groups.
+        """
+        squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
         if grads:
-            squares = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
+            per_unit = torch.stack(torch._foreach_norm(grads)).pow(2)
+            split = torch.tensor([u.model_parallel for u in self.units], device=per_unit.device)
+            squares = torch.stack([per_unit[~split].sum(), per_unit[split].sum()])
         if self.settings.stage > 0 and self.dp_world > 1:
             dist.all_reduce(squares, group=self.group)
+        if self.model_parallel_group is not None:
+            dist.all_reduce(squares[1:], group=self.model_parallel_group)
+        total = squares.sum()
         for g in self.norm_groups:
-            dist.all_reduce(squares, group=g)
-        return squares.sqrt()
+            dist.all_reduce(total, group=g)
+        return total.sqrt()
 
     def step(self) -> bool:
         """Unscale, clip and apply the update at an accumulation boundary.
