@@ -4,7 +4,9 @@ The simulator is also the table's proof of correctness. It walks every rank's li
 and raises :class:`ScheduleError` if an action runs before its data exists (a forward before
 the previous stage's forward reached this rank, a backward before the next stage's gradient, a W
 before its B), if an action repeats, if a send or receive has no partner, or if the ranks
-deadlock. Two p2p semantics:
+deadlock, or if the sends from one rank to another are not received in the order they
+were sent (p2p between a pair of ranks is matched in order, and activations and gradients
+have the same shape, so a swap would be silent). Two p2p semantics:
 
 * ``"async"`` (what the executor does): a batch of consecutive communication actions is
   posted and the rank goes on; a pass waits only for the receives it consumes, each done
@@ -114,6 +116,7 @@ def simulate(table: list[list[Action]], costs: Costs = Costs(), *, p2p: str = "a
     done: dict[tuple[Kind, int, int], float] = {}  # (kind, microbatch, global stage) -> end time
     arrived: dict[tuple, float] = {}  # receive key -> when its blocking batch finished
     post_time: dict[tuple, float] = {}  # p2p op key -> when its side was posted
+    channels: dict[tuple[int, int, bool], list[tuple]] = {}  # (from rank, to rank, is send) -> keys in post order
     timeline: list[list[Interval]] = [[] for _ in range(p)]
 
     def key(rank: int, a: Action) -> tuple:
@@ -191,6 +194,7 @@ def simulate(table: list[list[Action]], costs: Costs = Costs(), *, p2p: str = "a
                 if k in post_time:
                     raise ScheduleError(f"rank {rank}: {a} is repeated")
                 post_time[k] = clock[rank]
+                channels.setdefault((rank, a.peer, True) if k[4] else (a.peer, rank, False), []).append(k[:4])
             posted[rank] = True
         if p2p == "blocking":
             if any(partner(k) not in post_time for k in keys):
@@ -217,6 +221,10 @@ def simulate(table: list[list[Action]], costs: Costs = Costs(), *, p2p: str = "a
     unmatched = [k for k in post_time if partner(k) not in post_time]
     if unmatched:
         raise ScheduleError(f"sends or receives without a partner: {unmatched[:4]}")
+    for (src, dst, is_send), sent in channels.items():
+        if is_send and sent != channels.get((src, dst, False)):
+            raise ScheduleError(f"rank {src} sends to rank {dst} in the order {sent} but rank {dst} receives in "
+                                f"the order {channels.get((src, dst, False))}: untagged p2p would swap tensors")
     m = 1 + max((a.microbatch for prog in table for a in prog), default=-1)
     kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
     missing = {(k, mb, s) for k in kinds for mb in range(m) for s in range(last + 1)} - set(done)
