@@ -1,0 +1,295 @@
+"""``apply_tensor_parallel``: shard an unmodified HF causal LM across a tp group, in place.
+
+What changes, in this order:
+
+1. Plan (``models.tp_plans``): the config's ``base_model_tp_plan`` or a zero3d family plan;
+   head counts, intermediate sizes and every split dim are checked against T first.
+2. Projections become ``ColumnParallelLinear`` / ``RowParallelLinear`` (same names, same
+   weight layout, 1/T of the weight). The module that owns a row-parallel layer (attention,
+   MLP) is a *region*: one forward pre-hook on it enters tensor parallelism once for all of
+   its column layers (``copy_to_tp``: one all-reduce of the input grad per region, not one
+   per q/k/v), and the row layer leaves it (all-reduce). Head-count attributes of split
+   attention modules (GPT-2's ``split_size``/``num_heads``/``embed_dim``) become per-rank.
+3. The input embedding becomes vocab-parallel and the lm head column-parallel over the
+   vocabulary (padded to a multiple of T); a tied head shares the embedding's parameter.
+4. Sequence parallelism (optional): a pre-hook on the first block keeps this rank's
+   sequence chunk, regions all-gather the sequence on entry and row layers reduce-scatter
+   it on exit, so norms, residuals and dropout between regions run on 1/T of the tokens; a
+   hook on the last block all-gathers the sequence again, so the final norm and the head
+   (and HF's reshapes to the full input shape) see whole sequences. The split sits at block
+   boundaries because HF attention reads the sequence length from its input.
+5. Replicated parameters whose gradient is a per-rank partial sum get a gradient hook that
+   all-reduces (sums) it over tp before it is accumulated into ``.grad``: Qwen3/Gemma3-style
+   per-head norms (``replicated_with_grad_allreduce``) always; under sequence parallelism
+   also every replicated parameter in a block outside the regions (norms) and every
+   row-parallel bias. Afterwards every replicated parameter has the same, whole gradient on
+   every tp rank, so ZeRO (or DDP) can treat it as an ordinary replicated parameter.
+6. ``model.forward`` is replaced: base model -> vocab-parallel head -> vocab-parallel cross
+   entropy (HF's shifted causal LM loss); logits are gathered only on request.
+
+Dropout runs where the model puts it, drawing from each rank's own RNG as the caller seeded
+it: with the same seed on every tp rank, replicated activations get the same mask on every
+rank (as they must), but masks on sharded activations (attention probabilities of this
+rank's heads, sequence shards) repeat across ranks instead of being independent. Megatron's
+per-region RNG tracker is not implemented; the equality tests run with dropout off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from models.anatomy import fetch_unit_modules
+from models.tp_plans import ModelTPPlan, TPPlanError, base_model_prefix, resolve_tp_plan
+from parallel3d.errors import ConfigError
+from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp, gather_from_tp, gather_seq, split_to_tp
+from parallel3d.tensor_parallel.cross_entropy import causal_lm_loss
+from parallel3d.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    VocabParallelLMHead,
+    _linear_parts,
+)
+from parallel3d.tensor_parallel.sharding import ShardSpec
+
+
+@dataclass
+class TensorParallelInfo:
+    """What ``apply_tensor_parallel`` did, for ZeRO, checkpoints and the grad norm.
+
+    ``sharded_params``: parameters split across tp (column weights and biases, row weights,
+    the vocab-parallel embedding and head); every other parameter is replicated and has the
+    same gradient on every tp rank. ``shard_specs`` maps each sharded parameter's name to how
+    it is cut from the full tensor (``ShardSpec.unshard`` rebuilds it from all ranks).
+    ``partial_grad_params``: replicated parameters whose gradients are summed over tp by a
+    hook (see the module docstring); informational, nothing to do for the caller.
+    """
+
+    group: ProcessGroup
+    tp_size: int
+    tp_rank: int
+    sequence_parallel: bool
+    sharded_params: set[nn.Parameter]
+    shard_specs: dict[str, ShardSpec]
+    partial_grad_params: set[nn.Parameter]
+    vocab_size: int
+    padded_vocab_size: int
+    head: VocabParallelLMHead
+    plan_source: str
+    hooks: list[Any] = field(default_factory=list, repr=False)
+
+    def is_sharded(self, param: nn.Parameter) -> bool:
+        return param in self.sharded_params
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, new)
+
+
+def _check_sizes(model: nn.Module, plan: ModelTPPlan, world: int) -> None:
+    """Head counts and intermediate sizes must split evenly: one clear ConfigError each."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cls = type(model).__name__
+    heads = getattr(cfg, "num_attention_heads", None)
+    if plan.heads_sharded and isinstance(heads, int):
+        kv = getattr(cfg, "num_key_value_heads", None) or heads
+        if heads % world:
+            raise ConfigError(f"tensor_parallel.size={world} must divide num_attention_heads={heads} of {cls} "
+                              f"(each rank holds whole heads)")
+        if kv % world:
+            raise ConfigError(f"tensor_parallel.size={world} must divide num_key_value_heads={kv} of {cls} "
+                              f"(num_attention_heads={heads}; each rank holds whole key/value heads)")
+    inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
+    if isinstance(inter, int) and inter % world:
+        raise ConfigError(f"tensor_parallel.size={world} must divide intermediate_size={inter} of {cls}")
+
+
+def _hidden_states_hook(enter: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """A forward pre-hook (with kwargs) applying ``enter`` to a module's hidden-states input."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (enter(args[0]), *args[1:]), kwargs
+        for key in ("hidden_states", "x"):
+            if key in kwargs:
+                return args, {**kwargs, key: enter(kwargs[key])}
+        raise RuntimeError(f"tensor parallel: no hidden states among the inputs of {type(module).__name__}")
+
+    return hook
+
+
+def _first_output_hook(leave: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, tuple):
+            return (leave(output[0]), *output[1:])
+        return leave(output)
+
+    return hook
+
+
+def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: bool,
+                  specs: dict[str, ShardSpec], partial: set[nn.Parameter], regions: set[str]) -> list[RowParallelLinear]:
+    """Swap every planned module for its parallel layer; returns the row layers."""
+    world = dist.get_world_size(group)
+    rows = []
+    for name, layer in plan.layers.items():
+        module = model.get_submodule(name)
+        if layer.kind == "partial_grad":
+            partial.update(p for p in module.parameters(recurse=False) if p.requires_grad)
+            continue
+        if layer.kind == "replicate":
+            continue
+        try:
+            _linear_parts(module)
+            parent = name.rpartition(".")[0]
+            if layer.kind == "column":
+                if sp and parent not in regions:
+                    raise ConfigError(f"sequence parallelism: column-parallel {name} is not inside a module that ends "
+                                      "in a row-parallel layer, so its input cannot be gathered at a region entry")
+                new: nn.Module = ColumnParallelLinear(
+                    module, group, input_comm="none" if parent in regions else "copy",
+                    gather_output=layer.gather_output, packed=layer.packed)
+            else:
+                new = RowParallelLinear(module, group, split_input=layer.split_input,
+                                        output_comm="reduce_scatter_seq" if sp else "all_reduce")
+                rows.append(new)
+        except TypeError as exc:
+            raise ConfigError(f"tensor parallel plan entry {name}: {exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{type(model).__name__}: {name} cannot be split over tensor_parallel.size={world}: "
+                              f"{exc}") from None
+        _replace(model, name, new)
+        specs.update({f"{name}.{p}": s for p, s in new.specs.items()})
+    return rows
+
+
+def _shard_vocab(model: nn.Module, group: ProcessGroup, specs: dict[str, ShardSpec]) -> VocabParallelLMHead:
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if not isinstance(emb, nn.Embedding) or head is None:
+        raise ConfigError(f"{type(model).__name__}: tensor parallelism needs an nn.Embedding input embedding and an "
+                          f"lm head (got {type(emb).__name__} and {type(head).__name__})")
+    names = {id(m): n for n, m in model.named_modules()}
+    emb_name, head_name = names[id(emb)], names[id(head)]
+    tied = head.weight is emb.weight
+    new_emb = VocabParallelEmbedding(emb, group)
+    new_head = VocabParallelLMHead(head, group, tied=new_emb if tied else None)
+    _replace(model, emb_name, new_emb)
+    _replace(model, head_name, new_head)
+    specs[f"{emb_name}.weight"] = new_emb.specs["weight"]
+    specs.update({f"{head_name}.{p}": s for p, s in new_head.specs.items()})
+    return new_head
+
+
+def _sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str]) -> list[Any]:
+    blocks = fetch_unit_modules(model)
+    if not blocks:
+        raise ConfigError(f"sequence parallelism: {type(model).__name__} names no block class in _no_split_modules")
+    world = dist.get_world_size(group)
+
+    def scatter(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] % world:
+            raise ConfigError(f"sequence parallelism: sequence length {x.shape[1]} must be divisible by "
+                              f"tensor_parallel.size={world}")
+        return split_to_tp(x, group, 1)
+
+    handles = [blocks[0].register_forward_pre_hook(_hidden_states_hook(scatter), with_kwargs=True),
+               blocks[-1].register_forward_hook(_first_output_hook(lambda x: gather_from_tp(x, group, 1)))]
+    for name in regions:
+        handles.append(model.get_submodule(name).register_forward_pre_hook(
+            _hidden_states_hook(lambda x: gather_seq(x, group, 1)), with_kwargs=True))
+    return handles
+
+
+def _sequence_partial_params(model: nn.Module, regions: set[str], sharded: set[nn.Parameter],
+                             rows: list[RowParallelLinear]) -> set[nn.Parameter]:
+    """Replicated params that only see this rank's tokens under sequence parallelism."""
+    in_regions = {id(p) for name in regions for p in model.get_submodule(name).parameters()}
+    out = {p for block in fetch_unit_modules(model) for p in block.parameters()
+           if p.requires_grad and p not in sharded and id(p) not in in_regions}
+    return out | {r.bias for r in rows if r.bias is not None and r.bias.requires_grad}
+
+
+def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_parallel: bool = False) -> TensorParallelInfo:
+    """Shard ``model`` (an unmodified HF causal LM, same weights on every tp rank) in place.
+
+    Returns a ``TensorParallelInfo``. Afterwards ``model(input_ids=..., labels=...)``
+    returns a ``CausalLMOutputWithPast`` whose ``.loss`` equals the single-process loss;
+    ``.logits`` are gathered only with ``gather_logits=True`` (or when no labels are given).
+    """
+    world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    try:
+        plan = resolve_tp_plan(model)
+        prefix = base_model_prefix(model)
+    except TPPlanError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_sizes(model, plan, world)
+
+    regions = {name.rpartition(".")[0] for name, layer in plan.layers.items() if layer.kind == "row"}
+    specs: dict[str, ShardSpec] = {}
+    partial: set[nn.Parameter] = set()
+    rows = _shard_layers(model, plan, tp_group, sequence_parallel, specs, partial, regions)
+    for name, attrs in plan.divide_attrs.items():
+        module = model.get_submodule(name)
+        for attr in attrs:
+            setattr(module, attr, getattr(module, attr) // world)
+    head = _shard_vocab(model, tp_group, specs)
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    sharded = {params[n] for n in specs}
+    hooks = [model.get_submodule(name).register_forward_pre_hook(
+        _hidden_states_hook(lambda x: copy_to_tp(x, tp_group)), with_kwargs=True)
+        for name in regions if not sequence_parallel]
+    if sequence_parallel:
+        hooks += _sequence_parallel_hooks(model, tp_group, regions)
+        partial |= _sequence_partial_params(model, regions, sharded, rows)
+    hooks += [p.register_hook(all_reduce_grad_hook(tp_group)) for p in partial]
+
+    model.forward = _tp_forward(model, getattr(model, prefix), head, tp_group)
+    return TensorParallelInfo(
+        group=tp_group, tp_size=world, tp_rank=rank, sequence_parallel=sequence_parallel, sharded_params=sharded,
+        shard_specs=specs, partial_grad_params=partial, vocab_size=head.vocab_size,
+        padded_vocab_size=head.padded_vocab_size, head=head, plan_source=plan.source, hooks=hooks)
+
+
+def _tp_forward(model: nn.Module, base: nn.Module, head: VocabParallelLMHead, group: ProcessGroup) -> Callable:
+    """The replacement ``model.forward``: HF's causal LM forward with vocab-parallel head and loss."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    softcap = getattr(cfg, "final_logit_softcapping", None)
+
+    def forward(input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values: Any = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                gather_logits: bool | None = None, num_items_in_batch: Any = None,
+                shift_labels: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
+        kwargs.pop("return_dict", None)
+        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        hidden = out[0]
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        else:
+            hidden = hidden[:, logits_to_keep]
+        local = head(hidden)
+        if softcap:
+            local = torch.tanh(local / softcap) * softcap
+        loss = None
+        if labels is not None or shift_labels is not None:
+            loss = causal_lm_loss(local, labels, group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
+                                  num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+        want = gather_logits if gather_logits is not None else loss is None
+        return CausalLMOutputWithPast(
+            loss=loss, logits=head.gather(local) if want else None,
+            past_key_values=getattr(out, "past_key_values", None),
+            hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))
+
+    return forward

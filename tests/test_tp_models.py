@@ -1,0 +1,144 @@
+"""Tensor parallelism on whole HF models against the single-process model (fp32, CPU gloo).
+
+Every rank builds the same full model, runs it once as the oracle, then shards a copy with
+``apply_tensor_parallel`` and compares: loss, gathered logits, and every parameter's
+gradient against this rank's slice of the full gradient (``ShardSpec.shard``). The
+comparison runs inside the workers; they return only the worst errors, the replicated
+gradients (to check that they agree across tp ranks bit for bit) and shard sizes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.tiny_tp import make_tp_model, tp_batch, tp_group
+
+RTOL = 1e-5
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def compare_with_full(kind: str, tp: int, sequence_parallel: bool) -> dict:
+    """On every rank: single-process vs tensor-parallel forward/backward of ``kind``."""
+    from parallel3d.tensor_parallel import apply_tensor_parallel
+
+    group = tp_group(tp)
+    ref = make_tp_model(kind)
+    model = copy.deepcopy(ref)
+    batch = tp_batch(ref.config.vocab_size)
+    want = ref(**batch)
+    want.loss.backward()
+
+    info = apply_tensor_parallel(model, group, sequence_parallel=sequence_parallel)
+    out = model(**batch, gather_logits=True)
+    out.loss.backward()
+    no_logits = model(**batch).logits
+
+    full = dict(ref.named_parameters(remove_duplicate=False))
+    errors, sizes, replicated = {}, {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        spec = info.shard_specs.get(name)
+        want_grad = full[name].grad if spec is None else spec.shard(full[name].grad, info.tp_rank, tp)
+        assert p.grad is not None, f"{name} got no gradient"
+        assert p.grad.shape == want_grad.shape, (name, p.grad.shape, want_grad.shape)
+        errors[name] = _rel(p.grad, want_grad)
+        sizes[name] = (p.numel(), full[name].numel())
+        if spec is None:
+            replicated[name] = p.grad.clone()
+        assert (p in info.sharded_params) == (spec is not None), name
+    return {
+        "loss": (out.loss.item(), want.loss.item()),
+        "logits": _rel(out.logits, want.logits),
+        "no_logits": no_logits is None,
+        "grad_errors": errors,
+        "sizes": sizes,
+        "replicated": replicated,
+        "specs": {n: (s.dim, s.full_size, s.padded_size) for n, s in info.shard_specs.items()},
+        "padded_vocab": info.padded_vocab_size,
+        "config_intact": model.config.to_dict() == ref.config.to_dict(),
+        "no_split": model._no_split_modules == ref._no_split_modules,
+        "tied": [n for n, p in model.named_parameters(remove_duplicate=False)
+                 if any(p is q for m, q in model.named_parameters(remove_duplicate=False) if m != n)],
+    }
+
+
+CASES = [(kind, tp, sp) for kind in ("llama", "qwen2", "gpt_neox", "gpt2") for tp in (2, 4) for sp in (False, True)]
+CASES += [("qwen3", 2, False), ("qwen3", 2, True), ("llama_tied", 2, True)]
+
+
+@pytest.mark.parametrize("kind,tp,sp", CASES, ids=lambda v: str(v))
+def test_matches_single_process(dist, kind, tp, sp):
+    results = dist.run(tp, compare_with_full, kind, tp, sp)
+    for rank, r in enumerate(results):
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=RTOL), f"rank {rank} loss"
+        assert r["logits"] < RTOL, f"rank {rank} logits differ by {r['logits']:.2e}"
+        assert r["no_logits"], "logits must be None unless gather_logits=True"
+        worst = max(r["grad_errors"], key=r["grad_errors"].get)
+        assert r["grad_errors"][worst] < RTOL, f"rank {rank}: grad of {worst} differs by {r['grad_errors'][worst]:.2e}"
+        assert r["config_intact"] and r["no_split"]
+        for name, (local, full) in r["sizes"].items():
+            if name in r["specs"]:
+                _, full_size, padded = r["specs"][name]
+                assert local * tp == full * padded // full_size, f"{name}: {local} of {full} is not 1/{tp}"
+            else:
+                assert local == full, name
+    # replicated params: the same gradient on every tp rank, bit for bit
+    for name, grad in results[0]["replicated"].items():
+        for r in results[1:]:
+            assert torch.equal(grad, r["replicated"][name]), f"replicated {name} differs across tp ranks"
+    specs = results[0]["specs"]
+    if kind in ("gpt2", "qwen2", "llama_tied"):  # tied: one parameter under two names
+        assert len(results[0]["tied"]) == 2, results[0]["tied"]
+    vocab = make_tp_model(kind).config.vocab_size
+    assert results[0]["padded_vocab"] == -(-vocab // tp) * tp
+    assert any(n.endswith("embed_tokens.weight") or n.endswith("wte.weight") or n.endswith("embed_in.weight")
+               for n in specs)
+
+
+def bad_sizes(kind: str, overrides: dict) -> str:
+    from parallel3d.errors import ConfigError
+    from parallel3d.tensor_parallel import apply_tensor_parallel
+
+    model = make_tp_model(kind, **overrides)
+    try:
+        apply_tensor_parallel(model, tp_group(2))
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def bad_sequence_length() -> str:
+    from parallel3d.errors import ConfigError
+    from parallel3d.tensor_parallel import apply_tensor_parallel
+
+    model = make_tp_model("llama")
+    apply_tensor_parallel(model, tp_group(2), sequence_parallel=True)
+    try:
+        model(input_ids=torch.zeros(1, 7, dtype=torch.long), labels=torch.zeros(1, 7, dtype=torch.long))
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("kind,overrides,message", [
+    ("llama", dict(num_attention_heads=3, num_key_value_heads=3, head_dim=8, hidden_size=24),
+     "tensor_parallel.size=2 must divide num_attention_heads=3 of LlamaForCausalLM"),
+    ("llama", dict(num_key_value_heads=1),
+     "tensor_parallel.size=2 must divide num_key_value_heads=1 of LlamaForCausalLM (num_attention_heads=8"),
+    ("qwen2", dict(intermediate_size=63), "tensor_parallel.size=2 must divide intermediate_size=63 of Qwen2ForCausalLM"),
+    ("gpt2", dict(n_head=1), "tensor_parallel.size=2 must divide num_attention_heads=1 of GPT2LMHeadModel"),
+    ("gpt_neox", dict(num_attention_heads=1), "must divide num_attention_heads=1 of GPTNeoXForCausalLM"),
+])
+def test_bad_sizes(dist, kind, overrides, message):
+    for msg in dist.run(2, bad_sizes, kind, overrides):
+        assert message in msg, msg
+
+
+def test_bad_sequence_length(dist):
+    for msg in dist.run(2, bad_sequence_length):
+        assert msg == "sequence parallelism: sequence length 7 must be divisible by tensor_parallel.size=2", msg
