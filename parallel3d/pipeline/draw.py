@@ -73,7 +73,8 @@ def to_chrome_trace(data: Sequence[Interval] | Sequence[Sequence[Action]], *, sc
     """The Chrome-trace dict of a timeline; ``scale`` turns its time unit into microseconds."""
     ivs = timeline_of(data, costs)
     ranks = sorted({iv.rank for iv in ivs})
-    events: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "pipeline"}}]
+    events: list[dict[str, Any]] = [
+        {"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": "pipeline"}}]
     for r in ranks:
         events.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": 0, "tid": r, "args": {"sort_index": r}})
@@ -122,7 +123,8 @@ def draw_png(data: Sequence[Interval] | Sequence[Sequence[Action]], path: str | 
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError:
-        raise ConfigError("drawing a pipeline timeline needs matplotlib: pip install 'zero3d[plot]' (or matplotlib)") from None
+        raise ConfigError(
+            "drawing a pipeline timeline needs matplotlib: pip install 'zero3d[plot]' (or matplotlib)") from None
     ivs = timeline_of(data, costs)
     ranks = 1 + max((iv.rank for iv in ivs), default=0)
     t0 = min((iv.start for iv in ivs), default=0.0)
@@ -149,3 +151,42 @@ def draw_png(data: Sequence[Interval] | Sequence[Sequence[Action]], path: str | 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m parallel3d.pipeline.draw``: print schedules as ASCII grids with their simulated
+    bubble fraction and peak live activations; optionally write a PNG and a Chrome trace."""
+    import argparse
+
+    from parallel3d.pipeline.schedules import SCHEDULES, schedule_table
+
+    ap = argparse.ArgumentParser(prog="python -m parallel3d.pipeline.draw", description=main.__doc__)
+    ap.add_argument("schedule", nargs="*", default=list(SCHEDULES), help=f"any of {', '.join(SCHEDULES)} (all)")
+    ap.add_argument("-p", "--stages", type=int, default=4)
+    ap.add_argument("-m", "--microbatches", type=int, default=8)
+    ap.add_argument("-v", "--virtual-stages", type=int, default=2, help="chunks per rank for interleaved_1f1b")
+    ap.add_argument("--costs", default="1,1,1", help="F,B,W durations (a full backward costs B+W)")
+    ap.add_argument("--png", help="write the (first) schedule's Gantt chart here")
+    ap.add_argument("--trace", help="write the (first) schedule's Chrome trace here")
+    args = ap.parse_args(argv)
+    try:
+        costs = Costs(*(float(x) for x in args.costs.split(",")))
+        for i, name in enumerate(args.schedule):
+            v = args.virtual_stages if name == "interleaved_1f1b" else 1
+            table = schedule_table(name, args.stages, args.microbatches, v, costs=costs)
+            res = simulate(table, costs)
+            print(f"{name} P={args.stages} m={args.microbatches}" + (f" V={v}" if v > 1 else "")
+                  + f": bubble {res.bubble_fraction:.4f}, peak live activations per rank {res.peak_live}")
+            print(ascii_grid(res.intervals, costs) + "\n")
+            if i == 0 and args.png:
+                draw_png(res.intervals, args.png, title=f"{name} P={args.stages} m={args.microbatches}")
+            if i == 0 and args.trace:
+                write_chrome_trace(res.intervals, args.trace)
+    except ConfigError as exc:
+        print(f"error: {exc}", flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
