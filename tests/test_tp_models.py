@@ -23,7 +23,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def compare_with_full(kind: str, tp: int, sequence_parallel: bool) -> dict:
+def compare_with_full(kind: str, tp: int, sequence_parallel: bool, checkpointing: bool = False) -> dict:
     """On every rank: single-process vs tensor-parallel forward/backward of ``kind``."""
     from parallel3d.tensor_parallel import apply_tensor_parallel
 
@@ -35,9 +35,14 @@ def compare_with_full(kind: str, tp: int, sequence_parallel: bool) -> dict:
     want.loss.backward()
 
     info = apply_tensor_parallel(model, group, sequence_parallel=sequence_parallel)
+    if checkpointing:  # blocks re-run forward (and the tp hooks' collectives) inside backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     out = model(**batch, gather_logits=True)
     out.loss.backward()
-    no_logits = model(**batch).logits
+    with torch.no_grad():
+        no_logits = model(**batch).logits
+        unlabelled = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
     full = dict(ref.named_parameters(remove_duplicate=False))
     errors, sizes, replicated = {}, {}, {}
@@ -55,6 +60,7 @@ def compare_with_full(kind: str, tp: int, sequence_parallel: bool) -> dict:
         "loss": (out.loss.item(), want.loss.item()),
         "logits": _rel(out.logits, want.logits),
         "no_logits": no_logits is None,
+        "unlabelled_logits": _rel(unlabelled, want.logits),
         "grad_errors": errors,
         "sizes": sizes,
         "replicated": replicated,
@@ -67,17 +73,20 @@ def compare_with_full(kind: str, tp: int, sequence_parallel: bool) -> dict:
     }
 
 
-CASES = [(kind, tp, sp) for kind in ("llama", "qwen2", "gpt_neox", "gpt2") for tp in (2, 4) for sp in (False, True)]
-CASES += [("qwen3", 2, False), ("qwen3", 2, True), ("llama_tied", 2, True)]
+CASES = [(kind, tp, sp, False) for kind in ("llama", "qwen2", "gpt_neox", "gpt2") for tp in (2, 4)
+         for sp in (False, True)]
+CASES += [("qwen3", 2, False, False), ("qwen3", 2, True, False), ("llama_tied", 2, True, False),
+          ("llama", 2, True, True), ("gpt2", 2, False, True)]
 
 
-@pytest.mark.parametrize("kind,tp,sp", CASES, ids=lambda v: str(v))
-def test_matches_single_process(dist, kind, tp, sp):
-    results = dist.run(tp, compare_with_full, kind, tp, sp)
+@pytest.mark.parametrize("kind,tp,sp,ckpt", CASES, ids=lambda v: str(v))
+def test_matches_single_process(dist, kind, tp, sp, ckpt):
+    results = dist.run(tp, compare_with_full, kind, tp, sp, ckpt)
     for rank, r in enumerate(results):
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=RTOL), f"rank {rank} loss"
         assert r["logits"] < RTOL, f"rank {rank} logits differ by {r['logits']:.2e}"
         assert r["no_logits"], "logits must be None unless gather_logits=True"
+        assert r["unlabelled_logits"] < RTOL, "without labels the logits are gathered"
         worst = max(r["grad_errors"], key=r["grad_errors"].get)
         assert r["grad_errors"][worst] < RTOL, f"rank {rank}: grad of {worst} differs by {r['grad_errors'][worst]:.2e}"
         assert r["config_intact"] and r["no_split"]

@@ -36,6 +36,7 @@ per-region RNG tracker is not implemented; the equality tests run with dropout o
 
 from __future__ import annotations
 
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -226,7 +227,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     try:
         plan = resolve_tp_plan(model)
-        prefix = base_model_prefix(model)
+        base_model_prefix(model)
     except TPPlanError as exc:
         raise ConfigError(str(exc)) from None
     _check_sizes(model, plan, world)
@@ -251,45 +252,48 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         partial |= _sequence_partial_params(model, regions, sharded, rows)
     hooks += [p.register_hook(all_reduce_grad_hook(tp_group)) for p in partial]
 
-    model.forward = _tp_forward(model, getattr(model, prefix), head, tp_group)
+    model.forward = types.MethodType(_causal_lm_forward, model)
     return TensorParallelInfo(
         group=tp_group, tp_size=world, tp_rank=rank, sequence_parallel=sequence_parallel, sharded_params=sharded,
         shard_specs=specs, partial_grad_params=partial, vocab_size=head.vocab_size,
         padded_vocab_size=head.padded_vocab_size, head=head, plan_source=plan.source, hooks=hooks)
 
 
-def _tp_forward(model: nn.Module, base: nn.Module, head: VocabParallelLMHead, group: ProcessGroup) -> Callable:
-    """The replacement ``model.forward``: HF's causal LM forward with vocab-parallel head and loss."""
+def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                       past_key_values: Any = None, inputs_embeds: torch.Tensor | None = None,
+                       labels: torch.Tensor | None = None, use_cache: bool | None = None,
+                       logits_to_keep: int | torch.Tensor = 0, gather_logits: bool | None = None,
+                       num_items_in_batch: Any = None, shift_labels: torch.Tensor | None = None,
+                       **kwargs: Any) -> Any:
+    """The replacement ``model.forward`` (bound to the model, so a deep copy stays consistent).
+
+    HF's ``*ForCausalLM.forward`` with the vocab-parallel head and loss: base model ->
+    this rank's logits -> ``causal_lm_loss``. ``gather_logits``: True returns the full
+    logits (all-gathered, padding removed), False none; by default they are gathered only
+    when no labels are given (there would be nothing else to return).
+    """
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    base, head = getattr(self, base_model_prefix(self)), self.get_output_embeddings()
+    cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
     softcap = getattr(cfg, "final_logit_softcapping", None)
-
-    def forward(input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, past_key_values: Any = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                gather_logits: bool | None = None, num_items_in_batch: Any = None,
-                shift_labels: torch.Tensor | None = None, **kwargs: Any) -> CausalLMOutputWithPast:
-        kwargs.pop("return_dict", None)
-        out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-        hidden = out[0]
-        if isinstance(logits_to_keep, int):
-            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        else:
-            hidden = hidden[:, logits_to_keep]
-        local = head(hidden)
-        if softcap:
-            local = torch.tanh(local / softcap) * softcap
-        loss = None
-        if labels is not None or shift_labels is not None:
-            loss = causal_lm_loss(local, labels, group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
-                                  num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
-        want = gather_logits if gather_logits is not None else loss is None
-        return CausalLMOutputWithPast(
-            loss=loss, logits=head.gather(local) if want else None,
-            past_key_values=getattr(out, "past_key_values", None),
-            hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))
-
-    return forward
+    kwargs.pop("return_dict", None)
+    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+               past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden = out[0]
+    if isinstance(logits_to_keep, int):
+        hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+    else:
+        hidden = hidden[:, logits_to_keep]
+    local = head(hidden)
+    if softcap:  # Gemma 2/3: elementwise, so it applies to the shards as to the full logits
+        local = torch.tanh(local / softcap) * softcap
+    loss = None
+    if labels is not None or shift_labels is not None:
+        loss = causal_lm_loss(local, labels, head.group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
+                              num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+    want = gather_logits if gather_logits is not None else loss is None
+    return CausalLMOutputWithPast(
+        loss=loss, logits=head.gather(local) if want else None, past_key_values=getattr(out, "past_key_values", None),
+        hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))
