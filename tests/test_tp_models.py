@@ -76,7 +76,7 @@ def compare_with_full(kind: str, tp: int, sequence_parallel: bool, checkpointing
 CASES = [(kind, tp, sp, False) for kind in ("llama", "qwen2", "gpt_neox", "gpt2") for tp in (2, 4)
          for sp in (False, True)]
 CASES += [("qwen3", 2, False, False), ("qwen3", 2, True, False), ("llama_tied", 2, True, False),
-          ("llama", 2, True, True), ("gpt2", 2, False, True)]
+          ("llama", 2, True, True), ("gpt2", 2, False, True), ("gemma2", 2, False, False), ("phi3", 2, True, False)]
 
 
 @pytest.mark.parametrize("kind,tp,sp,ckpt", CASES, ids=lambda v: str(v))
@@ -101,7 +101,7 @@ def test_matches_single_process(dist, kind, tp, sp, ckpt):
         for r in results[1:]:
             assert torch.equal(grad, r["replicated"][name]), f"replicated {name} differs across tp ranks"
     specs = results[0]["specs"]
-    if kind in ("gpt2", "qwen2", "llama_tied"):  # tied: one parameter under two names
+    if kind in ("gpt2", "qwen2", "llama_tied", "gemma2"):  # tied: one parameter under two names
         assert len(results[0]["tied"]) == 2, results[0]["tied"]
     vocab = make_tp_model(kind).config.vocab_size
     assert results[0]["padded_vocab"] == -(-vocab // tp) * tp
@@ -151,3 +151,26 @@ def test_bad_sizes(dist, kind, overrides, message):
 def test_bad_sequence_length(dist):
     for msg in dist.run(2, bad_sequence_length):
         assert msg == "sequence parallelism: sequence length 7 must be divisible by tensor_parallel.size=2", msg
+
+
+def unsupported(name: str, config: dict) -> str:
+    import transformers
+
+    from parallel3d.errors import ConfigError
+    from parallel3d.tensor_parallel import apply_tensor_parallel
+
+    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config))
+    try:
+        apply_tensor_parallel(model, tp_group(2))
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_unsupported_models(dist):
+    small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    msg = dist.run(2, unsupported, "Mixtral", dict(small, num_key_value_heads=2, num_local_experts=2))[0]
+    assert msg.startswith("MixtralForCausalLM: base_model_tp_plan entry 'layers.*.mlp.experts': 'moe_tp_experts' is "
+                          "not supported by zero3d"), msg
+    msg = dist.run(2, unsupported, "OPT", dict(small, ffn_dim=64, word_embed_proj_dim=32))[0]
+    assert msg.startswith("OPTForCausalLM (model_type 'opt') has no base_model_tp_plan in its config"), msg

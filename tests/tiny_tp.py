@@ -14,8 +14,12 @@ from transformers import (
     GPT2LMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -46,6 +50,12 @@ def make_tp_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
                                                 **overrides}))
     elif kind == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**{**_LLAMA_LIKE, "vocab_size": 127, **overrides}))
+    elif kind == "gemma2":  # final logit softcapping, tied embeddings, scaled input embeddings
+        model = Gemma2ForCausalLM(Gemma2Config(**{**_LLAMA_LIKE, "vocab_size": 127, "pad_token_id": 0, **overrides}))
+    elif kind == "phi3":  # fused qkv / gate_up: colwise_gather_output + rowwise_split_input plan
+        cfg = {**_LLAMA_LIKE, "vocab_size": 127, "pad_token_id": 0}
+        cfg.pop("head_dim")
+        model = Phi3ForCausalLM(Phi3Config(**{**cfg, **overrides}))
     elif kind == "gpt_neox":
         cfg = dict(vocab_size=127, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0, tie_word_embeddings=False)

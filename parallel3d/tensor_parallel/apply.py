@@ -24,8 +24,10 @@ What changes, in this order:
    also every replicated parameter in a block outside the regions (norms) and every
    row-parallel bias. Afterwards every replicated parameter has the same, whole gradient on
    every tp rank, so ZeRO (or DDP) can treat it as an ordinary replicated parameter.
-6. ``model.forward`` is replaced: base model -> vocab-parallel head -> vocab-parallel cross
-   entropy (HF's shifted causal LM loss); logits are gathered only on request.
+6. ``model.forward`` is replaced: base model -> vocab-parallel head -> the family's
+   elementwise logit scaling/softcapping -> vocab-parallel cross entropy (HF's shifted
+   causal LM loss); logits are gathered only on request. A forward that transforms its
+   logits in any other way is refused (checked from its source) rather than silently wrong.
 
 Dropout runs where the model puts it, drawing from each rank's own RNG as the caller seeded
 it: with the same seed on every tp rank, replicated activations get the same mask on every
@@ -36,6 +38,8 @@ per-region RNG tracker is not implemented; the equality tests run with dropout o
 
 from __future__ import annotations
 
+import inspect
+import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -231,6 +235,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     except TPPlanError as exc:
         raise ConfigError(str(exc)) from None
     _check_sizes(model, plan, world)
+    _check_logit_transforms(model)
 
     regions = {name.rpartition(".")[0] for name, layer in plan.layers.items() if layer.kind == "row"}
     specs: dict[str, ShardSpec] = {}
@@ -259,6 +264,37 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         padded_vocab_size=head.padded_vocab_size, head=head, plan_source=plan.source, hooks=hooks)
 
 
+# What HF causal LM forwards do to the logits after the head (all elementwise, so they apply
+# to vocabulary shards unchanged); anything else is refused by `_check_logit_transforms`.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+
+
+def _logit_transforms(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    scale = getattr(model, "logit_scale", None)  # Cohere: logits * logit_scale
+    if isinstance(scale, (int, float)) and scale != 1:
+        logits = logits * scale
+    divide = getattr(cfg, "logits_scaling", None)  # Granite: logits / logits_scaling
+    if isinstance(divide, (int, float)) and divide != 1:
+        logits = logits / divide
+    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def _check_logit_transforms(model: nn.Module) -> None:
+    """Refuse a model whose forward rescales its logits in a way the replacement would miss."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return
+    for line in source.splitlines():
+        if re.search(r"\blogits\s*([*/]=|=\s*logits\s*[*/])", line) and not any(t in line for t in _LOGIT_TRANSFORMS):
+            raise ConfigError(f"{type(model).__name__}.forward transforms its logits in a way zero3d's tensor "
+                              f"parallel forward does not reproduce: {line.strip()!r}")
+
+
 def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                        past_key_values: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -276,8 +312,6 @@ def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     base, head = getattr(self, base_model_prefix(self)), self.get_output_embeddings()
-    cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
-    softcap = getattr(cfg, "final_logit_softcapping", None)
     kwargs.pop("return_dict", None)
     out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
@@ -286,9 +320,7 @@ def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
         hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
     else:
         hidden = hidden[:, logits_to_keep]
-    local = head(hidden)
-    if softcap:  # Gemma 2/3: elementwise, so it applies to the shards as to the full logits
-        local = torch.tanh(local / softcap) * softcap
+    local = _logit_transforms(self, head(hidden))
     loss = None
     if labels is not None or shift_labels is not None:
         loss = causal_lm_loss(local, labels, head.group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
