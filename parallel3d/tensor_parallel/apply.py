@@ -38,8 +38,6 @@ per-region RNG tracker is not implemented; the equality tests run with dropout o
 
 from __future__ import annotations
 
-import inspect
-import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -53,7 +51,7 @@ from models.anatomy import fetch_unit_modules
 from models.tp_plans import ModelTPPlan, TPPlanError, base_model_prefix, resolve_tp_plan
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp, gather_from_tp, gather_seq, split_to_tp
-from parallel3d.tensor_parallel.cross_entropy import causal_lm_loss
+from parallel3d.tensor_parallel.forward import causal_lm_forward, check_logit_transforms
 from parallel3d.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -235,7 +233,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     except TPPlanError as exc:
         raise ConfigError(str(exc)) from None
     _check_sizes(model, plan, world)
-    _check_logit_transforms(model)
+    check_logit_transforms(model)
 
     regions = {name.rpartition(".")[0] for name, layer in plan.layers.items() if layer.kind == "row"}
     specs: dict[str, ShardSpec] = {}
@@ -257,75 +255,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         partial |= _sequence_partial_params(model, regions, sharded, rows)
     hooks += [p.register_hook(all_reduce_grad_hook(tp_group)) for p in partial]
 
-    model.forward = types.MethodType(_causal_lm_forward, model)
+    model.forward = types.MethodType(causal_lm_forward, model)
     return TensorParallelInfo(
         group=tp_group, tp_size=world, tp_rank=rank, sequence_parallel=sequence_parallel, sharded_params=sharded,
         shard_specs=specs, partial_grad_params=partial, vocab_size=head.vocab_size,
         padded_vocab_size=head.padded_vocab_size, head=head, plan_source=plan.source, hooks=hooks)
-
-
-# What HF causal LM forwards do to the logits after the head (all elementwise, so they apply
-# to vocabulary shards unchanged); anything else is refused by `_check_logit_transforms`.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
-
-
-def _logit_transforms(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    scale = getattr(model, "logit_scale", None)  # Cohere: logits * logit_scale
-    if isinstance(scale, (int, float)) and scale != 1:
-        logits = logits * scale
-    divide = getattr(cfg, "logits_scaling", None)  # Granite: logits / logits_scaling
-    if isinstance(divide, (int, float)) and divide != 1:
-        logits = logits / divide
-    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
-
-
-def _check_logit_transforms(model: nn.Module) -> None:
-    """Refuse a model whose forward rescales its logits in a way the replacement would miss."""
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return
-    for line in source.splitlines():
-        if re.search(r"\blogits\s*([*/]=|=\s*logits\s*[*/])", line) and not any(t in line for t in _LOGIT_TRANSFORMS):
-            raise ConfigError(f"{type(model).__name__}.forward transforms its logits in a way zero3d's tensor "
-                              f"parallel forward does not reproduce: {line.strip()!r}")
-
-
-def _causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
-                       attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                       past_key_values: Any = None, inputs_embeds: torch.Tensor | None = None,
-                       labels: torch.Tensor | None = None, use_cache: bool | None = None,
-                       logits_to_keep: int | torch.Tensor = 0, gather_logits: bool | None = None,
-                       num_items_in_batch: Any = None, shift_labels: torch.Tensor | None = None,
-                       **kwargs: Any) -> Any:
-    """The replacement ``model.forward`` (bound to the model, so a deep copy stays consistent).
-
-    HF's ``*ForCausalLM.forward`` with the vocab-parallel head and loss: base model ->
-    this rank's logits -> ``causal_lm_loss``. ``gather_logits``: True returns the full
-    logits (all-gathered, padding removed), False none; by default they are gathered only
-    when no labels are given (there would be nothing else to return).
-    """
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    base, head = getattr(self, base_model_prefix(self)), self.get_output_embeddings()
-    kwargs.pop("return_dict", None)
-    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-               past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    hidden = out[0]
-    if isinstance(logits_to_keep, int):
-        hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-    else:
-        hidden = hidden[:, logits_to_keep]
-    local = _logit_transforms(self, head(hidden))
-    loss = None
-    if labels is not None or shift_labels is not None:
-        loss = causal_lm_loss(local, labels, head.group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
-                              num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
-    want = gather_logits if gather_logits is not None else loss is None
-    return CausalLMOutputWithPast(
-        loss=loss, logits=head.gather(local) if want else None, past_key_values=getattr(out, "past_key_values", None),
-        hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))

@@ -1,0 +1,87 @@
+"""The forward that replaces a tensor-parallel HF causal LM's ``forward``.
+
+HF's ``*ForCausalLM.forward`` runs the base model, the lm head, optional elementwise logit
+transforms and ``ForCausalLMLoss`` on full-vocabulary logits. This one does the same with
+the vocab-parallel head and ``causal_lm_loss``, so the full logits exist only when asked
+for. It is bound to the model (``types.MethodType``), so a deep copy stays consistent, and
+it finds the base model and head through the model's own accessors.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.tp_plans import base_model_prefix
+from parallel3d.errors import ConfigError
+from parallel3d.tensor_parallel.cross_entropy import causal_lm_loss
+
+# What HF causal LM forwards do to the logits after the head (all elementwise, so they apply
+# to vocabulary shards unchanged); anything else is refused by `check_logit_transforms`.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+
+
+def logit_transforms(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    scale = getattr(model, "logit_scale", None)  # Cohere: logits * logit_scale
+    if isinstance(scale, (int, float)) and scale != 1:
+        logits = logits * scale
+    divide = getattr(cfg, "logits_scaling", None)  # Granite: logits / logits_scaling
+    if isinstance(divide, (int, float)) and divide != 1:
+        logits = logits / divide
+    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
+
+
+def check_logit_transforms(model: nn.Module) -> None:
+    """Refuse a model whose forward rescales its logits in a way the replacement would miss."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return
+    for line in source.splitlines():
+        if re.search(r"\blogits\s*([*/]=|=\s*logits\s*[*/])", line) and not any(t in line for t in _LOGIT_TRANSFORMS):
+            raise ConfigError(f"{type(model).__name__}.forward transforms its logits in a way zero3d's tensor "
+                              f"parallel forward does not reproduce: {line.strip()!r}")
+
+
+def causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
+                       attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                       past_key_values: Any = None, inputs_embeds: torch.Tensor | None = None,
+                       labels: torch.Tensor | None = None, use_cache: bool | None = None,
+                       logits_to_keep: int | torch.Tensor = 0, gather_logits: bool | None = None,
+                       num_items_in_batch: Any = None, shift_labels: torch.Tensor | None = None,
+                       **kwargs: Any) -> Any:
+    """The replacement ``model.forward`` (bound to the model, so a deep copy stays consistent).
+
+    HF's ``*ForCausalLM.forward`` with the vocab-parallel head and loss: base model ->
+    this rank's logits -> ``causal_lm_loss``. ``gather_logits``: True returns the full
+    logits (all-gathered, padding removed), False none; by default they are gathered only
+    when no labels are given (there would be nothing else to return).
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    base, head = getattr(self, base_model_prefix(self)), self.get_output_embeddings()
+    kwargs.pop("return_dict", None)
+    out = base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+               past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden = out[0]
+    if isinstance(logits_to_keep, int):
+        hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+    else:
+        hidden = hidden[:, logits_to_keep]
+    local = logit_transforms(self, head(hidden))
+    loss = None
+    if labels is not None or shift_labels is not None:
+        loss = causal_lm_loss(local, labels, head.group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
+                              num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+    want = gather_logits if gather_logits is not None else loss is None
+    return CausalLMOutputWithPast(
+        loss=loss, logits=head.gather(local) if want else None, past_key_values=getattr(out, "past_key_values", None),
+        hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))
