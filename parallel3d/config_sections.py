@@ -227,6 +227,11 @@ class TensorParallelConfig(Section):
     """Ranks each layer is split over. DeepSpeed's AutoTP spelling `autotp_size` is the same
     setting (0 there means off, i.e. 1)."""
 
+    sequence_parallel: bool = False
+    """Run norms, residuals and dropout between the tensor-parallel regions on 1/size of the
+    sequence (Megatron's sequence parallelism): all-gather / reduce-scatter replace the
+    all-reduces; same numbers, less activation memory. The sequence length must divide by size."""
+
     @classmethod
     def known_keys(cls) -> list[str]:
         return [*super().known_keys(), "autotp_size"]

@@ -48,12 +48,14 @@ class Engine:
         mesh: Mesh3D,
         optimizer: ZeroOptimizer,
         lr_scheduler=None,
+        tp_info=None,
     ) -> None:
         self.module = module
         self.config = config
         self.mesh = mesh
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        self.tp_info = tp_info
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.global_steps = 0
         self.micro_steps = 0
@@ -147,9 +149,20 @@ class Engine:
         return self.optimizer.memory_report()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter by name, whole and in fp32 (collective over dp)."""
+        """Every trainable parameter by name, whole and in fp32 (collective over dp and tp).
+
+        Tensor-parallel shards are gathered over tp and reassembled as the unmodified model
+        would hold them (vocabulary padding removed).
+        """
         by_param = self.optimizer.full_fp32_params()
-        return {name: by_param[p] for name, p in self.module.named_parameters() if p in by_param}
+        full = {name: by_param[p] for name, p in self.module.named_parameters() if p in by_param}
+        if self.tp_info is not None:
+            for name, spec in self.tp_info.shard_specs.items():
+                if name in full:
+                    shards = [torch.empty_like(full[name]) for _ in range(self.mesh.tp)]
+                    dist.all_gather(shards, full[name], group=self.mesh.group("tp"))
+                    full[name] = spec.unshard(shards)
+        return full
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
         """Write this rank's shard under ``save_dir/tag`` (default ``global_step{N}``).

@@ -3,8 +3,9 @@
 The order matters and is fixed: (1) validate everything that can be validated without
 talking to other ranks, so a bad config fails the same way on every rank before any
 collective; (2) build the pp x dp x tp mesh; (3) cast the model to its working precision;
-(4) hand the trainable parameters to ZeRO over the dp group (stage 3 also gets the model's
-repeated blocks as fetch units).
+(4) with tp > 1, replace the model's projections by tensor-parallel layers holding this
+rank's shards; (5) hand the trainable parameters to ZeRO over the dp group (stage 3 also
+gets the model's repeated blocks as fetch units; tp-split params are marked for the norm).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from parallel3d.engine import Engine
 from parallel3d.errors import ConfigError
 from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
+from parallel3d.tensor_parallel import apply_tensor_parallel
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
 
 logger = logging.getLogger(__name__)
@@ -145,20 +147,28 @@ def initialize(
     ensure_process_group(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config, world)
-    if cfg.tensor_parallel.size > 1 or cfg.pipeline.stages > 1:
+    if cfg.pipeline.stages > 1:
         raise ConfigError(
-            f"tensor_parallel.size {cfg.tensor_parallel.size} / pipeline.stages {cfg.pipeline.stages}: "
-            "tensor and pipeline parallelism are not implemented yet; both must be 1"
+            f"pipeline.stages {cfg.pipeline.stages}: pipeline parallelism is not wired into initialize yet; must be 1"
         )
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     groups = _param_groups(model, model_parameters)
+    names = {p: n for n, p in model.named_parameters()}
+    group_names = [[names[p] for p in g["params"]] for g in groups]
     factory = _optimizer_factory(cfg, optimizer, groups)
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one")
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device)
     dtype = _working_dtype(cfg)
     model.to(device)
+    # Order (torchtitan's): tensor parallelism first, on full-precision weights, then ZeRO
+    # shards each tp rank's pieces over its dp group.
+    tp_info = None
+    if mesh.tp > 1:
+        tp_info = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+        by_name = dict(model.named_parameters())
+        groups = [dict(g, params=[by_name[n] for n in ns]) for g, ns in zip(groups, group_names)]
     trainable = {id(p) for g in groups for p in g["params"]}
     for p in model.parameters():
         if id(p) not in trainable and p.is_floating_point():
@@ -181,7 +191,9 @@ def initialize(
         dtype=dtype,
         loss_scaler=_loss_scaler(cfg),
         fetch_modules=fetch_unit_modules(model) if z.stage == 3 else (),
+        model_parallel_params=tp_info.sharded_params if tp_info else (),
+        model_parallel_group=mesh.group("tp") if tp_info else None,
     )
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
-    engine = Engine(model, cfg, mesh, zero_opt, scheduler)
+    engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

@@ -171,14 +171,9 @@ WORLD_CASES = {
     "world_not_divisible_by_tp": (
         {"tensor_parallel": {"size": 4}},
         "world size 2 is not divisible by tensor_parallel.size 4 x pipeline.stages 1 = 4"),
-    "tp_not_implemented": (
-        {"tensor_parallel": {"size": 2}, "train_batch_size": 2},
-        "tensor_parallel.size 2 / pipeline.stages 1: tensor and pipeline parallelism are not implemented yet; "
-        "both must be 1"),
     "pp_not_implemented": (
         {"pipeline": {"stages": 2}, "train_batch_size": 2},
-        "tensor_parallel.size 1 / pipeline.stages 2: tensor and pipeline parallelism are not implemented yet; "
-        "both must be 1"),
+        "pipeline.stages 2: pipeline parallelism is not wired into initialize yet; must be 1"),
 }
 
 
