@@ -34,6 +34,9 @@ class GradientReducer:
         group: the data-parallel process group.
         stage: ZeRO stage 0-3.
         overlap_comm: start each unit's collective asynchronously from the hook.
+        accumulate_full: keep full gradient buffers (``.grad`` views) and reduce only at the
+            window's end; the default is stages 0-1. Pipelines set it for every stage: their
+            gradients are reduced once per step, after the tied-embedding sum.
         on_unit_reduced: called with a unit once its gradients are handed to the
             collective (stage 3 releases the gathered params there).
     """
@@ -47,13 +50,14 @@ class GradientReducer:
         stage: int,
         overlap_comm: bool = True,
         on_unit_reduced: Callable[[FlatUnit], None] | None = None,
+        accumulate_full: bool | None = None,
     ) -> None:
         self.units = list(units)
         self.group = group
         self.stage = stage
         self.overlap = overlap_comm
         self.on_unit_reduced = on_unit_reduced
-        self.accumulate_full = stage <= 1
+        self.accumulate_full = stage <= 1 if accumulate_full is None else accumulate_full
         self.group_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.boundary = True
         self._unit_index: dict[nn.Parameter, tuple[int, int]] = {}
@@ -80,7 +84,8 @@ class GradientReducer:
             return
         for unit in self.units:
             for p, view in zip(unit.params, unit.views(unit.grad_full)):
-                p.grad = view
+                # a released stage-3 param has no shape to take a gradient of
+                p.grad = view if unit.is_materialized else None
 
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward: ``boundary`` marks the last micro-batch of a window."""
@@ -162,6 +167,11 @@ class GradientReducer:
             if not self._launched[ui]:
                 self._launch(ui)
         self._drain()
+
+    def reduce_all(self) -> None:
+        """Reduce every unit now (the end of a step whose backward passes deferred it)."""
+        self.start_backward(boundary=True)
+        self.finish_backward()
 
     def zero_grad(self) -> None:
         for unit in self.units:

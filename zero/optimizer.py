@@ -38,6 +38,11 @@ class ZeroSettings:
     param_persistence_threshold: int = 100_000
     max_live_parameters: int = 1_000_000_000
     gradient_clipping: float = 0.0
+    defer_reduction: bool = False
+    """Accumulate full gradients through the whole step and reduce them once, when the caller
+    says (``reduce_gradients``); stage 3 then holds its params gathered for the step. For
+    pipeline schedules, whose backward passes interleave and whose tied-embedding gradients
+    must be summed across stages before ZeRO reduces them."""
 
 
 class ZeroOptimizer:
@@ -105,13 +110,15 @@ class ZeroOptimizer:
                 group,
                 prefetch_numel=settings.prefetch_bucket_size,
                 max_live_numel=settings.max_live_parameters,
+                module_hooks=not settings.defer_reduction,
             )
         self.reducer = GradientReducer(
             self.units,
             group,
             settings.stage,
             overlap_comm=settings.overlap_comm,
-            on_unit_reduced=self._release_after_reduce if self.fetcher else None,
+            on_unit_reduced=self._release_after_reduce if self.fetcher and not settings.defer_reduction else None,
+            accumulate_full=True if settings.defer_reduction else None,
         )
         self.masters = [nn.Parameter(u.master) for u in self.units]
         inner_groups = []
@@ -171,6 +178,16 @@ class ZeroOptimizer:
         if self.fetcher is not None:
             self.fetcher.end_step_recording()
             self.fetcher.release_all()
+
+    def gather_for_step(self) -> None:
+        """``defer_reduction``: materialize every stage-3 unit for the step and point ``.grad`` at the buffers."""
+        if self.fetcher is not None:
+            self.fetcher.gather_all()
+            self.reducer.install_grad_views()
+
+    def reduce_gradients(self) -> None:
+        """``defer_reduction``: reduce every unit's accumulated gradients over dp, now."""
+        self.reducer.reduce_all()
 
     def gather_for_forward(self) -> None:
         """Stage 3: materialize the root units before the model's forward."""

@@ -38,6 +38,8 @@ class ParamFetcher:
         prefetch_numel: prefetch ahead while the units in flight hold fewer elements than
             this (0 disables prefetch).
         max_live_numel: never hold more gathered elements than this through prefetch.
+        module_hooks: gather and release around each module's forward and backward; off
+            when the caller holds everything gathered for a whole step (pipelines).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class ParamFetcher:
         group: dist.ProcessGroup | None,
         prefetch_numel: int,
         max_live_numel: int,
+        module_hooks: bool = True,
     ) -> None:
         self.module_units = list(module_units)
         self.root_units = list(root_units)
@@ -58,7 +61,7 @@ class ParamFetcher:
         self._recording = True
         self._position: dict[int, int] = {}
         self._hooks = []
-        for mi, (module, _) in enumerate(self.module_units):
+        for mi, (module, _) in enumerate(self.module_units if module_hooks else ()):
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mi)))
             self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, mi)))
 
@@ -98,6 +101,10 @@ class ParamFetcher:
 
     def gather_root(self) -> None:
         self.gather(self.root_units)
+
+    def gather_all(self) -> None:
+        """Materialize every unit (held for a whole step)."""
+        self.gather(self.root_units + [u for _, us in self.module_units for u in us])
 
     def release_all(self) -> None:
         """Release every gathered unit (end of a step, or after a forward without grad)."""
