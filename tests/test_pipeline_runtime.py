@@ -1,0 +1,282 @@
+"""Pipeline runtime: stage split, p2p and the executor against the single-process model.
+
+Every rank builds the same tiny model, computes the oracle (mean micro-batch loss and its
+gradient, fp32) itself, then splits a copy and runs a schedule; it returns only the loss and
+the worst relative gradient errors, so nothing large crosses the harness. Micro-batches carry
+padding and ignored labels, so token counts differ between them: the oracle is the mean of
+the micro-batch losses (the executor's definition), which also checks the 1/m scaling.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from parallel3d.errors import ConfigError
+from tests.tiny_pp import FAMILIES, LAYERS, make_pp_model, micro_batches, oracle
+
+RTOL = 1e-5
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
+M = 4  # micro-batches: a multiple of P for interleaving, >= P for 1f1b / zb_h1
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def _pp_group(pp: int):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = dist.get_world_size() // pp
+    return init_device_mesh("cpu", (pp, dp, 1), mesh_dim_names=("pp", "dp", "tp"))["pp"].get_group()
+
+
+def parity(kind: str, pp: int, attn: str, schedules: tuple[str, ...]) -> dict:
+    """On every rank: each schedule's loss and gradients against the single-process model."""
+    import torch.distributed as dist
+
+    from parallel3d.pipeline.executor import PipelineExecutor
+    from parallel3d.pipeline.stage import split_model
+
+    group = _pp_group(pp)
+    rank = dist.get_rank(group)
+    ref = make_pp_model(kind, attn=attn)
+    batches = micro_batches(M)
+    want_loss, want = oracle(ref, batches)
+    out = {}
+    for schedule in schedules:
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        pipe = split_model(copy.deepcopy(ref), pp, rank, virtual_stages=v)
+        loss = PipelineExecutor(pipe, group, schedule).run(batches)
+        errors, missing = {}, []
+        for name, p in pipe.hf_named_parameters():
+            if p.grad is None:
+                missing.append(name)
+            else:
+                errors[name] = _rel(p.grad, want[name])
+        tied = {t.name: _rel(t.param.grad, want[t.name]) for t in pipe.tied}
+        out[schedule] = {"loss": loss.item(), "want": want_loss, "errors": errors, "missing": missing,
+                         "tied": tied, "names": sorted(errors) + missing}
+    return out
+
+
+CASES = [(kind, pp, "sdpa") for kind in FAMILIES for pp in (2, 4)] + [("llama", 2, "eager"), ("gpt2", 4, "eager")]
+
+
+@pytest.mark.parametrize("kind,pp,attn", CASES, ids=lambda v: str(v))
+def test_every_schedule_matches_single_process(dist, kind, pp, attn):
+    results = dist.run(pp, parity, kind, pp, attn, SCHEDULES)
+    all_names = {n for n, _ in make_pp_model(kind).named_parameters(remove_duplicate=False)}
+    for schedule in SCHEDULES:
+        seen: set[str] = set()
+        for rank, r in enumerate(results):
+            got = r[schedule]
+            assert got["loss"] == pytest.approx(got["want"], rel=RTOL), f"{schedule} rank {rank} loss"
+            assert not got["missing"], f"{schedule} rank {rank}: no gradient for {got['missing']}"
+            worst = max(got["errors"], key=got["errors"].get)
+            assert got["errors"][worst] < RTOL, f"{schedule} rank {rank}: {worst} off by {got['errors'][worst]:.2e}"
+            seen.update(got["names"])
+            if kind in ("qwen2", "gpt2"):  # tied head: a copy on ranks 0 and P-1, summed gradient
+                assert len(got["tied"]) == (1 if rank in (0, pp - 1) else 0), got["tied"]
+            for name, err in got["tied"].items():
+                assert err < RTOL, f"{schedule} rank {rank}: tied {name} off by {err:.2e}"
+        tied_aliases = {"lm_head.weight"} if kind in ("qwen2", "gpt2") else set()
+        assert seen | tied_aliases == all_names, f"{schedule}: parameters held by no rank: {all_names - seen}"
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks, timeline, evaluation, accumulation over two steps, activation checkpointing,
+# P = 1 with local hand-offs, tied copies stay bitwise equal, executor bad input
+
+
+def extras(tmp: str) -> dict:
+    import torch.distributed as dist
+
+    from parallel3d.pipeline.draw import read_chrome_trace
+    from parallel3d.pipeline.executor import PipelineExecutor
+    from parallel3d.pipeline.stage import split_model
+
+    out: dict = {}
+    group = _pp_group(2)
+    rank = dist.get_rank(group)
+    ref = make_pp_model("gpt2")
+    batches = micro_batches(M)
+    want_loss, want = oracle(ref, batches)
+
+    # hooks around every B and W; is_last once per chunk, on the weight-accumulating pass.
+    # zb_h1 runs with activation checkpointing: recomputation under the split backward
+    for schedule in ("zb_h1", "interleaved_1f1b"):
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        pipe = split_model(copy.deepcopy(ref), 2, rank, virtual_stages=v,
+                           activation_checkpointing=schedule == "zb_h1")
+        calls: list = []
+        ex = PipelineExecutor(pipe, group, schedule, before_backward=lambda bp: calls.append(("pre", *bp)),
+                              after_backward=lambda bp: calls.append(("post", *bp)), record=True)
+        loss = ex.run(batches)
+        out[schedule] = {"loss": loss.item(), "calls": list(calls), "timeline": ex.gather_timeline()}
+        if schedule == "zb_h1":
+            path = ex.write_chrome_trace(f"{tmp}/trace.json")
+            out["trace"] = (path is not None, read_chrome_trace(path) if path else None)
+        # a second step accumulates into .grad; the tied copies stay bitwise equal
+        ex.run(batches)
+        out[schedule]["tied_grad"] = [t.param.grad.clone() for t in pipe.tied]
+        out[schedule]["grad2"] = max(_rel(p.grad, 2 * want[n]) for n, p in pipe.hf_named_parameters())
+        out[schedule]["eval"] = ex.evaluate(batches).item()
+
+    # P = 1 (pp groups of one rank): interleaved chunks hand over locally, the tie stays one tensor
+    solo = _pp_group(1)
+    pipe = split_model(copy.deepcopy(ref), 1, 0, virtual_stages=2)
+    loss = PipelineExecutor(pipe, solo, "interleaved_1f1b").run(batches)
+    out["solo"] = {"loss": loss.item(), "tied": len(pipe.tied),
+                   "err": max(_rel(p.grad, want[n]) for n, p in pipe.hf_named_parameters())}
+    out["want"] = want_loss
+
+    # bad input to the executor, before any communication
+    pipe = split_model(copy.deepcopy(ref), 2, rank)
+    errors = []
+    for schedule, batch in (("1f1b", batches[:1]), ("gpipe", [{"input_ids": batches[0]["input_ids"]}]),
+                            ("gpipe", [{**batches[0], "token_type_ids": batches[0]["input_ids"]}])):
+        try:
+            PipelineExecutor(pipe, group, schedule).run(batch)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    for schedule, v in (("interleaved_1f1b", 1), ("pipedream", 1)):
+        try:
+            PipelineExecutor(pipe, group, schedule)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    out["errors"] = errors
+    return out
+
+
+def test_hooks_timeline_eval_and_local_handoff(dist, tmp_path):
+    results = dist.run(2, extras, str(tmp_path))
+    want = results[0]["want"]
+    for rank, r in enumerate(results):
+        for schedule in ("zb_h1", "interleaved_1f1b"):
+            got = r[schedule]
+            assert got["loss"] == pytest.approx(want, rel=RTOL)
+            assert got["eval"] == pytest.approx(want, rel=RTOL)
+            assert got["grad2"] < RTOL, "a second run must accumulate into .grad"
+            v = 2 if schedule == "interleaved_1f1b" else 1
+            pre = [c[1:] for c in got["calls"] if c[0] == "pre"]
+            post = [c[1:] for c in got["calls"] if c[0] == "post"]
+            assert pre == post
+            kinds = {"B", "W"} if schedule == "zb_h1" else {"B"}
+            assert {c[2] for c in pre} == kinds
+            assert len(pre) == M * v * len(kinds)
+            weight_passes = [c for c in pre if c[3]]  # accumulates_weights
+            assert all(c[2] == ("W" if schedule == "zb_h1" else "B") for c in weight_passes)
+            assert len(weight_passes) == M * v
+            lasts = [c for c in pre if c[4]]
+            assert sorted(c[1] for c in lasts) == list(range(v)), "is_last once per chunk"
+            assert [c for c in pre if c[5]] == [weight_passes[-1]]
+            # timeline: every compute action of both ranks, ordered, non-overlapping per rank
+            tl = got["timeline"]
+            assert len(tl) == 2 * M * v * (3 if schedule == "zb_h1" else 2)
+            for rk in range(2):
+                mine = [iv for iv in tl if iv.rank == rk]
+                assert all(a.end <= b.start + 1e-9 for a, b in zip(mine, mine[1:]))
+                assert all(iv.end >= iv.start >= 0 for iv in mine)
+        assert torch.equal(results[0]["zb_h1"]["tied_grad"][0], results[1]["zb_h1"]["tied_grad"][0])
+        assert r["solo"]["loss"] == pytest.approx(want, rel=RTOL)
+        assert r["solo"]["err"] < RTOL and r["solo"]["tied"] == 0
+    written, intervals = results[0]["trace"]
+    assert written and results[1]["trace"] == (False, None)
+    assert sorted((iv.rank, iv.kind, iv.microbatch) for iv in intervals) == sorted(
+        (iv.rank, iv.kind, iv.microbatch) for iv in results[0]["zb_h1"]["timeline"])
+    errors = results[0]["errors"]
+    assert len(errors) == 5, errors
+    assert "schedule '1f1b' needs at least as many micro-batches as pipeline stages, got 1" in errors[0]
+    assert "micro-batch 0 must be a dict with 'input_ids' and 'labels'" in errors[1]
+    assert "micro-batch 0 has unsupported keys ['token_type_ids']" in errors[2]
+    assert "schedule 'interleaved_1f1b' needs virtual_stages >= 2" in errors[3]
+    assert "unknown pipeline schedule 'pipedream'" in errors[4]
+
+
+# ---------------------------------------------------------------------------------------------
+# splitting without processes: balance, partition, memory, bad input
+
+
+def _blocks(pipe) -> list[list[int]]:
+    return [c.block_indices for c in pipe.chunks]
+
+
+def test_balance_methods_and_partition():
+    from parallel3d.pipeline.stage import partition_blocks, split_model
+
+    # equal blocks, a heavy embedding: parameter balancing gives stage 0 fewer blocks
+    assert partition_blocks([1.0] * 8, 3) == [3, 3, 2] or partition_blocks([1.0] * 8, 3) == [2, 3, 3]
+    assert partition_blocks([1.0] * 8, 2, first_extra=2.0) == [3, 5]
+    assert partition_blocks([1.0, 1.0, 4.0, 1.0], 2) == [2, 2]
+    big_vocab = dict(vocab_size=4000)
+    by_params = [_blocks(split_model(make_pp_model("llama", **big_vocab), 4, r)) for r in range(4)]
+    assert by_params[0][0][0] == 0 and by_params[-1][0][-1] == LAYERS - 1
+    assert len(by_params[0][0]) < len(by_params[1][0]), by_params  # 128k-param embedding vs ~13k blocks
+    by_layers = [_blocks(split_model(make_pp_model("llama"), 3, r, balance="layers")) for r in range(3)]
+    assert by_layers == [[[0, 1, 2]], [[3, 4, 5]], [[6, 7]]]
+    explicit = [_blocks(split_model(make_pp_model("gpt2"), 2, r, virtual_stages=2, partition=[1, 3, 2, 2]))
+                for r in range(2)]
+    assert explicit == [[[0], [4, 5]], [[1, 2, 3], [6, 7]]]  # chunk c of rank r is stage c*P + r
+
+
+def test_split_keeps_only_this_ranks_parameters():
+    from parallel3d.pipeline.stage import split_model
+
+    for kind in ("llama", "gpt2"):
+        ref = make_pp_model(kind)
+        full = {n: p.numel() for n, p in ref.named_parameters()}
+        held = []
+        for rank in range(4):
+            model = copy.deepcopy(ref)
+            pipe = split_model(model, 4, rank)
+            names = [n for n, _ in pipe.hf_named_parameters()]
+            held.append(set(names))
+            # the HF shell keeps exactly the stage's parameters, under the same names
+            assert {n for n, _ in model.named_parameters()} == set(names) or kind == "gpt2"
+            assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in pipe.parameters())
+            assert sum(p.numel() for p in pipe.parameters()) < 0.45 * sum(full.values())
+        assert set().union(*held) | {"lm_head.weight"} >= set(full)
+        if kind == "gpt2":
+            assert "transformer.wte.weight" in held[0] and "lm_head.weight" in held[3]
+            assert "transformer.wpe.weight" in held[0]
+
+
+def test_bad_split_input():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from parallel3d.pipeline.stage import split_model
+
+    cases = [
+        (lambda: split_model(make_pp_model("llama", num_hidden_layers=3), 4, 0),
+         "LlamaForCausalLM has 3 blocks (model.layers) but 4 stages need at least one block each; use at most 3 "
+         "stages"),
+        (lambda: split_model(make_pp_model("llama", num_hidden_layers=6), 4, 0, virtual_stages=2),
+         "LlamaForCausalLM has 6 blocks (model.layers) but 4 stages x 2 virtual stages = 8 model chunks need at "
+         "least one block each"),
+        (lambda: split_model(make_pp_model("gpt2", n_layer=10), 2, 0, virtual_stages=2),
+         "interleaving needs the number of blocks to be a multiple of num_stages x virtual_stages (Megatron's "
+         "rule), got 10 blocks for 2 stages x 2 virtual stages = 4 model chunks"),
+        (lambda: split_model(make_pp_model("llama"), 2, 0, partition=[3, 4]),
+         "pipeline.partition [3, 4] sums to 7 blocks but LlamaForCausalLM has 8 blocks (model.layers)"),
+        (lambda: split_model(make_pp_model("llama"), 2, 0, partition=[8]),
+         "pipeline.partition has 1 entries but the pipeline has 2 stages"),
+        (lambda: split_model(make_pp_model("llama"), 2, 0, partition=[0, 8]),
+         "pipeline.partition [0, 8] has a stage with fewer than 1 block"),
+        (lambda: split_model(make_pp_model("llama"), 2, 0, balance="flops"),
+         "pipeline balance 'flops' is unknown; allowed: parameters, layers"),
+        (lambda: split_model(make_pp_model("llama"), 2, 2), "pipeline rank must be in [0, 2), got 2"),
+        (lambda: split_model(OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=2,
+                                                      num_attention_heads=2, word_embed_proj_dim=16)), 2, 0),
+         "pipeline parallelism does not support OPTForCausalLM (model_type='opt'); supported families: llama "
+         "(LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), gpt_neox (GPTNeoXForCausalLM), gpt2 (GPT2LMHeadModel)"),
+        (lambda: split_model(make_pp_model("llama").model, 2, 0),
+         "LlamaModel (model_type='llama') has no embed_tokens module at 'model.embed_tokens'"),
+    ]
+    for make, message in cases:
+        with pytest.raises(ConfigError) as info:
+            make()
+        assert message in str(info.value), str(info.value)
