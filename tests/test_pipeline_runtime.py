@@ -148,7 +148,19 @@ def extras(tmp: str) -> dict:
             PipelineExecutor(pipe, group, schedule)
         except ConfigError as exc:
             errors.append(str(exc))
+    try:
+        pipe(batches[0]["input_ids"])
+    except ConfigError as exc:
+        errors.append(str(exc))
     out["errors"] = errors
+
+    # tied copies made unequal are re-synchronised from pp rank 0
+    from parallel3d.pipeline.stage import sync_tied_params
+
+    with torch.no_grad():
+        pipe.tied[0].param.add_(float(rank))
+    sync_tied_params(pipe, group)
+    out["synced"] = pipe.tied[0].param.detach().clone()
     return out
 
 
@@ -189,12 +201,14 @@ def test_hooks_timeline_eval_and_local_handoff(dist, tmp_path):
     assert sorted((iv.rank, iv.kind, iv.microbatch) for iv in intervals) == sorted(
         (iv.rank, iv.kind, iv.microbatch) for iv in results[0]["zb_h1"]["timeline"])
     errors = results[0]["errors"]
-    assert len(errors) == 5, errors
+    assert len(errors) == 6, errors
     assert "schedule '1f1b' needs at least as many micro-batches as pipeline stages, got 1" in errors[0]
     assert "micro-batch 0 must be a dict with 'input_ids' and 'labels'" in errors[1]
     assert "micro-batch 0 has unsupported keys ['token_type_ids']" in errors[2]
     assert "schedule 'interleaved_1f1b' needs virtual_stages >= 2" in errors[3]
     assert "unknown pipeline schedule 'pipedream'" in errors[4]
+    assert "a pipelined model is not called directly: run a step with PipelineExecutor.run" in errors[5]
+    assert torch.equal(results[0]["synced"], results[1]["synced"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,3 +294,29 @@ def test_bad_split_input():
         with pytest.raises(ConfigError) as info:
             make()
         assert message in str(info.value), str(info.value)
+
+
+def test_stages_chained_by_hand_match_hf_with_sliding_window_layers():
+    """Qwen2 with sliding-window layers: each stage builds the mask of each block's layer type
+    (eager and sdpa), so stages run in sequence in one process give HF's loss and gradients."""
+    from parallel3d.pipeline.stage import split_model
+
+    for attn in ("sdpa", "eager"):
+        ref = make_pp_model("qwen2", attn=attn, use_sliding_window=True, sliding_window=3, max_window_layers=4)
+        assert set(ref.config.layer_types) == {"full_attention", "sliding_attention"}
+        batches = micro_batches(2)
+        want_loss, want = oracle(ref, batches)
+        pipes = [split_model(copy.deepcopy(ref), 2, r, partition=[3, 5]) for r in range(2)]
+        total = 0.0
+        for mb in batches:
+            x = mb["input_ids"]
+            for pipe in pipes:
+                chunk = pipe.chunks[0]
+                x = chunk(x, attention_mask=mb.get("attention_mask"), labels=mb["labels"] if chunk.is_last else None)
+            (x / len(batches)).backward()
+            total += x.item() / len(batches)
+        assert total == pytest.approx(want_loss, rel=RTOL)
+        for pipe in pipes:
+            for name, p in pipe.hf_named_parameters():
+                if not any(t.param is p for t in pipe.tied):  # the tie is summed by the executor
+                    assert _rel(p.grad, want[name]) < RTOL, name

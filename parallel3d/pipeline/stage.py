@@ -325,7 +325,8 @@ class PipelineModel(nn.Module):
         return list(self.chunks[chunk].parameters())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("a PipelineModel is run by PipelineExecutor.run(micro_batches), not called directly")
+        raise ConfigError("a pipelined model is not called directly: run a step with "
+                          "PipelineExecutor.run(micro_batches) (engine.train_batch)")
 
 
 def _module_of(model: nn.Module, anatomy: PipelineAnatomy, layout: StageLayout, param_name: str) -> int | None:
