@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
-from typing import Annotated, Any, ClassVar, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic import field_validator, model_validator
@@ -260,11 +260,34 @@ class TensorParallelConfig(Section):
 class PipelineConfig(Section):
     """`pipeline`: the pp dimension of the mesh."""
 
-    ds_unimplemented = {"partition": "best", "seed_layers": False, "activation_checkpoint_interval": 0,
+    ds_unimplemented = {"seed_layers": False, "activation_checkpoint_interval": 0,
                         "pipe_partitioned": True, "grad_partitioned": True}
 
     stages: PositiveInt = 1
     """Pipeline stages the model is split into (DeepSpeed's "auto" is not supported)."""
+
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"] = "1f1b"
+    """The schedule over the gradient_accumulation_steps micro-batches of a batch: GPipe,
+    1F1B (PipeDream-Flush), Megatron's interleaved 1F1B (needs virtual_stages >= 2) or
+    zero-bubble ZB-H1 (backward split into input- and weight-gradient passes)."""
+
+    virtual_stages: PositiveInt = 1
+    """Model chunks per rank for interleaved_1f1b (chunk c of rank r is stage c*stages + r)."""
+
+    partition: Optional[list[PositiveInt]] = None
+    """Blocks per stage (per chunk with virtual stages), summing to the model's block count;
+    None balances by `balance`."""
+
+    balance: Literal["parameters", "layers"] = "parameters"
+    """How blocks are spread when `partition` is not given: equal parameter counts (the
+    embedding counted on the first stage, norm and head on the last) or equal block counts."""
+
+    activation_checkpointing: bool = False
+    """Recompute each block's forward in backward instead of keeping its activations."""
+
+    record_timeline: bool = False
+    """Record every pipeline action's start and end on every rank, for
+    `engine.write_timeline(path)` (a Chrome-trace JSON that `zero3d plot` can draw)."""
 
 
 # --- optimizer -----------------------------------------------------------------------------

@@ -148,6 +148,10 @@ class Engine:
         """Bytes of model state on this rank: params, gradients, master params, optimizer states."""
         return self.optimizer.memory_report()
 
+    def named_parameters(self):
+        """(HF name, parameter) of the parameters this rank trains."""
+        return self.module.named_parameters()
+
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter by name, whole and in fp32 (collective over dp and tp).
 
@@ -155,7 +159,7 @@ class Engine:
         would hold them (vocabulary padding removed).
         """
         by_param = self.optimizer.full_fp32_params()
-        full = {name: by_param[p] for name, p in self.module.named_parameters() if p in by_param}
+        full = {name: by_param[p] for name, p in self.named_parameters() if p in by_param}
         if self.tp_info is not None:
             for name, spec in self.tp_info.shard_specs.items():
                 if name in full:
@@ -181,7 +185,7 @@ class Engine:
 
     def checkpoint_layout(self) -> list[dict]:
         """Where each parameter lives in this rank's master shards (for export without the engine)."""
-        names = {p: n for n, p in self.module.named_parameters()}
+        names = {p: n for n, p in self.named_parameters()}
         return [
             {
                 "names": [names[p] for p in unit.params],

@@ -24,6 +24,8 @@ from parallel3d.engine import Engine
 from parallel3d.errors import ConfigError
 from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
+from parallel3d.pipeline.stage import PipelineModel, split_model
+from parallel3d.pipeline_engine import PipelineEngine
 from parallel3d.tensor_parallel import apply_tensor_parallel
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
 
@@ -103,6 +105,35 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
     return lambda inner_groups: cls(inner_groups, **kwargs)
 
 
+def _split_for_pipeline(model: nn.Module, cfg: Zero3DConfig, mesh) -> PipelineModel:
+    """Keep this pp rank's chunks of ``model`` (the rest is removed from it)."""
+    p = cfg.pipeline
+    return split_model(
+        model,
+        mesh.pp,
+        mesh.local_rank("pp"),
+        virtual_stages=p.virtual_stages,
+        partition=p.partition,
+        balance=p.balance,
+        activation_checkpointing=p.activation_checkpointing,
+    )
+
+
+def _stage_groups(pipe: PipelineModel, groups: list[dict], group_names: list[list[str]]) -> list[dict]:
+    """The user's param groups restricted to this stage's params (a tied copy joins its original's group)."""
+    group_of = {n: gi for gi, names in enumerate(group_names) for n in names}
+    for tied in pipe.tied:
+        owner = next((group_of[n] for n in tied.names if n in group_of), None)
+        for n in tied.names:
+            if owner is not None:
+                group_of.setdefault(n, owner)
+    staged: list[list[nn.Parameter]] = [[] for _ in groups]
+    for name, param in pipe.hf_named_parameters():
+        if name in group_of and param.requires_grad:
+            staged[group_of[name]].append(param)
+    return [dict(g, params=ps) for g, ps in zip(groups, staged) if ps]
+
+
 def _lr_scheduler(cfg: Zero3DConfig, lr_scheduler: Any, optimizer: ZeroOptimizer):
     if lr_scheduler is not None:
         if hasattr(lr_scheduler, "step"):
@@ -147,9 +178,10 @@ def initialize(
     ensure_process_group(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config, world)
-    if cfg.pipeline.stages > 1:
+    if cfg.pipeline.stages > 1 and cfg.tensor_parallel.size > 1:
         raise ConfigError(
-            f"pipeline.stages {cfg.pipeline.stages}: pipeline parallelism is not wired into initialize yet; must be 1"
+            f"pipeline.stages {cfg.pipeline.stages} with tensor_parallel.size {cfg.tensor_parallel.size}: "
+            "tensor and pipeline parallelism in one run are not supported yet; use one of them"
         )
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
@@ -164,11 +196,14 @@ def initialize(
     model.to(device)
     # Order (torchtitan's): tensor parallelism first, on full-precision weights, then ZeRO
     # shards each tp rank's pieces over its dp group.
-    tp_info = None
+    tp_info = pipe = None
     if mesh.tp > 1:
         tp_info = apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=cfg.tensor_parallel.sequence_parallel)
         by_name = dict(model.named_parameters())
         groups = [dict(g, params=[by_name[n] for n in ns]) for g, ns in zip(groups, group_names)]
+    if mesh.pp > 1:
+        pipe = _split_for_pipeline(model, cfg, mesh)
+        groups = _stage_groups(pipe, groups, group_names)
     trainable = {id(p) for g in groups for p in g["params"]}
     for p in model.parameters():
         if id(p) not in trainable and p.is_floating_point():
@@ -182,6 +217,7 @@ def initialize(
         param_persistence_threshold=z.stage3_param_persistence_threshold,
         max_live_parameters=z.stage3_max_live_parameters,
         gradient_clipping=cfg.gradient_clipping,
+        defer_reduction=pipe is not None,
     )
     zero_opt = ZeroOptimizer(
         groups,
@@ -193,7 +229,12 @@ def initialize(
         fetch_modules=fetch_unit_modules(model) if z.stage == 3 else (),
         model_parallel_params=tp_info.sharded_params if tp_info else (),
         model_parallel_group=mesh.group("tp") if tp_info else None,
+        norm_groups=[mesh.group("pp")] if pipe else (),
+        norm_duplicate_params=[t.param for t in pipe.tied if not t.first] if pipe else (),
     )
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
-    engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info)
+    if pipe is not None:
+        engine = PipelineEngine(model, cfg, mesh, zero_opt, scheduler, pipe)
+    else:
+        engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

@@ -171,9 +171,9 @@ WORLD_CASES = {
     "world_not_divisible_by_tp": (
         {"tensor_parallel": {"size": 4}},
         "world size 2 is not divisible by tensor_parallel.size 4 x pipeline.stages 1 = 4"),
-    "pp_not_implemented": (
-        {"pipeline": {"stages": 2}, "train_batch_size": 2},
-        "pipeline.stages 2: pipeline parallelism is not wired into initialize yet; must be 1"),
+    "pp_partition_sum": (
+        {"pipeline": {"stages": 2, "partition": [1, 2]}, "train_batch_size": 2},
+        "pipeline.partition [1, 2] sums to 3 blocks but LlamaForCausalLM has 2 blocks (model.layers)"),
 }
 
 

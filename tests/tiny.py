@@ -73,9 +73,11 @@ def ds_config(stage: int, gas: int, dp: int, clip: float = 0.5, lr: float = 1e-3
     }
 
 
-def oracle_run(kind: str, data: torch.Tensor, clip: float = 0.5, lr: float = 1e-3) -> tuple[list[float], dict[str, torch.Tensor]]:
+def oracle_run(
+    kind: str, data: torch.Tensor, clip: float = 0.5, lr: float = 1e-3, model: torch.nn.Module | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW over the global batch: per-step mean losses and final params."""
-    model = make_model(kind)
+    model = model if model is not None else make_model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     steps, gas, dp = data.shape[:3]
     losses = []

@@ -61,6 +61,7 @@ class FlatUnit:
         self.world = world
         self.persistent = persistent
         self.model_parallel = False  # split across a tensor-parallel group (for the grad norm)
+        self.count_in_norm = True  # False for copies whose gradient another rank counts
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [0]

@@ -62,6 +62,8 @@ class ZeroOptimizer:
             rank holds a different piece, so their squared grad norms are also summed over
             ``model_parallel_group``; all other params are replicated there and counted once.
         model_parallel_group: the tensor-parallel group of ``model_parallel_params``.
+        norm_duplicate_params: params whose gradient another rank of ``norm_groups`` also
+            holds (a tied embedding's copy on the last pipeline stage): left out of the norm.
         norm_groups: groups over which the whole squared norm is also summed (pipeline
             stages hold disjoint params).
     """
@@ -78,6 +80,7 @@ class ZeroOptimizer:
         model_parallel_params: Iterable[nn.Parameter] = (),
         model_parallel_group: dist.ProcessGroup | None = None,
         norm_groups: Sequence[dist.ProcessGroup] = (),
+        norm_duplicate_params: Iterable[nn.Parameter] = (),
     ) -> None:
         self.settings = settings
         self.group = group
@@ -87,20 +90,22 @@ class ZeroOptimizer:
         self.dp_world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.model_parallel_group = model_parallel_group
-        # Units never mix split and replicated params, so the norm can weigh each unit.
+        # Units never mix params the norm treats differently, so it can weigh whole units.
         split = {id(p) for p in model_parallel_params}
+        duplicate = {id(p) for p in norm_duplicate_params}
         params, origin = [], []
         for gi, g in enumerate(param_groups):
-            for is_split in (False, True):
-                ps = [p for p in g["params"] if (id(p) in split) == is_split]
+            for kind in ((False, False), (True, False), (False, True), (True, True)):
+                ps = [p for p in g["params"] if (id(p) in split, id(p) in duplicate) == kind]
                 if ps:
                     params.append(ps)
-                    origin.append((gi, is_split))
+                    origin.append((gi, *kind))
         device = params[0][0].device
         self.layout = self._layout(params, list(fetch_modules), device)
         self.units = self.layout.units
         for unit in self.units:
-            unit.group_index, unit.model_parallel = origin[unit.group_index]
+            unit.group_index, unit.model_parallel, duplicated = origin[unit.group_index]
+            unit.count_in_norm = not duplicated
         self._install_values()
         self.fetcher: ParamFetcher | None = None
         if settings.stage == 3:
@@ -218,8 +223,9 @@ class ZeroOptimizer:
         squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
         if grads:
             per_unit = torch.stack(torch._foreach_norm(grads)).pow(2)
+            counted = torch.tensor([u.count_in_norm for u in self.units], device=per_unit.device)
             split = torch.tensor([u.model_parallel for u in self.units], device=per_unit.device)
-            squares = torch.stack([per_unit[~split].sum(), per_unit[split].sum()])
+            squares = torch.stack([per_unit[counted & ~split].sum(), per_unit[counted & split].sum()])
         if self.settings.stage > 0 and self.dp_world > 1:
             dist.all_reduce(squares, group=self.group)
         if self.model_parallel_group is not None:
