@@ -1,9 +1,14 @@
-"""``zero3d plot RUN_DIR``: draw the loss (and validation, and learning-rate) curves of a run.
+"""``zero3d plot RUN_DIR | TRACE.json``: draw a run's loss curves, or a pipeline timeline.
 
-Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per line: ``step`` and any of ``loss``,
+``zero3d plot RUN_DIR`` reads ``RUN_DIR/metrics.jsonl`` (one JSON object per line: ``step`` and any of ``loss``,
 ``val_loss``, ``lr``; other keys and records are ignored) and writes ``RUN_DIR/loss.png``.
 A resumed run may log some steps twice (the steps between the last checkpoint and the crash);
 the last record of a step wins, since that is the history the final model has.
+
+``zero3d plot TRACE.json`` reads a pipeline Chrome trace (``engine.write_timeline(path)``, or
+``parallel3d.pipeline.draw.write_chrome_trace``) and writes ``TRACE.png`` next to it: a Gantt
+chart with one row per pp rank, drawn by :func:`parallel3d.pipeline.draw.draw_png`. The title
+carries the trace's schedule (from its ``otherData``) and :func:`timeline_stats`' bubble fraction.
 
 matplotlib is an optional dependency (``pip install 'zero3d[plot]'``), imported only here.
 """
@@ -17,8 +22,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from parallel3d.errors import ConfigError
+from parallel3d.pipeline.simulate import Interval
 
 logger = logging.getLogger(__name__)
 
@@ -112,18 +119,74 @@ def plot_metrics(run_dir: str | os.PathLike, out: str | os.PathLike | None = Non
     return out
 
 
+class TimelineStats(NamedTuple):
+    """Idle time of a timeline, measured the way ``simulate`` does.
+
+    ``span`` runs from the earliest start to the latest end over all ranks; ``busy[r]`` is
+    the summed length of rank r's compute intervals; ``bubble[r] = 1 - busy[r] / span`` and
+    ``bubble_fraction = 1 - sum(busy) / (P * span)`` (P = ranks in the timeline).
+    """
+
+    span: float
+    busy: list[float]
+    bubble: list[float]
+    bubble_fraction: float
+
+
+def timeline_stats(intervals: Sequence[Interval]) -> TimelineStats:
+    """:class:`TimelineStats` of ``intervals`` (a measured or simulated timeline)."""
+    if not intervals:
+        raise ConfigError("the pipeline timeline is empty (was pipeline.record_timeline on?)")
+    ranks = 1 + max(iv.rank for iv in intervals)
+    span = max(iv.end for iv in intervals) - min(iv.start for iv in intervals)
+    busy = [0.0] * ranks
+    for iv in intervals:
+        busy[iv.rank] += iv.end - iv.start
+    if span <= 0:
+        return TimelineStats(span, busy, [0.0] * ranks, 0.0)
+    return TimelineStats(span, busy, [1 - b / span for b in busy], 1 - sum(busy) / (ranks * span))
+
+
+def plot_timeline(trace: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
+    """Draw the Chrome trace ``trace`` as a Gantt chart PNG (default ``trace`` with ``.png``)."""
+    from parallel3d.pipeline.draw import draw_png, read_chrome_trace
+
+    trace = Path(trace)
+    intervals = read_chrome_trace(trace)
+    stats = timeline_stats(intervals)
+    try:
+        meta = json.loads(trace.read_text()).get("otherData") or {}
+    except (ValueError, AttributeError):
+        meta = {}
+    name = meta.get("schedule", trace.stem) if isinstance(meta, dict) else trace.stem
+    ranks = 1 + max(iv.rank for iv in intervals)
+    m = 1 + max(iv.microbatch for iv in intervals)
+    v = 1 + max(iv.chunk for iv in intervals)
+    title = (f"{name}: P={ranks} m={m}" + (f" V={v}" if v > 1 else "")
+             + f", span {stats.span * 1e3:.1f} ms, bubble {stats.bubble_fraction:.3f}")
+    out = Path(out) if out is not None else trace.with_suffix(".png")
+    draw_png(intervals, out, title=title, time_label="time (s)")
+    logger.info("wrote %s", out)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``zero3d plot``; returns the exit code."""
-    p = argparse.ArgumentParser(prog="zero3d plot", description="Plot train/validation loss of a run to a PNG.")
-    p.add_argument("run_dir", help="run directory containing metrics.jsonl")
-    p.add_argument("--out", help="output PNG (default RUN_DIR/loss.png)")
+    p = argparse.ArgumentParser(prog="zero3d plot", description="Plot train/validation loss of a run, or a "
+                                "pipeline timeline (Chrome-trace JSON), to a PNG.")
+    p.add_argument("run_dir", metavar="RUN_DIR|TRACE.json",
+                   help="run directory containing metrics.jsonl, or a pipeline Chrome trace (engine.write_timeline)")
+    p.add_argument("--out", help="output PNG (default RUN_DIR/loss.png, or TRACE.png next to the trace)")
     p.add_argument("--smooth", type=float, default=0.0, help="EMA factor in [0, 1) for the train loss (default 0: raw)")
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        out = plot_metrics(args.run_dir, args.out, args.smooth)
+        if Path(args.run_dir).is_file() or Path(args.run_dir).suffix == ".json":
+            out = plot_timeline(args.run_dir, args.out)
+        else:
+            out = plot_metrics(args.run_dir, args.out, args.smooth)
     except ConfigError as exc:
         print(f"zero3d plot: error: {exc}", file=sys.stderr)
         return 2

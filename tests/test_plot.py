@@ -66,3 +66,75 @@ def test_without_matplotlib(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # import fails
     assert main([str(tmp_path)]) == 2
     assert "needs matplotlib: pip install 'zero3d[plot]'" in capsys.readouterr().err
+
+
+# ---- zero3d plot TRACE.json: a pipeline timeline -------------------------------------------
+
+
+def write_trace(tmp_path, schedule: str = "1f1b", v: int = 1):
+    from parallel3d.pipeline import Costs, schedule_table, simulate
+    from parallel3d.pipeline.draw import write_chrome_trace
+
+    costs = Costs(f=0.01, b=0.01, w=0.01)  # seconds, as the engine records
+    res = simulate(schedule_table(schedule, 4, 8, v), costs)
+    path = write_chrome_trace(res.intervals, tmp_path / f"{schedule}.json",
+                              metadata={"schedule": schedule, "num_stages": 4, "virtual_stages": v})
+    return path, res
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)])
+def test_plot_timeline_writes_png(tmp_path, capsys, schedule, v):
+    pytest.importorskip("matplotlib")
+    trace, _ = write_trace(tmp_path, schedule, v)
+    assert main([str(trace)]) == 0
+    png = trace.with_suffix(".png")
+    assert capsys.readouterr().out.strip() == str(png)
+    data = png.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 10_000
+    assert main([str(trace), "--out", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_plot_timeline_title_and_draw_png_reused(tmp_path, monkeypatch):
+    """The Gantt chart is draw.py's draw_png, titled with the schedule and the bubble."""
+    import parallel3d.pipeline.draw as draw
+    from parallel3d.plot import plot_timeline
+
+    trace, res = write_trace(tmp_path, "1f1b")
+    calls = []
+    monkeypatch.setattr(draw, "draw_png", lambda ivs, path, **kw: calls.append((ivs, path, kw)) or path)
+    assert plot_timeline(trace) == trace.with_suffix(".png")
+    (ivs, path, kw), = calls
+    assert len(ivs) == len(res.intervals) == 4 * 8 * 2
+    assert kw["title"].startswith("1f1b: P=4 m=8, span 330.0 ms, bubble 0.273")  # (m+P-1)(F+B+W)
+    assert kw["time_label"] == "time (s)"
+
+
+def test_timeline_stats_match_simulate():
+    from parallel3d.pipeline import Costs, Interval, schedule_table, simulate
+    from parallel3d.plot import timeline_stats
+
+    for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]:
+        res = simulate(schedule_table(name, 4, 8, v), Costs(1, 2, 0.5))
+        stats = timeline_stats(res.intervals)
+        assert stats.span == pytest.approx(res.makespan)
+        assert stats.busy == pytest.approx(res.busy)
+        assert stats.bubble_fraction == pytest.approx(res.bubble_fraction)
+        assert sum(stats.bubble) / 4 == pytest.approx(res.bubble_fraction)
+    # measured timelines need not start at 0: the span runs from the first start
+    stats = timeline_stats([Interval(0, "F", 0, 0, 10.0, 11.0), Interval(1, "F", 0, 0, 11.0, 12.0)])
+    assert (stats.span, stats.busy, stats.bubble, stats.bubble_fraction) == (2.0, [1.0, 1.0], [0.5, 0.5], 0.5)
+
+
+@pytest.mark.parametrize("content,msg", [
+    (None, "cannot read a pipeline Chrome trace"),
+    ("not json", "cannot read a pipeline Chrome trace"),
+    ('{"traceEvents": []}', "timeline is empty"),
+])
+def test_plot_timeline_bad_input(tmp_path, capsys, content, msg):
+    trace = tmp_path / "trace.json"
+    if content is not None:
+        trace.write_text(content)
+    assert main([str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zero3d plot: error: ") and msg in err and err.count("\n") == 1
