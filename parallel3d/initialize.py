@@ -10,6 +10,7 @@ gets the model's repeated blocks as fetch units; tp-split params are marked for 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -26,7 +27,7 @@ from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.pipeline_engine import PipelineEngine
-from parallel3d.tensor_parallel import apply_tensor_parallel
+from parallel3d.tensor_parallel import apply_tensor_parallel, causal_lm_loss
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
 
 logger = logging.getLogger(__name__)
@@ -105,9 +106,18 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
     return lambda inner_groups: cls(inner_groups, **kwargs)
 
 
-def _split_for_pipeline(model: nn.Module, cfg: Zero3DConfig, mesh) -> PipelineModel:
-    """Keep this pp rank's chunks of ``model`` (the rest is removed from it)."""
+def _split_for_pipeline(model: nn.Module, cfg: Zero3DConfig, mesh, tp_info) -> PipelineModel:
+    """Keep this pp rank's chunks of ``model`` (the rest is removed from it).
+
+    Under tensor parallelism the last stage's head yields vocabulary-sharded logits, so its
+    loss is the vocab-parallel cross entropy over the tp group.
+    """
     p = cfg.pipeline
+    loss_fn = None
+    if tp_info is not None:
+        loss_fn = functools.partial(
+            _tp_causal_lm_loss, group=tp_info.group, vocab_start=tp_info.head.vocab_start, vocab_size=tp_info.vocab_size
+        )
     return split_model(
         model,
         mesh.pp,
@@ -116,7 +126,12 @@ def _split_for_pipeline(model: nn.Module, cfg: Zero3DConfig, mesh) -> PipelineMo
         partition=p.partition,
         balance=p.balance,
         activation_checkpointing=p.activation_checkpointing,
+        loss_fn=loss_fn,
     )
+
+
+def _tp_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, group, vocab_start: int, vocab_size: int):
+    return causal_lm_loss(logits, labels, group, vocab_start=vocab_start, vocab_size=vocab_size)
 
 
 def _stage_groups(pipe: PipelineModel, groups: list[dict], group_names: list[list[str]]) -> list[dict]:
@@ -178,10 +193,11 @@ def initialize(
     ensure_process_group(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config, world)
-    if cfg.pipeline.stages > 1 and cfg.tensor_parallel.size > 1:
+    if cfg.pipeline.stages > 1 and cfg.tensor_parallel.sequence_parallel:
         raise ConfigError(
-            f"pipeline.stages {cfg.pipeline.stages} with tensor_parallel.size {cfg.tensor_parallel.size}: "
-            "tensor and pipeline parallelism in one run are not supported yet; use one of them"
+            f"tensor_parallel.sequence_parallel with pipeline.stages {cfg.pipeline.stages}: sequence "
+            "parallelism splits the sequence at the model's first and last block, which pipeline stages "
+            "cut apart; not supported yet - turn one of them off"
         )
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
@@ -202,7 +218,7 @@ def initialize(
         by_name = dict(model.named_parameters())
         groups = [dict(g, params=[by_name[n] for n in ns]) for g, ns in zip(groups, group_names)]
     if mesh.pp > 1:
-        pipe = _split_for_pipeline(model, cfg, mesh)
+        pipe = _split_for_pipeline(model, cfg, mesh, tp_info)
         groups = _stage_groups(pipe, groups, group_names)
     trainable = {id(p) for g in groups for p in g["params"]}
     for p in model.parameters():
@@ -234,7 +250,7 @@ def initialize(
     )
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
     if pipe is not None:
-        engine = PipelineEngine(model, cfg, mesh, zero_opt, scheduler, pipe)
+        engine = PipelineEngine(model, cfg, mesh, zero_opt, scheduler, pipe, tp_info=tp_info)
     else:
         engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

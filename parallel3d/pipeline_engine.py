@@ -30,8 +30,8 @@ from parallel3d.pipeline.stage import PipelineModel
 class PipelineEngine(Engine):
     """``Engine`` for ``pipeline.stages > 1`` (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, config, mesh, optimizer, lr_scheduler, pipe: PipelineModel) -> None:
-        super().__init__(module, config, mesh, optimizer, lr_scheduler)
+    def __init__(self, module: nn.Module, config, mesh, optimizer, lr_scheduler, pipe: PipelineModel, tp_info=None) -> None:
+        super().__init__(module, config, mesh, optimizer, lr_scheduler, tp_info=tp_info)
         self.pipe = pipe
         self.executor = PipelineExecutor(
             pipe,

@@ -79,3 +79,37 @@ def _forward_under_pipeline():
 def test_forward_under_pipeline_is_refused(dist):
     for message in dist.run(PP * DP, _forward_under_pipeline):
         assert message.startswith("engine.forward (engine(...)) is not available with pipeline.stages > 1")
+
+
+def train_3d(kind: str, stage: int, schedule: str, dp: int) -> tuple[list[float], dict]:
+    import parallel3d
+
+    config = ds_config(stage, GAS, dp, stage3_param_persistence_threshold=0, reduce_bucket_size=3000)
+    config["pipeline"] = {"stages": PP, "schedule": schedule}
+    config["tensor_parallel"] = {"size": 2}
+    model = make_model(kind, num_hidden_layers=4) if kind == "llama" else make_model(kind, n_layer=4)
+    engine, _, _, _ = parallel3d.initialize(model=model, config=config)
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
+    return [engine.train_batch(data_iter) for _ in range(STEPS)], engine.full_parameters()
+
+
+@functools.cache
+def oracle_dp(kind: str, dp: int):
+    overrides = {"num_hidden_layers": 4} if kind == "llama" else {"n_layer": 4}
+    return oracle_run(kind, token_batches(STEPS, GAS, dp), model=make_model(kind, **overrides))
+
+
+@pytest.mark.parametrize(
+    "kind,stage,schedule,dp",
+    [("llama", 1, "1f1b", 1), ("gpt2", 3, "zb_h1", 1), ("llama", 2, "1f1b", 2)],
+)
+def test_3d_mesh_matches_single_process(dist, kind, stage, schedule, dp):
+    """pp x dp x tp on one mesh: tp-split blocks inside pipeline stages, ZeRO over dp."""
+    results = dist.run(PP * dp * 2, train_3d, kind, stage, schedule, dp)
+    want_losses, want_params = oracle_dp(kind, dp)
+    for losses, params in results:
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        for name, got in params.items():
+            want = want_params[origin(name, want_params)]
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < RTOL, f"{name} differs by {err:.2e}"
