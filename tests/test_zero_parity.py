@@ -101,3 +101,24 @@ def _train_batch_losses():
     data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, 2), torch.distributed.get_rank()))
     losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
     return losses, engine.full_parameters()
+
+
+def _with_unused_param(stage: int):
+    """A block holding a parameter no forward uses: its unit is reduced incomplete, without a hang."""
+    import parallel3d
+
+    model = make_model("llama")
+    model.model.layers[0].unused = torch.nn.Linear(4, 4)
+    config = ds_config(stage, GAS, 2, stage3_param_persistence_threshold=0, reduce_bucket_size=3000)
+    engine, _, _, _ = parallel3d.initialize(model=model, config=config)
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, 2), torch.distributed.get_rank()))
+    losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
+    return losses, {n: p for n, p in engine.full_parameters().items() if ".unused." not in n}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_unused_parameter_does_not_disturb_the_rest(dist, stage):
+    want_losses, want_params = oracle("llama", 2)
+    for losses, params in dist.run(2, _with_unused_param, stage):
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        assert max_rel_param_error(params, want_params)[0] < RTOL

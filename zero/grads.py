@@ -66,6 +66,7 @@ class GradientReducer:
         self._launched = [False] * len(self.units)
         self._staging: list[torch.Tensor | None] = [None] * len(self.units)
         self._shard_fresh = [True] * len(self.units)
+        self._arrived: set[nn.Parameter] = set()  # stages 2-3: params whose grad is staged
         self._handles: list = []
         for ui, unit in enumerate(self.units):
             if self.accumulate_full:
@@ -92,6 +93,7 @@ class GradientReducer:
         self.boundary = boundary
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
+        self._arrived.clear()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         ui, pi = self._unit_index[p]
@@ -104,15 +106,28 @@ class GradientReducer:
             off, n = unit.offsets[pi], unit.numels[pi]
             staging[off : off + n].copy_(p.grad.reshape(-1))
             p.grad = None
+            self._arrived.add(p)
         self._ready[ui] += 1
         if self._ready[ui] == len(unit.params):
             self._launch(ui)
 
     def _staging_for(self, ui: int) -> torch.Tensor:
+        """The unit's full-size staging buffer; uninitialized except the padding (zeroed)."""
         if self._staging[ui] is None:
             unit = self.units[ui]
-            self._staging[ui] = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
+            staging = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
+            staging[unit.numel :].zero_()
+            self._staging[ui] = staging
         return self._staging[ui]
+
+    def _zero_missing(self, ui: int, staging: torch.Tensor) -> None:
+        """Zero the slices of params that got no gradient (only a unit launched incomplete)."""
+        unit = self.units[ui]
+        if self._ready[ui] == len(unit.params):
+            return
+        for p, off, n in zip(unit.params, unit.offsets, unit.numels):
+            if p not in self._arrived:
+                staging[off : off + n].zero_()
 
     def _launch(self, ui: int) -> None:
         if self._launched[ui]:
@@ -134,7 +149,8 @@ class GradientReducer:
                 if self.group_size == 1:
                     return None, None
                 return dist.all_reduce(unit.grad_full, op=AVG, group=self.group, async_op=True), None
-            staging, self._staging[ui] = self._staging[ui], None
+            staging, self._staging[ui] = self._staging_for(ui), None
+            self._zero_missing(ui, staging)
             return None, lambda: unit.grad_shard.add_(staging)
         if self.accumulate_full:
             received = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
@@ -142,6 +158,7 @@ class GradientReducer:
             return work, lambda: unit.grad_shard.copy_(received)
         staging = self._staging_for(ui)
         self._staging[ui] = None
+        self._zero_missing(ui, staging)
         if self._shard_fresh[ui]:
             self._shard_fresh[ui] = False
             work = reduce_scatter(unit.grad_shard, staging, op=AVG, group=self.group, async_op=True)
