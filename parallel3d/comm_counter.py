@@ -274,7 +274,8 @@ def count_collectives(mesh: Any = None, names: Mapping[str, Any] | None = None) 
 
     ``mesh``: a ``Mesh3D`` (``engine.mesh``), a ``DeviceMesh`` or a mapping ``{name:
     ProcessGroup}`` used to name the groups; ``names`` adds or overrides ``{name:
-    ProcessGroup}``. Counters may nest (each records every call made while it is active).
+    ProcessGroup}``. Counters may nest (each records every call made while it is active). A counter sees every
+    collective of this process, from any thread, while it is active.
     """
     counter = CommCounter(names={**_group_names(mesh), **_group_names(names)})
     with _lock:

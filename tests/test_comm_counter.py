@@ -124,7 +124,8 @@ def zero_step(stage: int, gas: int) -> dict:
         "n_units": len(units),
         "root_padded": sum(u.padded for u in root),
         "persistent_padded": sum(u.padded for u in units if u.persistent),
-        "counts": {(op): comm.total("numel", op=op, group="dp") for op in ("all_reduce", "reduce_scatter", "all_gather")},
+        "counts": {op: comm.total("numel", op=op, group="dp")
+                   for op in ("all_reduce", "reduce_scatter", "all_gather")},
         "small_all_reduces": sorted(c.numel for c in comm.select(op="all_reduce") if c.numel <= 2),
         "groups": sorted({c.group for c in comm.calls}),
     }
@@ -209,7 +210,8 @@ def test_tp_all_reduces_per_layer(tp_counts):
         assert r["summary"] == {
             # per layer 2 (attention, MLP outputs) + the vocab-parallel embedding's lookup;
             # the cross entropy's max (b*s) and [sum exp, target logit] (2*b*s)
-            ("forward", "tp", "all_reduce"): (2 * L + 3, (2 * L + 1) * bsh + 3 * bs, {bsh: 2 * L + 1, bs: 1, 2 * bs: 1}),
+            ("forward", "tp", "all_reduce"): (2 * L + 3, (2 * L + 1) * bsh + 3 * bs,
+                                              {bsh: 2 * L + 1, bs: 1, 2 * bs: 1}),
             # per layer 2 (the regions' input grads) + the lm head's input grad
             ("backward", "tp", "all_reduce"): (2 * L + 1, (2 * L + 1) * bsh, {bsh: 2 * L + 1}),
             ("step", "tp", "all_reduce"): (1, 1, {1: 1}),  # tp-split part of the squared grad norm
