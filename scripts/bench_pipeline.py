@@ -1,14 +1,15 @@
 """Measured pipeline bubbles and live activations of every schedule at P = 4, beside the theory.
 
-    torchrun --nproc-per-node 4 scripts/bench_pipeline.py [--microbatches 8,16] [--warmup 2] [--steps 5]
-                                                          [--schedules gpipe,1f1b,interleaved_1f1b,zb_h1]
-                                                          [--out results/pipeline]
+    torchrun --standalone --nproc-per-node 4 scripts/bench_pipeline.py
+        [--microbatches 8,16] [--warmup 2] [--steps 5] [--schedules gpipe,1f1b,interleaved_1f1b,zb_h1]
+        [--out results/pipeline]
 
 P = 4 pipeline stages, dp = 1, gloo on CPU, one torch thread per rank. A random-init Llama
 (8 blocks, hidden 256, seq 128, micro-batches of 2 sequences, vocabulary 256 so that the head
-and loss do not unbalance the last stage; 2 blocks per stage, 1 per chunk with V = 2) goes through ``parallel3d.initialize`` once
-per (schedule, m) with ``pipeline.record_timeline``; all engines then take their steps in turn
-(round-robin, so a burst of load on the shared machine hits every schedule alike). After
+and loss do not unbalance the last stage; 2 blocks per stage, 1 per chunk with V = 2) goes
+through ``parallel3d.initialize`` once per (schedule, m) with ``pipeline.record_timeline``; all
+engines then take their steps in turn (round-robin, so a burst of load on the shared machine
+hits every schedule alike). After
 ``--warmup`` steps, each of ``--steps`` steps is recorded: ``engine.write_timeline`` writes its
 Chrome trace, and the step with the median bubble is reported and drawn (``zero3d plot``'s
 ``plot_timeline``, i.e. ``draw.draw_png``) under ``--out`` (not committed).
@@ -24,9 +25,10 @@ Definitions (the same as ``parallel3d.pipeline.simulate``):
 * theory: (P-1)/(m+P-1) for gpipe and 1f1b, (P-1)/(V*m+P-1) for interleaved_1f1b,
   (P-1)(F+B-W) / (m(F+B+W) + (P-1)(F+B-W)) for zb_h1 with the measured mean F, B, W.
 
-Time-sharing: with more ranks than cores, ranks share cores, so a compute action takes longer
-in wall time while its neighbours compute too, and idle ranks give their core away. That
-inflates busy time exactly where the pipeline is full and hides bubbles. So every action's
+Time-sharing: with more ranks than cores, ranks share cores. A compute action takes longer in
+wall time while its neighbours compute too, and an idle rank gives its core away, which
+inflates busy time where the pipeline is full and hides bubbles; a rank descheduled in the
+middle of an action delays the ranks waiting for it, which adds idle time. So every action's
 thread CPU time (``time.thread_time``; with one torch thread, forward and CPU autograd run in
 the calling thread) is taken beside its wall time, by handing the executor a clock that samples
 both (its ``time.perf_counter`` calls: one per step, two per action). Reported beside the wall
@@ -77,14 +79,17 @@ def parse_args(argv=None):
 
 class DualClock:
     """Stands in for the executor's ``time`` module: ``perf_counter()`` also samples this
-    thread's CPU time, so each recorded action gets a CPU duration beside its wall one."""
+    thread's CPU time, so each recorded action gets a CPU duration beside its wall one; the
+    first sample of a step is the executor's t0 (its timeline is relative to it)."""
 
     def __init__(self) -> None:
         self.cpu: list[float] = []
+        self.wall: list[float] = []
 
     def perf_counter(self) -> float:
         self.cpu.append(time.thread_time())
-        return time.perf_counter()
+        self.wall.append(time.perf_counter())
+        return self.wall[-1]
 
     def __getattr__(self, name):
         return getattr(time, name)
@@ -103,7 +108,7 @@ def make_model(args):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=int(args.hidden * 8 / 3) // 8 * 8,
+    cfg = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
                       num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
                       max_position_embeddings=args.seq, attention_dropout=0.0, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg)
@@ -133,9 +138,13 @@ def build(args, schedule: str, m: int):
     return engine, batches
 
 
-def step(engine, batches, clock: DualClock) -> tuple[float, list]:
-    """One train_batch; returns its wall time and this rank's [(interval, cpu seconds)]."""
+def step(engine, batches, clock: DualClock) -> tuple[float, dict]:
+    """One train_batch; returns its wall time and this rank's ``{"t0", "actions": [(interval,
+    cpu seconds)]}``, the intervals in absolute ``perf_counter`` time (every rank's t0 is its
+    own exit from the executor's barrier; absolute times are comparable across the ranks of
+    one machine, where perf_counter is the system's monotonic clock)."""
     clock.cpu.clear()
+    clock.wall.clear()
     start = time.perf_counter()
     engine.train_batch(iter(batches))
     wall = time.perf_counter() - start
@@ -143,8 +152,43 @@ def step(engine, batches, clock: DualClock) -> tuple[float, list]:
     if len(clock.cpu) != 1 + 2 * len(tl):
         raise RuntimeError(f"expected {1 + 2 * len(tl)} clock samples, got {len(clock.cpu)}: the executor's timing "
                            "changed; update DualClock")
+    t0 = clock.wall[0]
     cpu = [clock.cpu[2 + 2 * i] - clock.cpu[1 + 2 * i] for i in range(len(tl))]
-    return wall, [(tuple(iv), c) for iv, c in zip(tl, cpu)]
+    return wall, {"t0": t0, "actions": [((*iv[:4], iv.start + t0, iv.end + t0), c) for iv, c in zip(tl, cpu)]}
+
+
+def cross_input(kind: str, microbatch: int, stage: int, last: int) -> tuple | None:
+    """The pass on another stage whose output this pass consumes, as (kind, microbatch, stage)."""
+    if kind == "F" and stage > 0:
+        return ("F", microbatch, stage - 1)
+    if kind == "B" and stage < last:
+        return ("B", microbatch, stage + 1)
+    return None
+
+
+def start_gaps(ranks: list[list], v: int) -> list[float]:
+    """For every action: start - max(end of the rank's previous action, end of its cross-rank
+    input): how long it was ready but not running (p2p transfer, waking the process up,
+    executor overhead)."""
+    from parallel3d.pipeline import Interval
+
+    last = P * v - 1
+    ends = {}
+    for r, rank in enumerate(ranks):
+        for t, _ in rank:
+            iv = Interval(*t)
+            ends[(iv.kind, iv.microbatch, iv.chunk * P + r)] = iv.end
+    gaps = []
+    for r, rank in enumerate(ranks):
+        prev = None
+        for t, _ in sorted(rank, key=lambda x: x[0][4]):
+            iv = Interval(*t)
+            dep = cross_input(iv.kind, iv.microbatch, iv.chunk * P + r, last)
+            ready = max([e for e in (prev, ends.get(dep)) if e is not None], default=None)
+            if ready is not None:
+                gaps.append(max(0.0, iv.start - ready))
+            prev = iv.end
+    return gaps
 
 
 def replay(ranks: list[list], v: int) -> list:
@@ -165,8 +209,7 @@ def replay(ranks: list[list], v: int) -> list:
             while pos[r] < len(seqs[r]):
                 iv, cpu = seqs[r][pos[r]]
                 stage = iv.chunk * P + r
-                need = [("F", iv.microbatch, stage - 1)] if iv.kind == "F" and stage > 0 else []
-                need += [("B", iv.microbatch, stage + 1)] if iv.kind == "B" and stage < last else []
+                need = [d for d in (cross_input(iv.kind, iv.microbatch, stage, last),) if d is not None]
                 if any(d not in done for d in need):
                     break
                 start = max([clock[r]] + [done[d] for d in need])
@@ -179,12 +222,14 @@ def replay(ranks: list[list], v: int) -> list:
     return out
 
 
-def analyse(schedule: str, m: int, v: int, ranks: list[list], step_wall: float) -> dict:
-    """Rank 0: the numbers of one recorded step from every rank's [(interval, cpu)]."""
+def analyse(schedule: str, m: int, v: int, gathered: list[dict], step_wall: float) -> dict:
+    """Rank 0: the numbers of one recorded step from every rank's ``step`` result."""
     from parallel3d.pipeline import Costs, Interval, Kind, schedule_table, simulate
     from parallel3d.pipeline.simulate import _peak_live
     from parallel3d.plot import timeline_stats
 
+    ranks = [g["actions"] for g in gathered]
+    t0s = [g["t0"] for g in gathered]
     ivs = [Interval(*iv) for rank in ranks for iv, _ in rank]
     cpu = [[c for _, c in rank] for rank in ranks]
     stats = timeline_stats(ivs)
@@ -198,20 +243,34 @@ def analyse(schedule: str, m: int, v: int, ranks: list[list], step_wall: float) 
         return chunks * statistics.mean(vals) if vals else 0.0
 
     costs = {which: {k: mean_cost(k, which) for k in "FBW"} for which in ("wall", "cpu")}
+    rank_cpu_ms = [{k: 1e3 * chunks * statistics.mean([c for t, c in rank if t[1] == k] or [0.0]) for k in "FBW"}
+                   for rank in ranks]
     cpu_busy = [sum(c) for c in cpu]
+    gaps = start_gaps(ranks, v)
     cpu_timeline = replay(ranks, v)
     cpu_stats = timeline_stats(cpu_timeline)
+    what_if = None
+    if schedule == "zb_h1":
+        # Stage 0 has no input gradient, so its B is empty and its W the whole backward: the
+        # replay again, with rank 0's B and W lasting rank 1's mean B and W (an even split).
+        mean1 = {k: statistics.mean([c for t, c in ranks[1] if t[1] == k]) for k in "BW"}
+        even = [[(t, mean1[t[1]] if t[1] in mean1 else c) for t, c in ranks[0]]] + ranks[1:]
+        what_if = timeline_stats(replay(even, v)).bubble_fraction
     sim = simulate(schedule_table(schedule, P, m, v), Costs(1, 1, 1))
     return {
         "schedule": schedule, "m": m, "v": v, "span_s": stats.span, "step_s": step_wall,
         "bubble": stats.bubble_fraction, "bubble_per_rank": stats.bubble,
         "theory": theory(schedule, m, v, *(costs["wall"][k] for k in "FBW")),
         "theory_cpu_costs": theory(schedule, m, v, *(costs["cpu"][k] for k in "FBW")),
+        "t0_skew_s": max(t0s) - min(t0s), "gap_median_s": statistics.median(gaps),
+        "gap_mean_s": statistics.mean(gaps), "gap_fraction": sum(gaps) / (P * stats.span),
         "busy_s": stats.busy, "cpu_busy_s": cpu_busy,
         "wall_over_cpu": [b / c if c else float("nan") for b, c in zip(stats.busy, cpu_busy)],
         "cpu_replay_bubble": cpu_stats.bubble_fraction, "cpu_replay_bubble_per_rank": cpu_stats.bubble,
-        "cpu_replay_span_s": cpu_stats.span, "cpu_timeline": [tuple(iv) for iv in cpu_timeline],
+        "cpu_replay_span_s": cpu_stats.span, "cpu_replay_bubble_rank0_split_like_rank1": what_if,
+        "cpu_timeline": [tuple(iv) for iv in cpu_timeline],
         "costs_ms": {w: {k: 1e3 * x for k, x in c.items()} for w, c in costs.items()},
+        "cpu_costs_ms_per_rank": rank_cpu_ms,
         "peak_live": [_peak_live(rank, release) for rank in by_rank],
         "peak_live_sim": sim.peak_live,
     }
@@ -286,26 +345,34 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"args": vars(args), "load_average_1min": loads, "results": results}, f, indent=1)
 
-    print("\n| schedule | m | measured bubble (steps) | theory | per rank measured | peak live per rank "
-          "(sim) | span ms | step ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| schedule | m | measured bubble (each step) | theory | per rank | start gaps: median ms, share "
+          "of P x span | peak live per rank (sim) | span ms | step ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         name = r["schedule"] + (f" V={r['v']}" if r["v"] > 1 else "")
         print(f"| `{name}` | {r['m']} | {r['bubble']:.3f} ({fmt_list(r['bubble_all_steps'], '{:.3f}')}) | "
-              f"{r['theory']:.3f} | {fmt_list(r['bubble_per_rank'])} | {fmt_list(r['peak_live'], '{}')} "
-              f"({fmt_list(r['peak_live_sim'], '{}')}) | {1e3 * r['span_s']:.0f} | {1e3 * r['step_s']:.0f} |")
+              f"{r['theory']:.3f} | {fmt_list(r['bubble_per_rank'])} | {1e3 * r['gap_median_s']:.1f}, "
+              f"{r['gap_fraction']:.2f} | {fmt_list(r['peak_live'], '{}')} ({fmt_list(r['peak_live_sim'], '{}')}) | "
+              f"{1e3 * r['span_s']:.0f} | {1e3 * r['step_s']:.0f} |")
     print("\nCPU view: wall busy / thread-CPU busy per rank; mean F/B/W per micro-batch through a rank (wall | "
-          "CPU ms); the step replayed with CPU durations on dedicated cores (bubble, per rank); theory with CPU costs")
-    print("| schedule | m | wall/CPU per rank | F/B/W ms wall | F/B/W ms CPU | CPU replay bubble | per rank | "
-          "theory (CPU costs) |")
-    print("|---|---|---|---|---|---|---|---|")
+          "CPU ms, and CPU per rank); the step replayed with CPU durations on dedicated cores (bubble, per rank, "
+          "span); theory with CPU costs")
+    print("| schedule | m | wall/CPU per rank | F/B/W ms wall | F/B/W ms CPU | F/B/W ms CPU per rank | "
+          "CPU replay bubble | per rank | replay span ms | theory (CPU costs) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         name = r["schedule"] + (f" V={r['v']}" if r["v"] > 1 else "")
         cw, cc = r["costs_ms"]["wall"], r["costs_ms"]["cpu"]
         print(f"| `{name}` | {r['m']} | {fmt_list(r['wall_over_cpu'])} | "
               f"{cw['F']:.0f}/{cw['B']:.0f}/{cw['W']:.0f} | {cc['F']:.0f}/{cc['B']:.0f}/{cc['W']:.0f} | "
-              f"{r['cpu_replay_bubble']:.3f} | {fmt_list(r['cpu_replay_bubble_per_rank'])} | "
-              f"{r['theory_cpu_costs']:.3f} |")
+              + ", ".join(f"{c['F']:.0f}/{c['B']:.0f}/{c['W']:.0f}" for c in r["cpu_costs_ms_per_rank"])
+              + f" | {r['cpu_replay_bubble']:.3f} | {fmt_list(r['cpu_replay_bubble_per_rank'])} | "
+              f"{1e3 * r['cpu_replay_span_s']:.0f} | {r['theory_cpu_costs']:.3f} |")
+    for r in results:
+        if r["cpu_replay_bubble_rank0_split_like_rank1"] is not None:
+            print(f"zb_h1 m={r['m']}: CPU replay with rank 0's B/W lasting rank 1's (an even split on stage 0): "
+                  f"bubble {r['cpu_replay_bubble_rank0_split_like_rank1']:.3f}")
+    print(f"largest skew of the ranks' t0 (barrier exits): {1e3 * max(r['t0_skew_s'] for r in results):.1f} ms")
     print(f"\nload average (1 min) after each round: {fmt_list(loads)}")
     print(f"traces, PNGs and results.json under {args.out}", flush=True)
     dist.barrier()
