@@ -10,6 +10,13 @@ gradients, a stage-3 fetch unit and an all-gather bucket are the same object.
 A *persistent* unit keeps its full working buffer alive (stages 0-2, and stage-3 params
 under the persistence threshold); a non-persistent unit keeps only its shard and
 materializes the full buffer while it is gathered (stage 3).
+
+A non-persistent unit owns one full buffer for its life; releasing it frees the buffer's
+*storage* (``resize_(0)``) and gathering gives it back and all-gathers into it (FSDP's
+approach). Only swapping ``param.data`` would free nothing between forward and backward:
+autograd keeps views such as ``weight.t()`` of the gathered buffer alive, and they must see
+the re-gathered values in backward. Released params also point at an empty tensor, so code
+that touches them between uses gets an empty tensor rather than freed memory.
 """
 
 from __future__ import annotations
@@ -19,15 +26,15 @@ import math
 import torch
 from torch import nn
 
-_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+_EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
 
-def empty_like_nothing(dtype: torch.dtype) -> torch.Tensor:
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A shared zero-element tensor that released stage-3 params point at."""
-    if dtype not in _EMPTY:
-        _EMPTY[dtype] = torch.empty(0, dtype=dtype)
-    return _EMPTY[dtype]
-
+    key = (dtype, device)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY[key]
 
 class FlatUnit:
     """A list of parameters stored as one padded flat buffer, sharded over ``world`` ranks.
@@ -76,6 +83,7 @@ class FlatUnit:
         self.master: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None  # stages 0-1: full flat gradient buffer
         self.grad_shard: torch.Tensor | None = None  # the reduced gradients this rank owns
+        self._materialized = persistent
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -102,6 +110,8 @@ class FlatUnit:
             self.point_params_at(self.full)
         else:
             self.shard = full_fp32[start:end].to(self.dtype, copy=True)
+            self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
+            self._materialized = True
             self.release()
         if self.dtype == torch.float32:
             self.master = self.shard
@@ -114,17 +124,31 @@ class FlatUnit:
             p.data = full[off : off + n].view(shape)
 
     def release(self) -> None:
-        """Drop the full buffer of a non-persistent unit; params become zero-element tensors."""
-        if self.persistent:
+        """Free the full buffer's storage of a non-persistent unit (its params keep their views)."""
+        if self.persistent or not self._materialized:
             return
-        self.full = None
-        empty = empty_like_nothing(self.dtype)
+        self.full.untyped_storage().resize_(0)
+        empty = _empty(self.dtype, self.full.device)
         for p in self.params:
             p.data = empty
+        self._materialized = False
+
+    def allocate_full(self) -> torch.Tensor:
+        """Give the full buffer its storage back (uninitialized) and return it to gather into."""
+        storage = self.full.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.padded * self.full.element_size())
+        return self.full
+
+    def mark_materialized(self) -> None:
+        """The gather into ``full`` has completed: the params view it again."""
+        if not self._materialized:
+            self.point_params_at(self.full)
+        self._materialized = True
 
     @property
     def is_materialized(self) -> bool:
-        return self.full is not None
+        return self._materialized
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-param views into a flat buffer of this unit's layout."""

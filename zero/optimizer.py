@@ -161,8 +161,8 @@ class ZeroOptimizer:
             unit.install(full)
 
     def _release_after_reduce(self, unit: FlatUnit) -> None:
-        if not unit.persistent and unit not in self.layout.root_units:
-            unit.release()
+        """A unit whose gradients are complete is not needed again in this backward."""
+        unit.release()
 
     # -- the step ------------------------------------------------------------------------
 

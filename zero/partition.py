@@ -68,12 +68,17 @@ def fetch_unit_layout(
     dtype: torch.dtype,
     device: torch.device,
 ) -> UnitLayout:
-    """Stage 3: one sharded unit per (fetch module, param group); the rest is the root.
+    """Stage 3: one sharded unit per (fetch module, param group); each other param is a root unit.
 
     Parameters with fewer than ``persistence_threshold`` elements stay whole on every rank
     (gathered after each step like stage 2) in persistent buckets: gathering them per use
-    would cost more in latency than they save in memory.
+    would cost more in latency than they save in memory. Root params (embedding, head) get
+    a unit each, so the head's gradient is reduced (and its buffer freed) as soon as it
+    arrives instead of waiting for the embedding's at the end of backward. With one rank
+    (``world == 1``) nothing is sharded and every unit is persistent.
     """
+    if world == 1:
+        persistence_threshold = float("inf")
     group_of = {p: gi for gi, params in enumerate(param_groups) for p in params}
     claimed: set[nn.Parameter] = set()
     small: list[list[nn.Parameter]] = [[] for _ in param_groups]
@@ -102,8 +107,8 @@ def fetch_unit_layout(
             layout.units.extend(units)
     rest = [p for params in param_groups for p in params]
     for gi, ps in enumerate(split(rest)):
-        if ps:
-            unit = FlatUnit(ps, gi, dtype, rank, world, persistent=False, device=device)
+        for p in ps:
+            unit = FlatUnit([p], gi, dtype, rank, world, persistent=False, device=device)
             layout.root_units.append(unit)
             layout.units.append(unit)
     for gi, ps in enumerate(small):

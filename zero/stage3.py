@@ -56,7 +56,7 @@ class ParamFetcher:
         self.group = group
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
-        self._in_flight: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self._in_flight: dict[int, tuple[dist.Work, FlatUnit]] = {}
         self._order: list[int] = []
         self._recording = True
         self._position: dict[int, int] = {}
@@ -67,18 +67,13 @@ class ParamFetcher:
 
     def live_numel(self) -> int:
         gathered = sum(u.padded for _, us in self.module_units for u in us if u.is_materialized)
-        return gathered + sum(buf.numel() for _, buf in self._in_flight.values())
+        return gathered + sum(unit.padded for _, unit in self._in_flight.values())
 
     def _start_gather(self, unit: FlatUnit) -> None:
         if unit.is_materialized or id(unit) in self._in_flight:
             return
-        if unit.world == 1:
-            unit.full = unit.shard
-            unit.point_params_at(unit.shard)
-            return
-        full = torch.empty(unit.padded, dtype=unit.dtype, device=unit.device)
-        work = all_gather(full, unit.shard, group=self.group, async_op=True)
-        self._in_flight[id(unit)] = (work, full)
+        work = all_gather(unit.allocate_full(), unit.shard, group=self.group, async_op=True)
+        self._in_flight[id(unit)] = (work, unit)
 
     def gather(self, units: Sequence[FlatUnit]) -> None:
         """Materialize ``units`` now (waiting for their prefetch if one is in flight)."""
@@ -87,16 +82,16 @@ class ParamFetcher:
         for unit in units:
             if unit.is_materialized:
                 continue
-            work, full = self._in_flight.pop(id(unit))
+            work, _ = self._in_flight.pop(id(unit))
             work.wait()
-            unit.full = full
-            unit.point_params_at(full)
+            unit.mark_materialized()
 
     def release(self, units: Sequence[FlatUnit]) -> None:
         for unit in units:
             if id(unit) in self._in_flight:
                 work, _ = self._in_flight.pop(id(unit))
                 work.wait()
+                unit.mark_materialized()
             unit.release()
 
     def gather_root(self) -> None:
