@@ -4,7 +4,7 @@ A unit is the grain of every ZeRO collective: its parameters are laid end to end
 flat buffer, padded to a multiple of the data-parallel size, and rank ``r`` owns the
 contiguous slice ``[r * shard_size, (r + 1) * shard_size)``. A parameter may straddle two
 owners. Because every unit is padded on its own, each reduce-scatter and all-gather moves
-equal chunks (``reduce_scatter_tensor`` / ``all_gather_into_tensor``), and a bucket of
+equal chunks (see zero/comm.py), and a bucket of
 gradients, a stage-3 fetch unit and an all-gather bucket are the same object.
 
 A *persistent* unit keeps its full working buffer alive (stages 0-2, and stage-3 params

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero.comm import reduce_scatter
+from zero.comm import Pending, reduce_to_shard
 from zero.flat import FlatUnit
 
 AVG = dist.ReduceOp.AVG
@@ -142,7 +142,7 @@ class GradientReducer:
         if self.on_unit_reduced is not None:
             self.on_unit_reduced(unit)
 
-    def _reduce(self, ui: int, unit: FlatUnit) -> tuple[dist.Work | None, Callable[[], None] | None]:
+    def _reduce(self, ui: int, unit: FlatUnit) -> tuple[dist.Work | Pending | None, Callable[[], None] | None]:
         """Start the unit's collective; return its handle and what to do once it is done."""
         if unit.world == 1:
             if self.accumulate_full:
@@ -153,19 +153,12 @@ class GradientReducer:
             self._zero_missing(ui, staging)
             return None, lambda: unit.grad_shard.add_(staging)
         if self.accumulate_full:
-            received = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
-            work = reduce_scatter(received, unit.grad_full, op=AVG, group=self.group, async_op=True)
-            return work, lambda: unit.grad_shard.copy_(received)
+            return reduce_to_shard(unit.grad_full, unit.grad_shard, self.group, accumulate=False), None
         staging = self._staging_for(ui)
         self._staging[ui] = None
         self._zero_missing(ui, staging)
-        if self._shard_fresh[ui]:
-            self._shard_fresh[ui] = False
-            work = reduce_scatter(unit.grad_shard, staging, op=AVG, group=self.group, async_op=True)
-            return work, lambda: staging
-        received = torch.empty(unit.shard_size, dtype=unit.dtype, device=unit.device)
-        work = reduce_scatter(received, staging, op=AVG, group=self.group, async_op=True)
-        return work, lambda: (unit.grad_shard.add_(received), staging)
+        fresh, self._shard_fresh[ui] = self._shard_fresh[ui], False
+        return reduce_to_shard(staging, unit.grad_shard, self.group, accumulate=not fresh), None
 
     def _drain(self, keep: int = 0) -> None:
         """Complete the oldest pending collectives until at most ``keep`` remain."""

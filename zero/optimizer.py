@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero.comm import all_gather
+from zero.comm import gather_shards
 from zero.flat import FlatUnit
 from zero.grads import GradientReducer
 from zero.loss_scaler import LossScaler
@@ -269,7 +269,7 @@ class ZeroOptimizer:
             if unit.master is not unit.shard:
                 unit.shard.copy_(unit.master)
             if unit.persistent and unit.world > 1:
-                works.append(all_gather(unit.full, unit.shard, group=self.group, async_op=True))
+                works.append(gather_shards(unit.full, unit.shard, self.group))
         for w in works:
             w.wait()
 
@@ -312,7 +312,7 @@ class ZeroOptimizer:
         for unit in self.units:
             full = unit.master.new_empty(unit.padded)
             if unit.world > 1:
-                all_gather(full, unit.master.detach(), group=self.group)
+                gather_shards(full, unit.master.detach(), self.group).wait()
             else:
                 full.copy_(unit.master.detach())
             for p, view in zip(unit.params, unit.views(full)):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from zero.comm import all_gather
+from zero.comm import Pending, gather_shards
 from zero.flat import FlatUnit
 
 
@@ -56,7 +56,7 @@ class ParamFetcher:
         self.group = group
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
-        self._in_flight: dict[int, tuple[dist.Work, FlatUnit]] = {}
+        self._in_flight: dict[int, tuple[Pending, FlatUnit]] = {}
         self._order: list[int] = []
         self._recording = True
         self._position: dict[int, int] = {}
@@ -72,7 +72,7 @@ class ParamFetcher:
     def _start_gather(self, unit: FlatUnit) -> None:
         if unit.is_materialized or id(unit) in self._in_flight:
             return
-        work = all_gather(unit.allocate_full(), unit.shard, group=self.group, async_op=True)
+        work = gather_shards(unit.allocate_full(), unit.shard, self.group)
         self._in_flight[id(unit)] = (work, unit)
 
     def gather(self, units: Sequence[FlatUnit]) -> None:
