@@ -76,3 +76,28 @@ def test_step_only_at_accumulation_boundary():
     engine.step()
     assert engine.global_steps == 1
     assert not all(torch.equal(before[n], p) for n, p in engine.full_parameters().items())
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_user_zero_grad_between_micro_batches_is_respected(stage):
+    """model.zero_grad() (set_to_none) mid-window drops the earlier micro-batch, as in plain torch.
+
+    Stages 0-1 keep gradients in ``.grad`` (views of the flat buffer) until the step; stages
+    2-3 move them into the shard every micro-batch, so there ``engine.zero_grad()`` is the way.
+    """
+    import parallel3d
+
+    mb = rank_micro_batches(token_batches(1, 2, 1), 0)
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=ds_config(stage, 2, 1, clip=0.0))
+    reference = make_model("llama")
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    engine.backward(engine(**mb[0]).loss)
+    engine.step()
+    engine.module.zero_grad()  # the user discards the first micro-batch's gradients
+    engine.backward(engine(**mb[1]).loss)
+    engine.step()
+    (reference(**mb[1]).loss / 2).backward()
+    ref_opt.step()
+    got = engine.full_parameters()
+    for name, p in reference.named_parameters():
+        assert torch.allclose(got[name], p, rtol=1e-5, atol=1e-7), name

@@ -67,6 +67,7 @@ class GradientReducer:
         self._staging: list[torch.Tensor | None] = [None] * len(self.units)
         self._shard_fresh = [True] * len(self.units)
         self._arrived: set[nn.Parameter] = set()  # stages 2-3: params whose grad is staged
+        self._views: dict[nn.Parameter, torch.Tensor] = {}  # stages 0-1: the installed .grad views
         self._handles: list = []
         for ui, unit in enumerate(self.units):
             if self.accumulate_full:
@@ -83,14 +84,35 @@ class GradientReducer:
         """Stages 0-1: point every ``param.grad`` at its slice of the unit's flat buffer."""
         if not self.accumulate_full:
             return
+        self._views = {}
         for unit in self.units:
             for p, view in zip(unit.params, unit.views(unit.grad_full)):
                 # a released stage-3 param has no shape to take a gradient of
                 p.grad = view if unit.is_materialized else None
+                self._views[p] = view
+
+    def _repair_grad_views(self) -> None:
+        """Re-point ``.grad`` at the flat buffer where user code replaced it.
+
+        ``model.zero_grad()`` (set_to_none) or an assignment to ``p.grad`` would otherwise make
+        autograd accumulate outside the buffer that gets reduced: the step would silently use
+        stale or zero gradients. None means zeroed; another tensor is copied in.
+        """
+        for p, view in self._views.items():
+            grad = p.grad
+            if grad is view or p.data.numel() == 0:
+                continue
+            if grad is None:
+                view.zero_()
+            else:
+                view.copy_(grad)
+            p.grad = view
 
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward: ``boundary`` marks the last micro-batch of a window."""
         self.boundary = boundary
+        if self.accumulate_full:
+            self._repair_grad_views()
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
         self._arrived.clear()
