@@ -88,13 +88,12 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
     if optimizer is not None and cfg.optimizer is not None:
         raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' section; give one")
     if isinstance(optimizer, torch.optim.Optimizer):
-        # Rebuild the same class over the master shards; every group carries all of its
-        # options (torch fills the defaults into each group), so no constructor kwargs.
-        cls = type(optimizer)
+        # Like DeepSpeed, reuse the client's optimizer object over the master shards, so an
+        # lr scheduler the user built on it keeps driving the lr that is used.
         for g in groups:
             for key, value in optimizer.defaults.items():
                 g.setdefault(key, value)
-        return lambda inner_groups: cls(inner_groups)
+        return functools.partial(_rebind_optimizer, optimizer)
     if callable(optimizer):
         return optimizer
     if optimizer is not None:
@@ -104,6 +103,24 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
     cls = _TORCH_OPTIMIZERS[cfg.optimizer.torch_optimizer_class_name()]
     kwargs = cfg.optimizer.torch_optimizer_kwargs()
     return lambda inner_groups: cls(inner_groups, **kwargs)
+
+
+def _rebind_optimizer(optimizer: torch.optim.Optimizer, inner_groups: list[dict]) -> torch.optim.Optimizer:
+    """Point a client optimizer's groups at the master shards (its state starts empty)."""
+    optimizer.param_groups = []
+    optimizer.state.clear()
+    for group in inner_groups:
+        optimizer.add_param_group(group)
+    return optimizer
+
+
+def _check_optimizer_options(factory: Callable, groups: list[dict]) -> None:
+    """Build the optimizer once over stand-in params, so bad options stop before any collective."""
+    stand_ins = [dict(g, params=[torch.zeros(1, requires_grad=True)]) for g in groups]
+    try:
+        factory(stand_ins)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"optimizer options are invalid: {exc}") from None
 
 
 def _split_for_pipeline(model: nn.Module, cfg: Zero3DConfig, mesh, tp_info) -> PipelineModel:
@@ -205,6 +222,8 @@ def initialize(
     names = {p: n for n, p in model.named_parameters()}
     group_names = [[names[p] for p in g["params"]] for g in groups]
     factory = _optimizer_factory(cfg, optimizer, groups)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        _check_optimizer_options(factory, groups)
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one")
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device)

@@ -101,3 +101,36 @@ def test_user_zero_grad_between_micro_batches_is_respected(stage):
     got = engine.full_parameters()
     for name, p in reference.named_parameters():
         assert torch.allclose(got[name], p, rtol=1e-5, atol=1e-7), name
+
+
+def test_lr_scheduler_instance_on_the_client_optimizer_drives_the_lr():
+    """A torch scheduler built on the client optimizer (as DeepSpeed users do) keeps working."""
+    import parallel3d
+
+    model = make_model("llama")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.1)
+    config = ds_config(1, 1, 1)
+    del config["optimizer"]
+    engine, opt, _, sched = parallel3d.initialize(model=model, config=config, optimizer=optimizer, lr_scheduler=scheduler)
+    batches = iter(rank_micro_batches(token_batches(3, 1, 1), 0))
+    lrs = []
+    for _ in range(3):
+        engine.train_batch(batches)
+        lrs.append(engine.get_lr()[0])
+    assert opt.inner is optimizer and sched is scheduler
+    assert lrs == pytest.approx([1e-4, 1e-5, 1e-6])
+
+
+@pytest.mark.parametrize(
+    "params,message",
+    [({"lr": 1e-3, "betas": [1.5, 0.9]}, "optimizer options are invalid: Invalid beta parameter at index 0: 1.5"),
+     ({"lr": -1.0}, "optimizer.params.lr: -1.0 must be a number >= 0")],
+)
+def test_bad_optimizer_values_stop_before_training(params, message):
+    import parallel3d
+
+    config = ds_config(1, 1, 1)
+    config["optimizer"]["params"] = params
+    with pytest.raises(parallel3d.ConfigError, match=message.replace("(", r"\(")):
+        parallel3d.initialize(model=make_model("llama"), config=config)
