@@ -93,15 +93,33 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
 
 
 def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[str, dict]:
-    """Restore ``engine`` from ``load_dir``; returns the checkpoint path and the client state."""
-    path = resolve_tag(load_dir, tag)
-    file = path / f"rank{_rank()}.pt"
+    """Restore ``engine`` from ``load_dir``; returns the checkpoint path and the client state.
+
+    Every rank reads and checks its own file first; the ranks then agree (one all-reduce)
+    before any state changes, so a file missing or unfit on one rank stops all of them with
+    a message instead of leaving the others waiting in a collective.
+    """
+    error: ConfigError | None = None
+    path = state = None
     try:
-        state = torch.load(file, map_location=engine.device, weights_only=True)
-    except FileNotFoundError:
-        raise ConfigError(f"checkpoint {path} has no file for rank {_rank()} ({file.name}); was it written by a larger world?") from None
-    except Exception as exc:
-        raise ConfigError(f"checkpoint file {file} is unreadable: {exc}") from exc
+        path = resolve_tag(load_dir, tag)
+        file = path / f"rank{_rank()}.pt"
+        if not file.is_file():
+            raise ConfigError(f"checkpoint {path} has no file for rank {_rank()} ({file.name}); was it written by a larger world?")
+        try:
+            state = torch.load(file, map_location=engine.device, weights_only=True)
+        except Exception as exc:
+            raise ConfigError(f"checkpoint file {file} is unreadable: {exc}") from exc
+        engine.check_checkpoint_state(state)
+    except ConfigError as exc:
+        error = exc
+    if dist.is_initialized():
+        failed = torch.tensor([int(error is not None)], device=engine.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            error = ConfigError(f"checkpoint {path} could not be loaded on another rank (see its error); nothing was changed")
+    if error is not None:
+        raise error
     engine.load_state_dict_from_checkpoint(state)
     _set_rng_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state["rng"].items()})
     return str(path), state.get("client_state", {})

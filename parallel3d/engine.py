@@ -174,6 +174,12 @@ class Engine:
         ``client_state`` (plain values and tensors) is stored with it and handed back by
         ``load_checkpoint``, as in DeepSpeed. Returns the tag.
         """
+        if self.micro_steps % self.gradient_accumulation_steps:
+            raise ConfigError(
+                f"save_checkpoint in the middle of a gradient accumulation window (micro-step "
+                f"{self.micro_steps}, gradient_accumulation_steps {self.gradient_accumulation_steps}): "
+                "accumulated gradients are not saved, so save after engine.step() ends a window"
+            )
         return checkpoint.save(self, save_dir, tag, client_state or {})
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
@@ -210,8 +216,8 @@ class Engine:
             "mesh": [self.mesh.pp, self.mesh.dp, self.mesh.tp],
         }
 
-    def load_state_dict_from_checkpoint(self, state: dict) -> None:
-        """Restore from a checkpoint's rank state; refuse, before changing anything, one that does not fit."""
+    def check_checkpoint_state(self, state: dict) -> None:
+        """Refuse a checkpoint's rank state that does not fit this engine (changes nothing)."""
         mesh = [self.mesh.pp, self.mesh.dp, self.mesh.tp]
         if list(state["mesh"]) != mesh:
             raise ConfigError(
@@ -224,6 +230,9 @@ class Engine:
                 f"{state['zero']['dp_world']}; this engine runs stage {stage} on {self.mesh.dp}"
             )
         self._check_layout(state["layout"])
+
+    def load_state_dict_from_checkpoint(self, state: dict) -> None:
+        """Restore from a checkpoint's rank state (checked with ``check_checkpoint_state`` first)."""
         self.optimizer.load_state_dict(state["zero"])
         if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -174,3 +174,27 @@ def test_load_into_a_different_unit_layout_is_refused_cleanly(dist, tmp_path):
     for r in dist.run(DP, load_other_layout, str(tmp_path)):
         assert r["error"].startswith("ConfigError: "), r["error"]
         assert r["untouched"], "a refused load must leave the engine as it was"
+
+
+def _load_with_one_file_missing(ckpt_dir: str) -> str:
+    import parallel3d
+
+    engine, _ = _engine(2, "fp32", seed=0)
+    tag = engine.save_checkpoint(ckpt_dir)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:
+        Path(ckpt_dir, tag, "rank1.pt").unlink()
+    torch.distributed.barrier()
+    try:
+        engine.load_checkpoint(ckpt_dir)
+    except parallel3d.ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_file_missing_on_one_rank_stops_every_rank(dist, tmp_path):
+    msg0, msg1 = dist.run(DP, _load_with_one_file_missing, str(tmp_path), timeout=120)
+    assert msg1 == (f"checkpoint {tmp_path}/global_step0 has no file for rank 1 (rank1.pt); "
+                    "was it written by a larger world?")
+    assert msg0 == (f"checkpoint {tmp_path}/global_step0 could not be loaded on another rank (see its error); "
+                    "nothing was changed")
