@@ -128,7 +128,8 @@ class ParamFetcher:
             self._position[mi] = len(self._order)
             self._order.append(mi)
         self.gather(self.module_units[mi][1])
-        self._prefetch_after(mi, +1)
+        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+            self._prefetch_after(mi, +1)
 
     def _post_forward(self, mi: int, module: nn.Module, args, output):
         if torch._C._current_graph_task_id() != -1:
