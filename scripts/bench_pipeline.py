@@ -23,7 +23,8 @@ Definitions (the same as ``parallel3d.pipeline.simulate``):
 * live activations of a rank: (micro-batch, chunk) pairs whose F has started and whose B
   (W for zb_h1) has not ended; the peak is ``simulate._peak_live`` of the measured intervals.
 * theory: (P-1)/(m+P-1) for gpipe and 1f1b, (P-1)/(V*m+P-1) for interleaved_1f1b,
-  (P-1)(F+B-W) / (m(F+B+W) + (P-1)(F+B-W)) for zb_h1 with the measured mean F, B, W.
+  (P-1)(F+B-W) / (m(F+B+W) + (P-1)(F+B-W)) for zb_h1 with the measured mean F, B, W of
+  ranks 1..P-1 (stage 0 has no input gradient: its B is empty and its W the whole backward).
 
 Time-sharing: with more ranks than cores, ranks share cores. A compute action takes longer in
 wall time while its neighbours compute too, and an idle rank gives its core away, which
@@ -237,9 +238,14 @@ def analyse(schedule: str, m: int, v: int, gathered: list[dict], step_wall: floa
     by_rank = [[iv for iv in ivs if iv.rank == r] for r in range(P)]
     chunks = v  # a chunk's pass is 1/V of a rank's: scale to a whole micro-batch through a rank
 
+    # zb_h1's formula is for a stage whose B is the input gradient and W the weight gradient;
+    # stage 0 has no input gradient (its B is empty, its W the whole backward), so zb_h1's
+    # F, B, W are the means over ranks 1..P-1 (the other schedules' theory ignores costs)
+    cost_ranks = range(1, P) if schedule == "zb_h1" else range(P)
+
     def mean_cost(kind: str, which: str) -> float:
-        vals = [(c if which == "cpu" else iv.end - iv.start) for rank in ranks for (iv, c) in
-                ((Interval(*t), c) for t, c in rank) if iv.kind == kind]
+        vals = [(c if which == "cpu" else iv.end - iv.start) for r in cost_ranks for (iv, c) in
+                ((Interval(*t), c) for t, c in ranks[r]) if iv.kind == kind]
         return chunks * statistics.mean(vals) if vals else 0.0
 
     costs = {which: {k: mean_cost(k, which) for k in "FBW"} for which in ("wall", "cpu")}
@@ -354,8 +360,8 @@ def main(argv=None) -> int:
               f"{r['theory']:.3f} | {fmt_list(r['bubble_per_rank'])} | {1e3 * r['gap_median_s']:.1f}, "
               f"{r['gap_fraction']:.2f} | {fmt_list(r['peak_live'], '{}')} ({fmt_list(r['peak_live_sim'], '{}')}) | "
               f"{1e3 * r['span_s']:.0f} | {1e3 * r['step_s']:.0f} |")
-    print("\nCPU view: wall busy / thread-CPU busy per rank; mean F/B/W per micro-batch through a rank (wall | "
-          "CPU ms, and CPU per rank); the step replayed with CPU durations on dedicated cores (bubble, per rank, "
+    print("\nCPU view: wall busy / thread-CPU busy per rank; mean F/B/W per micro-batch through a rank (zb_h1: "
+          "ranks 1-3) (wall | CPU ms, and CPU per rank); the step replayed with CPU durations on dedicated cores (bubble, per rank, "
           "span); theory with CPU costs")
     print("| schedule | m | wall/CPU per rank | F/B/W ms wall | F/B/W ms CPU | F/B/W ms CPU per rank | "
           "CPU replay bubble | per rank | replay span ms | theory (CPU costs) |")
