@@ -361,8 +361,8 @@ def main(argv=None) -> int:
               f"{r['gap_fraction']:.2f} | {fmt_list(r['peak_live'], '{}')} ({fmt_list(r['peak_live_sim'], '{}')}) | "
               f"{1e3 * r['span_s']:.0f} | {1e3 * r['step_s']:.0f} |")
     print("\nCPU view: wall busy / thread-CPU busy per rank; mean F/B/W per micro-batch through a rank (zb_h1: "
-          "ranks 1-3) (wall | CPU ms, and CPU per rank); the step replayed with CPU durations on dedicated cores (bubble, per rank, "
-          "span); theory with CPU costs")
+          "ranks 1-3) (wall | CPU ms, and CPU per rank); the step replayed with CPU durations on dedicated "
+          "cores (bubble, per rank, span); theory with CPU costs")
     print("| schedule | m | wall/CPU per rank | F/B/W ms wall | F/B/W ms CPU | F/B/W ms CPU per rank | "
           "CPU replay bubble | per rank | replay span ms | theory (CPU costs) |")
     print("|---|---|---|---|---|---|---|---|---|---|")
