@@ -109,14 +109,17 @@ class Engine:
             self.backward(loss)
             self.step()
             losses.append(loss.detach().float())
-        mean = torch.stack(losses).mean()
-        group = self.mesh.dp_group
-        if group is not None and self.mesh.dp > 1:
-            dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=group)
-        value = float(mean)
+        value = self._dp_mean(torch.stack(losses).mean())
         if self.global_steps % self.config.steps_per_print == 0 and self._is_rank0():
             logger.info("step %d loss %.6f lr %s", self.global_steps, value, self.get_lr())
         return value
+
+    def _dp_mean(self, loss: torch.Tensor) -> float:
+        """The mean of ``loss`` over the data-parallel ranks (the same value on all of them)."""
+        group = self.mesh.dp_group
+        if group is not None and self.mesh.dp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)
+        return float(loss)
 
     def _to_device(self, batch):
         if isinstance(batch, dict):

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from parallel3d.engine import Engine
@@ -64,12 +63,6 @@ class PipelineEngine(Engine):
         if not all(isinstance(b, dict) for b in batches):
             raise ConfigError("under pipeline parallelism each micro-batch must be a dict with input_ids and labels")
         return batches
-
-    def _dp_mean(self, loss: torch.Tensor) -> float:
-        group = self.mesh.dp_group
-        if group is not None and self.mesh.dp > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)
-        return float(loss)
 
     def train_batch(self, data_iter: Iterator) -> float:
         """One optimizer step over ``gradient_accumulation_steps`` micro-batches; the dp-mean loss."""

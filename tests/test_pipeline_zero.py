@@ -26,15 +26,27 @@ def train_pipeline(kind: str, stage: int, schedule: str, extra: dict) -> tuple[l
 
 
 @functools.cache
-def oracle(kind: str):
-    data = token_batches(STEPS, GAS, DP)
+def oracle_dp(kind: str, dp: int):
     overrides = {"num_hidden_layers": 4} if kind == "llama" else {"n_layer": 4}
-    return oracle_run(kind, data, model=make_model(kind, **overrides))
+    return oracle_run(kind, token_batches(STEPS, GAS, dp), model=make_model(kind, **overrides))
 
 
 def origin(name: str, params: dict) -> str:
     """The oracle's name for a stage's param: GPT-2's head is a copy of the tied embedding."""
     return name if name in params else {"lm_head.weight": "transformer.wte.weight"}[name]
+
+
+def assert_stages_match(results: list, want_losses: list[float], want_params: dict) -> None:
+    """Every rank's losses, and each stage's parameters, equal the oracle's; together they cover it."""
+    seen = set()
+    for losses, params in results:
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        for name, got in params.items():
+            want = want_params[origin(name, want_params)]
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < RTOL, f"{name} differs by {err:.2e}"
+            seen.add(origin(name, want_params))
+    assert seen == set(want_params)  # the stages together hold every parameter
 
 
 @pytest.mark.parametrize(
@@ -51,16 +63,7 @@ def origin(name: str, params: dict) -> str:
 )
 def test_pp_x_dp_matches_single_process(dist, kind, stage, schedule, extra):
     results = dist.run(PP * DP, train_pipeline, kind, stage, schedule, extra)
-    want_losses, want_params = oracle(kind)
-    seen = set()
-    for losses, params in results:
-        assert losses == pytest.approx(want_losses, rel=RTOL)
-        for name, got in params.items():
-            want = want_params[origin(name, want_params)]
-            err = ((got - want).norm() / want.norm()).item()
-            assert err < RTOL, f"{name} differs by {err:.2e}"
-            seen.add(origin(name, want_params))
-    assert seen == set(want_params)  # the stages together hold every parameter
+    assert_stages_match(results, *oracle_dp(kind, DP))
 
 
 def _forward_under_pipeline():
@@ -93,12 +96,6 @@ def train_3d(kind: str, stage: int, schedule: str, dp: int) -> tuple[list[float]
     return [engine.train_batch(data_iter) for _ in range(STEPS)], engine.full_parameters()
 
 
-@functools.cache
-def oracle_dp(kind: str, dp: int):
-    overrides = {"num_hidden_layers": 4} if kind == "llama" else {"n_layer": 4}
-    return oracle_run(kind, token_batches(STEPS, GAS, dp), model=make_model(kind, **overrides))
-
-
 @pytest.mark.parametrize(
     "kind,stage,schedule,dp",
     [("llama", 1, "1f1b", 1), ("gpt2", 3, "zb_h1", 1), ("llama", 2, "1f1b", 2)],
@@ -106,10 +103,4 @@ def oracle_dp(kind: str, dp: int):
 def test_3d_mesh_matches_single_process(dist, kind, stage, schedule, dp):
     """pp x dp x tp on one mesh: tp-split blocks inside pipeline stages, ZeRO over dp."""
     results = dist.run(PP * dp * 2, train_3d, kind, stage, schedule, dp)
-    want_losses, want_params = oracle_dp(kind, dp)
-    for losses, params in results:
-        assert losses == pytest.approx(want_losses, rel=RTOL)
-        for name, got in params.items():
-            want = want_params[origin(name, want_params)]
-            err = ((got - want).norm() / want.norm()).item()
-            assert err < RTOL, f"{name} differs by {err:.2e}"
+    assert_stages_match(results, *oracle_dp(kind, dp))
