@@ -44,6 +44,23 @@ def read_metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_zero3d_train_with_pipeline_stages(tmp_path, cache_dir):
+    """Two processes as two pipeline stages (1F1B, ZeRO 2): training and validation losses fall."""
+    run = tmp_path / "run"
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(tiny_job(run)))
+    env = dict(os.environ, ZERO3D_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(config), "--nproc-per-node", "2",
+                           "train.max_steps=12", "engine.pipeline.stages=2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = read_metrics(run)
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(vals) == 4 and vals[-1] < vals[0] - 0.5, vals
+    losses = [r["loss"] for r in records[1:]]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
 def test_zero3d_train_two_processes_end_to_end(tmp_path, cache_dir):
     run = tmp_path / "run"
     config = tmp_path / "tiny.yaml"

@@ -71,9 +71,6 @@ def _tokenizer(job: JobConfig, docs: dict, identity: dict):
 def prepare(job: JobConfig, world_size: int) -> Prepared:
     """Validate the job for ``world_size`` processes and build its tokenizer and packed data."""
     resolved = _resolve_engine(engine_dict(job), world_size)
-    if resolved.pipeline.stages > 1:
-        raise ConfigError("engine.pipeline.stages: zero3d train evaluates with engine(**batch), which needs "
-                          "pipeline.stages 1")
     model_lib.check_dtype(job, resolved.precision)
     hf_config = model_lib.hf_config(job)
     resume_from = find_resume(job, world_size)

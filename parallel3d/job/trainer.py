@@ -43,11 +43,21 @@ def evaluate(engine, blocks, micro: int, max_batches: int | None) -> float:
     """Mean validation loss over every dp rank's share (each batch has the same token count)."""
     mesh = engine.mesh
     total = torch.zeros(2, dtype=torch.float64)
+    batches = eval_batches(blocks, micro, mesh.dp, mesh.local_rank("dp"), max_batches)
     engine.eval()
     with torch.no_grad():
-        for batch in eval_batches(blocks, micro, mesh.dp, mesh.local_rank("dp"), max_batches):
-            out = engine(**{k: v.to(engine.device) for k, v in batch.items()})
-            total += torch.tensor([float(out.loss), 1.0], dtype=torch.float64)
+        if mesh.pp > 1:
+            # a pipeline evaluates whole windows of gradient_accumulation_steps micro-batches
+            # (eval_batch returns their dp mean; the sum below then averages equal values)
+            window = list(batches)
+            gas = engine.gradient_accumulation_steps
+            for start in range(0, len(window) - gas + 1, gas):
+                loss = engine.eval_batch(iter(window[start : start + gas]))
+                total += torch.tensor([loss, 1.0], dtype=torch.float64)
+        else:
+            for batch in batches:
+                out = engine(**{k: v.to(engine.device) for k, v in batch.items()})
+                total += torch.tensor([float(out.loss), 1.0], dtype=torch.float64)
     engine.train()
     if mesh.dp > 1:
         reduced = total.to(engine.device)
