@@ -44,17 +44,22 @@ def read_metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_zero3d_train_with_pipeline_stages(tmp_path, cache_dir):
-    """Two processes as two pipeline stages (1F1B, ZeRO 2): training and validation losses fall."""
+def train_two_processes(tmp_path: Path, cache_dir: Path, *overrides: str) -> tuple[Path, subprocess.CompletedProcess]:
+    """`zero3d train` of the tiny job on 2 local processes, as a user runs it: the run dir and the process."""
     run = tmp_path / "run"
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(tiny_job(run)))
     env = dict(os.environ, ZERO3D_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(config), "--nproc-per-node", "2",
-                           "train.max_steps=12", "engine.pipeline.stages=2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+                           "train.max_steps=12", *overrides], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    records = read_metrics(run)
+    return run, proc
+
+
+def test_zero3d_train_with_pipeline_stages(tmp_path, cache_dir):
+    """Two processes as two pipeline stages (1F1B, ZeRO 2): training and validation losses fall."""
+    records = read_metrics(train_two_processes(tmp_path, cache_dir, "engine.pipeline.stages=2")[0])
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(vals) == 4 and vals[-1] < vals[0] - 0.5, vals
     losses = [r["loss"] for r in records[1:]]
@@ -62,13 +67,7 @@ def test_zero3d_train_with_pipeline_stages(tmp_path, cache_dir):
 
 
 def test_zero3d_train_two_processes_end_to_end(tmp_path, cache_dir):
-    run = tmp_path / "run"
-    config = tmp_path / "tiny.yaml"
-    config.write_text(yaml.safe_dump(tiny_job(run)))
-    env = dict(os.environ, ZERO3D_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(config), "--nproc-per-node", "2",
-                           "train.max_steps=12"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run, proc = train_two_processes(tmp_path, cache_dir)
     records = read_metrics(run)
     assert [r["step"] for r in records] == list(range(13))
     vals = [r["val_loss"] for r in records if "val_loss" in r]
