@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 AVG = dist.ReduceOp.AVG
 
@@ -56,15 +56,15 @@ def reduce_to_shard(full: torch.Tensor, shard: torch.Tensor, group: dist.Process
         return Pending([work], lambda: shard.copy_(mine))
     if accumulate:
         received = torch.empty_like(shard)
-        work = _reduce_scatter(received, full, op=AVG, group=group, async_op=True)
+        work = reduce_scatter_single(received, full, op=AVG, group=group, async_op=True)
         return Pending([work], lambda: shard.add_(received))
-    return Pending([_reduce_scatter(shard, full, op=AVG, group=group, async_op=True)], lambda: full)
+    return Pending([reduce_scatter_single(shard, full, op=AVG, group=group, async_op=True)], lambda: full)
 
 
 def gather_shards(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> Pending:
     """Start filling ``full`` with every rank's ``shard`` in rank order (``shard`` may be a chunk of ``full``)."""
     if not _gloo(group):
-        return Pending([_all_gather(full, shard, group=group, async_op=True)])
+        return Pending([all_gather_single(full, shard, group=group, async_op=True)])
     rank, world, n = dist.get_rank(group), dist.get_world_size(group), shard.numel()
     works = []
     for owner in range(world):

@@ -106,6 +106,10 @@ class ZeroOptimizer:
         for unit in self.units:
             unit.group_index, unit.model_parallel, duplicated = origin[unit.group_index]
             unit.count_in_norm = not duplicated
+        # [units, 2]: which squared unit norms count as [replicated, model-parallel] (step-invariant)
+        self._norm_weights = torch.tensor(
+            [[float(u.count_in_norm and not u.model_parallel), float(u.count_in_norm and u.model_parallel)] for u in self.units]
+        )
         self._install_values()
         self.fetcher: ParamFetcher | None = None
         if settings.stage == 3:
@@ -223,9 +227,7 @@ class ZeroOptimizer:
         squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
         if grads:
             per_unit = torch.stack(torch._foreach_norm(grads)).pow(2)
-            counted = torch.tensor([u.count_in_norm for u in self.units], device=per_unit.device)
-            split = torch.tensor([u.model_parallel for u in self.units], device=per_unit.device)
-            squares = torch.stack([per_unit[counted & ~split].sum(), per_unit[counted & split].sum()])
+            squares = self._norm_weights.to(per_unit.device).t() @ per_unit
         if self.settings.stage > 0 and self.dp_world > 1:
             dist.all_reduce(squares, group=self.group)
         if self.model_parallel_group is not None:

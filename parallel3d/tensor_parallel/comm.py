@@ -28,9 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-# torch 2.13 renamed the single-tensor collectives; the old names warn on every call.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from zero.comm import all_gather_single, reduce_scatter_single
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -44,7 +42,7 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     world = dist.get_world_size(group)
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((world * front.shape[0], *front.shape[1:]))
-    _all_gather_single(out, front, group=group)
+    all_gather_single(out, front, group=group)
     return out.movedim(0, dim)
 
 
@@ -55,7 +53,7 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Ten
     if front.shape[0] % world:
         raise ValueError(f"reduce-scatter: size {front.shape[0]} of dim {dim} is not divisible by {world} ranks")
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    _reduce_scatter_single(out, front, group=group)
+    reduce_scatter_single(out, front, group=group)
     return out.movedim(0, dim)
 
 
