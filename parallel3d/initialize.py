@@ -266,6 +266,7 @@ def initialize(
         model_parallel_group=mesh.group("tp") if tp_info else None,
         norm_groups=[mesh.group("pp")] if pipe else (),
         norm_duplicate_params=[t.param for t in pipe.tied if not t.first] if pipe else (),
+        param_order=list(model.parameters()),
     )
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
     if pipe is not None:

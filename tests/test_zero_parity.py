@@ -109,16 +109,21 @@ def _with_unused_param(stage: int):
 
     model = make_model("llama")
     model.model.layers[0].unused = torch.nn.Linear(4, 4)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if ".unused." in n}
     config = ds_config(stage, GAS, 2, stage3_param_persistence_threshold=0, reduce_bucket_size=3000)
     engine, _, _, _ = parallel3d.initialize(model=model, config=config)
     data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, 2), torch.distributed.get_rank()))
     losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
-    return losses, {n: p for n, p in engine.full_parameters().items() if ".unused." not in n}
+    params = engine.full_parameters()
+    untouched = all(torch.equal(params.pop(n), value) for n, value in initial.items())
+    return losses, params, untouched
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_unused_parameter_does_not_disturb_the_rest(dist, stage):
+    """The rest trains as without it; the unused param is skipped like torch.optim skips grad None."""
     want_losses, want_params = oracle("llama", 2)
-    for losses, params in dist.run(2, _with_unused_param, stage):
+    for losses, params, untouched in dist.run(2, _with_unused_param, stage):
         assert losses == pytest.approx(want_losses, rel=RTOL)
         assert max_rel_param_error(params, want_params)[0] < RTOL
+        assert untouched, "a parameter no forward used was updated (weight decay without a gradient)"

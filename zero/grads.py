@@ -7,9 +7,19 @@ reduce-scatters it and keeps the owned slice). Stages 2 and 3 keep only the owne
 gradient shard: as each gradient arrives it is copied into the unit's staging buffer and
 dropped, and a full unit is reduce-scattered into the shard on every micro-batch.
 
-A unit's collective starts as soon as its last gradient arrives (hook order is the same on
-every rank, so collectives match up) and runs while backward goes on; ``finish_backward``
-launches units whose params got no gradient and waits for everything.
+Units are reduced in one fixed *launch order*, the same on every rank: a unit's collective
+starts once its last gradient has arrived *and* every unit before it in that order has
+started, and runs while backward goes on. Which gradients arrive may differ across ranks
+(a mixture-of-experts layer whose expert got no token here, a branch one batch skips), so
+starting units as they complete would issue the ranks' collectives in different orders and
+mix them up. ``finish_backward`` launches, in the same order, the units still waiting (a
+param that got no gradient here contributes zeros) and waits for everything; DDP does the
+same with its bucket order. The launch order is the expected arrival order (reverse
+registration), so a dense model loses no overlap.
+
+The reducer also records which parameters received a gradient during the accumulation
+window (``received``), so the optimizer can leave a parameter that got none on any rank
+untouched, as ``torch.optim`` skips a parameter whose ``.grad`` is None.
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ class GradientReducer:
             gradients are reduced once per step, after the tied-embedding sum.
         on_unit_reduced: called with a unit once its gradients are handed to the
             collective (stage 3 releases the gathered params there).
+        launch_order: unit indices in the order their collectives start (default: as listed).
     """
 
     MAX_IN_FLIGHT = 2
@@ -51,8 +62,12 @@ class GradientReducer:
         overlap_comm: bool = True,
         on_unit_reduced: Callable[[FlatUnit], None] | None = None,
         accumulate_full: bool | None = None,
+        launch_order: Sequence[int] | None = None,
     ) -> None:
         self.units = list(units)
+        self.launch_order = list(range(len(self.units))) if launch_order is None else list(launch_order)
+        if sorted(self.launch_order) != list(range(len(self.units))):
+            raise ValueError("launch_order must list every unit index exactly once")
         self.group = group
         self.stage = stage
         self.overlap = overlap_comm
@@ -64,11 +79,14 @@ class GradientReducer:
         self._pending: list[tuple[dist.Work | None, Callable[[], None] | None]] = []
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
+        self._next = 0  # position in launch_order of the next unit to launch
         self._staging: list[torch.Tensor | None] = [None] * len(self.units)
         self._shard_fresh = [True] * len(self.units)
         self._arrived: set[nn.Parameter] = set()  # stages 2-3: params whose grad is staged
         self._views: dict[nn.Parameter, torch.Tensor] = {}  # stages 0-1: the installed .grad views
         self._handles: list = []
+        # received[ui][pi]: param pi of unit ui got a gradient in this accumulation window
+        self.received = [torch.zeros(len(u.params), dtype=torch.bool) for u in self.units]
         for ui, unit in enumerate(self.units):
             if self.accumulate_full:
                 unit.grad_full = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
@@ -115,11 +133,13 @@ class GradientReducer:
             self._repair_grad_views()
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
+        self._next = 0
         self._arrived.clear()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         ui, pi = self._unit_index[p]
         unit = self.units[ui]
+        self.received[ui][pi] = True
         if self.accumulate_full:
             if not self.boundary:
                 return
@@ -130,7 +150,16 @@ class GradientReducer:
             p.grad = None
             self._arrived.add(p)
         self._ready[ui] += 1
-        if self._ready[ui] == len(unit.params):
+        self._launch_in_order()
+
+    def _launch_in_order(self, everything: bool = False) -> None:
+        """Launch units in ``launch_order`` while the next one is complete (or all, at the end)."""
+        order = self.launch_order
+        while self._next < len(order):
+            ui = order[self._next]
+            if not everything and self._ready[ui] < len(self.units[ui].params):
+                return
+            self._next += 1
             self._launch(ui)
 
     def _staging_for(self, ui: int) -> torch.Tensor:
@@ -195,9 +224,7 @@ class GradientReducer:
         """After backward: reduce units whose params got no gradient, then wait for all."""
         if self.accumulate_full and not self.boundary:
             return
-        for ui in range(len(self.units)):
-            if not self._launched[ui]:
-                self._launch(ui)
+        self._launch_in_order(everything=True)
         self._drain()
 
     def reduce_all(self) -> None:
@@ -209,4 +236,6 @@ class GradientReducer:
         for unit in self.units:
             (unit.grad_full if self.accumulate_full else unit.grad_shard).zero_()
         self._shard_fresh = [True] * len(self.units)
+        for flags in self.received:
+            flags.zero_()
         self.install_grad_views()

@@ -3,6 +3,12 @@
 It knows nothing of tensor or pipeline parallelism beyond two things handed to it: the
 data-parallel group its shards live on, and the extra groups over which the squared
 gradient norm must also be summed (model-parallel ranks hold disjoint pieces).
+
+The inner ``torch.optim`` optimizer sees one tensor per (parameter, shard) intersection, a
+*piece*: a view into the flat fp32 master shard. Its states are still shard-sized, but a
+parameter that got no gradient on any rank in a step gets ``.grad = None`` and is skipped
+exactly as ``torch.optim`` skips it on one process (no weight decay, no moment decay, no
+step count), and per-parameter step counts stay per parameter.
 """
 
 from __future__ import annotations
@@ -45,6 +51,40 @@ class ZeroSettings:
     must be summed across stages before ZeRO reduces them."""
 
 
+@dataclass(frozen=True)
+class Piece:
+    """The part of parameter ``param`` of unit ``unit`` that lies in this rank's shard."""
+
+    unit: int
+    param: int
+    start: int  # offsets within the shard
+    stop: int
+
+
+def shard_pieces(units: Sequence[FlatUnit]) -> list[Piece]:
+    """Every non-empty (parameter, shard) intersection, unit by unit (padding belongs to none)."""
+    pieces = []
+    for ui, unit in enumerate(units):
+        lo, hi = unit.shard_range
+        for pi, (off, n) in enumerate(zip(unit.offsets, unit.numels)):
+            start, stop = max(off, lo), min(off + n, hi)
+            if start < stop:
+                pieces.append(Piece(ui, pi, start - lo, stop - lo))
+    return pieces
+
+
+def launch_order(units: Sequence[FlatUnit], param_order: Sequence[nn.Parameter]) -> list[int]:
+    """Unit indices in the order their gradients are expected to complete.
+
+    Backward produces gradients roughly in reverse registration order, and a unit is complete
+    when its earliest-registered parameter's gradient arrives, so units go by that parameter's
+    position, latest first.
+    """
+    position = {id(p): i for i, p in enumerate(param_order)}
+    earliest = [min(position.get(id(p), len(position)) for p in unit.params) for unit in units]
+    return sorted(range(len(units)), key=lambda ui: (-earliest[ui], ui))
+
+
 class ZeroOptimizer:
     """Shards master weights and optimizer states (1), gradients (2) and parameters (3).
 
@@ -66,6 +106,8 @@ class ZeroOptimizer:
             holds (a tied embedding's copy on the last pipeline stage): left out of the norm.
         norm_groups: groups over which the whole squared norm is also summed (pipeline
             stages hold disjoint params).
+        param_order: the model's parameters in registration order (default: as grouped);
+            it decides the order in which units are reduced.
     """
 
     def __init__(
@@ -81,6 +123,7 @@ class ZeroOptimizer:
         model_parallel_group: dist.ProcessGroup | None = None,
         norm_groups: Sequence[dist.ProcessGroup] = (),
         norm_duplicate_params: Iterable[nn.Parameter] = (),
+        param_order: Sequence[nn.Parameter] | None = None,
     ) -> None:
         self.settings = settings
         self.group = group
@@ -128,12 +171,16 @@ class ZeroOptimizer:
             overlap_comm=settings.overlap_comm,
             on_unit_reduced=self._release_after_reduce if self.fetcher and not settings.defer_reduction else None,
             accumulate_full=True if settings.defer_reduction else None,
+            launch_order=launch_order(self.units, param_order or [p for ps in params for p in ps]),
         )
-        self.masters = [nn.Parameter(u.master) for u in self.units]
+        self.masters = [u.master for u in self.units]
+        self.pieces = shard_pieces(self.units)
+        self.master_pieces = [nn.Parameter(self.masters[pc.unit][pc.start : pc.stop]) for pc in self.pieces]
         inner_groups = []
         for gi, g in enumerate(param_groups):
             options = {k: v for k, v in g.items() if k != "params"}
-            inner_groups.append({"params": [m for m, u in zip(self.masters, self.units) if u.group_index == gi], **options})
+            mine = [m for m, pc in zip(self.master_pieces, self.pieces) if self.units[pc.unit].group_index == gi]
+            inner_groups.append({"params": mine, **options})
         self.inner = optimizer_factory(inner_groups)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
@@ -201,6 +248,7 @@ class ZeroOptimizer:
     def gather_for_forward(self) -> None:
         """Stage 3: materialize the root units before the model's forward."""
         if self.fetcher is not None:
+            self.fetcher.start_forward()
             self.fetcher.gather_root()
 
     def release_after_forward(self) -> None:
@@ -209,12 +257,23 @@ class ZeroOptimizer:
             self.fetcher.release_all()
 
     def _master_grads(self) -> list[torch.Tensor]:
-        grads = []
-        for master, unit in zip(self.masters, self.units):
-            g = unit.grad_shard
-            master.grad = g if g.dtype == torch.float32 else g.float()
-            grads.append(master.grad)
-        return grads
+        """Each unit's reduced gradient shard in fp32 (the pieces' gradients are views of it)."""
+        return [u.grad_shard if u.grad_shard.dtype == torch.float32 else u.grad_shard.float() for u in self.units]
+
+    def _received_anywhere(self) -> list[torch.Tensor]:
+        """Per unit, which params got a gradient on some dp rank in this window (a MAX over dp)."""
+        local = self.reducer.received
+        if self.dp_world == 1 or not local:
+            return local
+        flags = torch.cat(local).to(torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return list(flags.bool().cpu().split([len(f) for f in local]))
+
+    def _point_piece_grads(self, grads: Sequence[torch.Tensor]) -> None:
+        """Give each piece its slice of the unit gradient, or None if no rank produced one."""
+        received = self._received_anywhere()
+        for piece, pc in zip(self.master_pieces, self.pieces):
+            piece.grad = grads[pc.unit][pc.start : pc.stop] if received[pc.unit][pc.param] else None
 
     def global_grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the whole model's gradient, from this rank's shards.
@@ -259,6 +318,7 @@ class ZeroOptimizer:
         if overflow:
             self.skipped_steps += 1
         else:
+            self._point_piece_grads(grads)
             self.inner.step()
             self.publish_params()
         self.zero_grad()
@@ -277,8 +337,8 @@ class ZeroOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradient buffers (the flat views stay installed)."""
-        for master in self.masters:
-            master.grad = None
+        for piece in self.master_pieces:
+            piece.grad = None
         self.reducer.zero_grad()
 
     # -- state ---------------------------------------------------------------------------
@@ -289,6 +349,7 @@ class ZeroOptimizer:
             "stage": self.settings.stage,
             "dp_world": self.dp_world,
             "masters": [m.detach().clone() for m in self.masters],
+            "pieces": [[pc.unit, pc.param, pc.start, pc.stop] for pc in self.pieces],
             "inner": self.inner.state_dict(),
             "loss_scaler": self.loss_scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
@@ -299,6 +360,12 @@ class ZeroOptimizer:
             raise ValueError(
                 f"checkpoint was written with ZeRO stage {state['stage']} on data-parallel size "
                 f"{state['dp_world']}; this engine runs stage {self.settings.stage} on {self.dp_world}"
+            )
+        pieces = [[pc.unit, pc.param, pc.start, pc.stop] for pc in self.pieces]
+        if state.get("pieces") != pieces:
+            raise ValueError(
+                "checkpoint's optimizer state is laid out per flat unit (written before Zero3D kept "
+                "optimizer state per parameter piece) or for other units; it cannot be loaded here"
             )
         with torch.no_grad():
             for master, saved in zip(self.masters, state["masters"], strict=True):

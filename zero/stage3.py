@@ -10,8 +10,14 @@ The root units (embedding, final norm, head: everything outside the repeated blo
 gathered for the whole forward-backward of a micro-batch; a tied embedding is used at both
 ends of the model, so gathering it once is also the cheapest.
 
-The execution order is recorded during the first forward and assumed fixed afterwards (as
-in DeepSpeed and FSDP); prefetch never holds more than ``max_live_numel`` gathered elements.
+The execution order is recorded during the first forward and held fixed afterwards (as in
+DeepSpeed and FSDP); prefetch never holds more than ``max_live_numel`` gathered elements.
+Every gather is a collective, so all data-parallel ranks must run the same fetch modules in
+the same order: the first forward must run them in registration order (a module may run
+again), and every later forward must repeat that sequence. A rank that deviates (a block
+skipped by layer drop or early exit, say) raises ``FetchOrderError`` before it issues a
+gather that the other ranks would not match. Modules *inside* a fetch module (the experts
+of a mixture-of-experts layer) may run or not as they like: the block is gathered whole.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from torch.utils._pytree import tree_leaves
 
 from zero.comm import Pending, gather_shards
 from zero.flat import FlatUnit
+
+
+class FetchOrderError(RuntimeError):
+    """A stage-3 fetch module ran out of the order every rank must follow."""
 
 
 class ParamFetcher:
@@ -57,7 +67,9 @@ class ParamFetcher:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self._in_flight: dict[int, tuple[Pending, FlatUnit]] = {}
-        self._order: list[int] = []
+        self._order: list[int] = []  # fetch modules by first use (for prefetch)
+        self._sequence: list[int] = []  # every fetch-module forward of one pass, recorded once
+        self._cursor = 0
         self._recording = True
         self._position: dict[int, int] = {}
         self._hooks = []
@@ -123,12 +135,49 @@ class ParamFetcher:
             budget -= size
             pos += step
 
+    def start_forward(self) -> None:
+        """A forward pass of the whole model begins (ends the recording of the first one)."""
+        if self._sequence:
+            self._recording = False
+        self._cursor = 0
+
+    def _follow_order(self, mi: int) -> None:
+        """Record the first pass's sequence; check every later pass against it."""
+        if self._recording:
+            if mi not in self._position:
+                expected = len(self._order)  # first uses must come in registration order
+                if mi != expected:
+                    self._order_error(mi, expected)
+                self._position[mi] = len(self._order)
+                self._order.append(mi)
+            self._sequence.append(mi)
+            self._cursor = len(self._sequence)
+            return
+        if self._cursor >= len(self._sequence):
+            self._cursor = 0  # a new pass through the model without start_forward
+        expected = self._sequence[self._cursor]
+        if mi != expected:
+            self._order_error(mi, expected)
+        self._cursor += 1
+
+    def _order_error(self, mi: int, expected: int) -> None:
+        def name(i: int) -> str:
+            return f"fetch module #{i} ({type(self.module_units[i][0]).__name__})"
+
+        raise FetchOrderError(
+            f"ZeRO stage 3: {name(mi)} ran on this rank where {name(expected)} was due. Stage 3 "
+            "gathers each block's parameters with a collective, so every data-parallel rank must "
+            "run the same blocks in the same order (the first forward in registration order, "
+            "later forwards repeating it); a block skipped on some ranks (layer drop, early exit) "
+            "cannot be gathered in agreement. Run every block on every rank, or use ZeRO stage 2."
+        )
+
     def _pre_forward(self, mi: int, module: nn.Module, args) -> None:
-        if self._recording and mi not in self._position:
-            self._position[mi] = len(self._order)
-            self._order.append(mi)
+        recompute = torch._C._current_graph_task_id() != -1  # a forward re-run inside backward
+        if not recompute:
+            self._follow_order(mi)
         self.gather(self.module_units[mi][1])
-        if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+        if not recompute:
             self._prefetch_after(mi, +1)
 
     def _post_forward(self, mi: int, module: nn.Module, args, output):
