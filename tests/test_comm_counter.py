@@ -127,6 +127,8 @@ def zero_step(stage: int, gas: int) -> dict:
         "counts": {op: comm.total("numel", op=op, group="dp")
                    for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast")},
         "small_all_reduces": sorted(c.numel for c in comm.select(op="all_reduce") if c.numel <= 2),
+        "n_params": len(list(model.parameters())),
+        "flag_all_reduces": sum(1 for c in comm.select(op="all_reduce") if c.numel == len(list(model.parameters()))),
         "groups": sorted({c.group for c in comm.calls}),
     }
 
@@ -149,9 +151,12 @@ def test_zero_elements_per_step(zero_counts, stage, gas):
         r = by_case[(stage, gas)]
         psi, padded, c = r["psi"], r["padded"], r["counts"]
         assert r["groups"] == ["dp"]
+        # one all-reduce of a flag per param: which params got a gradient on some rank
+        flags = r["n_params"]
+        assert r["flag_all_reduces"] == 1
         if stage == 0:  # unsharded buffers: no padding, one all-reduce of every gradient per step
             assert padded == psi
-            assert c == {"all_reduce": psi + 1, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0}
+            assert c == {"all_reduce": psi + 1 + flags, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0}
             assert r["small_all_reduces"] == [1]  # the mean loss; the grad norm needs no dp sum
             continue
         assert psi <= padded < psi + r["n_units"] * 2  # "within padding"
@@ -159,7 +164,7 @@ def test_zero_elements_per_step(zero_counts, stage, gas):
         # On gloo (these tests) zero.comm reduces a unit into its shard with an all-reduce of
         # the unit and gathers with one broadcast per owner's chunk (faster there, see
         # zero/comm.py); on NCCL the same element counts go through reduce_scatter/all_gather.
-        reduced, gathered = c["all_reduce"] - 3, c["broadcast"]
+        reduced, gathered = c["all_reduce"] - 3 - flags, c["broadcast"]
         assert c["reduce_scatter"] == c["all_gather"] == 0
         if stage in (1, 2):
             reduces_per_step = 1 if stage == 1 else gas  # stage 2 keeps only shards: reduce each micro-batch
