@@ -97,26 +97,38 @@ class FlatUnit:
             flat[off : off + n].copy_(p.data.reshape(-1))
         return flat
 
-    def install(self, full_fp32: torch.Tensor) -> None:
-        """Take ``full_fp32`` (identical on all ranks) as the unit's value and lay out storage.
+    @property
+    def kept_range(self) -> tuple[int, int]:
+        """The part of the flat layout this rank stores: all of it (persistent) or its shard."""
+        return (0, self.padded) if self.persistent else self.shard_range
 
-        Creates the fp32 master shard (an alias of the working shard when ``dtype`` is fp32),
-        the working shard, and for persistent units the full buffer the params view into.
+    def install(self, full_fp32: torch.Tensor) -> None:
+        """Take ``full_fp32`` (identical on all ranks) as the unit's value and lay out storage."""
+        start, end = self.kept_range
+        kept = full_fp32[start:end]
+        self.install_kept(kept if self.persistent else kept.clone())  # a shard must not pin the full buffer
+
+    def install_kept(self, kept_fp32: torch.Tensor) -> None:
+        """Take ``kept_fp32`` (the fp32 values of ``kept_range``) as the unit's value.
+
+        ``kept_fp32`` is handed over: under fp32 it becomes the unit's storage (the full
+        buffer, or the shard), so no second copy is made. Creates the fp32 master shard (an
+        alias of the working shard when ``dtype`` is fp32), the working shard, and for
+        persistent units the full buffer the params view into.
         """
         start, end = self.shard_range
+        fp32 = self.dtype == torch.float32
         if self.persistent:
-            self.full = full_fp32 if self.dtype == torch.float32 else full_fp32.to(self.dtype)
+            self.full = kept_fp32 if fp32 else kept_fp32.to(self.dtype)
             self.shard = self.full[start:end]
             self.point_params_at(self.full)
+            self.master = self.shard if fp32 else kept_fp32[start:end].clone()
         else:
-            self.shard = full_fp32[start:end].to(self.dtype, copy=True)
+            self.shard = kept_fp32 if fp32 else kept_fp32.to(self.dtype)
             self.full = torch.empty(self.padded, dtype=self.dtype, device=self.device)
             self._materialized = True
             self.release()
-        if self.dtype == torch.float32:
-            self.master = self.shard
-        else:
-            self.master = full_fp32[start:end].clone()
+            self.master = kept_fp32
 
     def point_params_at(self, full: torch.Tensor) -> None:
         """Make each param's ``.data`` a view into ``full``."""

@@ -87,20 +87,35 @@ class GradientReducer:
         self._handles: list = []
         # received[ui][pi]: param pi of unit ui got a gradient in this accumulation window
         self.received = [torch.zeros(len(u.params), dtype=torch.bool) for u in self.units]
+        self._allocated = False
         for ui, unit in enumerate(self.units):
+            for pi, p in enumerate(unit.params):
+                self._unit_index[p] = (ui, pi)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def ensure_buffers(self) -> None:
+        """Allocate the gradient buffers (zeroed) on first use.
+
+        Not at construction: a model that has just been started holds no gradients yet (as
+        under FSDP2), so start-up memory is the parameters' share alone.
+        """
+        if self._allocated:
+            return
+        self._allocated = True
+        for unit in self.units:
             if self.accumulate_full:
                 unit.grad_full = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
                 unit.grad_shard = unit.grad_full[slice(*unit.shard_range)]
             else:
                 unit.grad_shard = torch.zeros(unit.shard_size, dtype=unit.dtype, device=unit.device)
-            for pi, p in enumerate(unit.params):
-                self._unit_index[p] = (ui, pi)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
         self.install_grad_views()
 
     def install_grad_views(self) -> None:
         """Stages 0-1: point every ``param.grad`` at its slice of the unit's flat buffer."""
         if not self.accumulate_full:
+            return
+        if not self._allocated:
+            self.ensure_buffers()
             return
         self._views = {}
         for unit in self.units:
@@ -129,6 +144,7 @@ class GradientReducer:
     def start_backward(self, boundary: bool) -> None:
         """Called before each backward: ``boundary`` marks the last micro-batch of a window."""
         self.boundary = boundary
+        self.ensure_buffers()
         if self.accumulate_full:
             self._repair_grad_views()
         self._ready = [0] * len(self.units)
@@ -233,6 +249,8 @@ class GradientReducer:
         self.finish_backward()
 
     def zero_grad(self) -> None:
+        if not self._allocated:
+            return
         for unit in self.units:
             (unit.grad_full if self.accumulate_full else unit.grad_shard).zero_()
         self._shard_fresh = [True] * len(self.units)

@@ -31,6 +31,7 @@ from zero.stage3 import ParamFetcher
 logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+ValueProvider = Callable[[dict[nn.Parameter, tuple[int, int, torch.Tensor]]], None]
 
 
 @dataclass
@@ -108,6 +109,12 @@ class ZeroOptimizer:
             stages hold disjoint params).
         param_order: the model's parameters in registration order (default: as grouped);
             it decides the order in which units are reduced.
+        initial_values: for params that have no values yet (built on the meta device): a
+            callable given ``{param: (start, stop, flat)}`` that writes elements [start, stop)
+            of each param (its flat layout) into ``flat``, a view of this rank's buffers, with
+            values that are the same on every rank (computed or read identically everywhere,
+            so nothing is broadcast). A rank then never holds more than its share. Default:
+            the params' current values, broadcast from dp rank 0.
     """
 
     def __init__(
@@ -124,6 +131,7 @@ class ZeroOptimizer:
         norm_groups: Sequence[dist.ProcessGroup] = (),
         norm_duplicate_params: Iterable[nn.Parameter] = (),
         param_order: Sequence[nn.Parameter] | None = None,
+        initial_values: ValueProvider | None = None,
     ) -> None:
         self.settings = settings
         self.group = group
@@ -143,7 +151,9 @@ class ZeroOptimizer:
                 if ps:
                     params.append(ps)
                     origin.append((gi, *kind))
-        device = params[0][0].device
+        device = next((p.device for ps in params for p in ps if not p.is_meta), None) or torch.device("cpu")
+        if initial_values is None and any(p.is_meta for ps in params for p in ps):
+            raise ValueError("parameters on the meta device need initial_values")
         self.layout = self._layout(params, list(fetch_modules), device)
         self.units = self.layout.units
         for unit in self.units:
@@ -153,7 +163,10 @@ class ZeroOptimizer:
         self._norm_weights = torch.tensor(
             [[float(u.count_in_norm and not u.model_parallel), float(u.count_in_norm and u.model_parallel)] for u in self.units]
         )
-        self._install_values()
+        if initial_values is None:
+            self._install_values()
+        else:
+            self._install_given(initial_values)
         self.fetcher: ParamFetcher | None = None
         if settings.stage == 3:
             self.fetcher = ParamFetcher(
@@ -211,6 +224,25 @@ class ZeroOptimizer:
                 dist.broadcast(full, src=src, group=self.group)
             unit.install(full)
 
+    def _install_given(self, provide: ValueProvider) -> None:
+        """Have ``provide`` write each param's kept part into this rank's buffers (no communication).
+
+        The buffers start uninitialized (only padding is zeroed), so their pages become
+        resident as values arrive: a rank's memory grows to its share, no further.
+        """
+        kept, wanted = [], {}
+        for unit in self.units:
+            lo, hi = unit.kept_range
+            buffer = torch.empty(hi - lo, dtype=torch.float32, device=unit.device)
+            buffer[max(unit.numel, lo) - lo :].zero_()
+            kept.append(buffer)
+            for p, off, n in zip(unit.params, unit.offsets, unit.numels):
+                start, stop = max(lo, off), max(min(hi, off + n), max(lo, off))
+                wanted[p] = (start - off, stop - off, buffer[start - lo : stop - lo])
+        provide(wanted)
+        for unit, values_kept in zip(self.units, kept):
+            unit.install_kept(values_kept)
+
     def _release_after_reduce(self, unit: FlatUnit) -> None:
         """A unit whose gradients are complete is not needed again in this backward."""
         unit.release()
@@ -258,6 +290,7 @@ class ZeroOptimizer:
 
     def _master_grads(self) -> list[torch.Tensor]:
         """Each unit's reduced gradient shard in fp32 (the pieces' gradients are views of it)."""
+        self.reducer.ensure_buffers()
         return [u.grad_shard if u.grad_shard.dtype == torch.float32 else u.grad_shard.float() for u in self.units]
 
     def _received_anywhere(self) -> list[torch.Tensor]:
@@ -390,6 +423,8 @@ class ZeroOptimizer:
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for each kind of model state (steady state, between steps).
+
+        Gradient buffers exist from the first backward on; optimizer states from the first step.
 
         Under fp32 the master shard *is* the working shard (one tensor), so ``master_params``
         is 0 there: its bytes are already counted in ``params``.
