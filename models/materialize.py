@@ -1,0 +1,366 @@
+"""Values for a meta-device model equal, bit for bit, to those eager construction gives.
+
+``with torch.device("meta"): model = AutoModelForCausalLM.from_config(cfg)`` builds no values;
+``torch.manual_seed(s); AutoModelForCausalLM.from_config(cfg)`` builds the values every layout
+must start from. :class:`InitReplay` gives the second's values, one rectangle at a time, while
+holding about one tensor in flight.
+
+How (see :mod:`models.init_trace`): the model's own construction is run again, on the meta
+device, with every random op mirrored onto a real CPU tensor of the same size, strides and
+dtype, so the global CPU generator advances exactly as it does in eager construction (the
+construction-time ``reset_parameters`` draws of ``nn.Linear``/``nn.Embedding`` included), and
+the values of the tensors asked for are computed on CPU only from their last full overwrite
+to the moment they are final. Nothing is special-cased per family: whatever the model's
+``__init__``, ``post_init`` and ``_init_weights`` do is what runs.
+
+What transformers 5.23 does, for the record (``modeling_utils.py``):
+``AutoModelForCausalLM.from_config`` calls ``cls._from_config(config)`` (1393), which runs
+``cls(config)`` under the config's dtype. Each ``PreTrainedModel.__init__`` ends in
+``post_init`` (1289) -> ``init_weights`` (3098), which calls ``initialize_weights`` (2388: a
+post-order ``smart_apply`` of ``_initialize_weights``, 2361, which skips modules already
+flagged ``_is_hf_initialized``) *unless* ``get_torch_context_manager_or_global_device()``
+(243, which tests ``torch.tensor([]).device``) is meta, then ``tie_weights`` (2530: a
+``setattr`` of the source Parameter, so tied weights are one Parameter). Modules' own
+constructors (``nn.Linear.reset_parameters``) draw from the generator first, and the inner
+model's ``post_init`` runs before the head is even constructed. Building under
+``torch.device("meta")`` draws nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models.anatomy import tied_parameter_names
+from models.init_trace import Executor, MetaConstructors, Recorder, Stats, TraceError, plan
+from models.tensor_source import Rect, Requests, normalize_rect, whole
+
+
+class MaterializeError(RuntimeError):
+    """A meta model whose values cannot be reproduced."""
+
+
+class UninitializedTensorError(MaterializeError):
+    """Construction never writes these tensors: eager construction leaves them as garbage."""
+
+
+class NoInitializerError(MaterializeError):
+    """A non-Hugging Face module owns parameters but has no ``reset_parameters``."""
+
+
+class ReplayMismatchError(MaterializeError):
+    """The meta model is not what its construction builds (modified after construction?)."""
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One named tensor of the model, and where its value lives in the trace."""
+
+    name: str
+    kind: str  # "parameter" or "buffer"
+    persistent: bool
+    shape: torch.Size
+    dtype: torch.dtype
+    sid: int | None  # the traced storage; None for a tensor construction made on the CPU
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _is_hf(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _hf_program(model: nn.Module) -> Callable[[], nn.Module]:
+    cls = type(model)
+    config = copy.deepcopy(model.config)
+    # ``_from_config`` is what ``AutoModelForCausalLM.from_config`` calls; it reads the dtype
+    # back from ``config.dtype``, which the first construction set.
+    return lambda: cls._from_config(copy.deepcopy(config))
+
+
+def _plain_program(model: nn.Module) -> Callable[[], nn.Module]:
+    for name, module in model.named_modules():
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        if own and not callable(getattr(module, "reset_parameters", None)):
+            raise NoInitializerError(
+                f"module {name or '<root>'} ({type(module).__name__}) owns parameters {own} but has no "
+                "reset_parameters(), so its values cannot be made on the meta device. Give the class a "
+                "reset_parameters() that initializes its own parameters, or build the model eagerly (on CPU) "
+                "and pass the real model."
+            )
+    template = copy.deepcopy(model)  # meta: costs nothing
+
+    def run() -> nn.Module:
+        m = _fresh_copy(template)
+        for module in m.modules():
+            if any(True for _ in module.parameters(recurse=False)) or any(
+                True for _ in module.buffers(recurse=False)
+            ):
+                reset = getattr(module, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+        return m
+
+    return run
+
+
+def _fresh_copy(template: nn.Module) -> nn.Module:
+    # Runs inside the trace: detach the copy's tensors from the modes by copying on meta first.
+    with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+        return copy.deepcopy(template)
+
+
+def _entries(model: nn.Module, sid_of: Callable[[torch.Tensor], int]) -> dict[str, TensorEntry]:
+    out: dict[str, TensorEntry] = {}
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            persistent = kind == "parameter" or leaf not in module._non_persistent_buffers_set
+            out[name] = TensorEntry(
+                name, kind, persistent, t.shape, t.dtype, sid_of(t) if t.is_meta else None,
+                tuple(t.stride()), t.storage_offset(),
+            )
+    return out
+
+
+def _check_cpu_default() -> None:
+    # Eager construction on the CPU is what is reproduced; under ``torch.device("meta")``
+    # transformers would skip its init, and under a CUDA default it would draw from another
+    # generator.
+    device = torch.get_default_device()
+    if device.type != "cpu":
+        raise MaterializeError(
+            f"InitReplay reproduces construction on the CPU, but the default device is {device} "
+            '(inside `with torch.device("meta")`?); build on meta first, then create and read the '
+            "InitReplay outside that block"
+        )
+
+
+def _owns_storage(full: torch.Tensor, rects: list, storage: torch.UntypedStorage) -> bool:
+    """Whether handing back ``full`` itself answers ``rects`` (one whole, contiguous rectangle)."""
+    return (
+        len(rects) == 1
+        and all(s.start == 0 and s.stop == n for s, n in zip(rects[0], full.shape))
+        and full.is_contiguous()
+        and full.storage_offset() == 0
+        and full.nbytes == storage.nbytes()
+    )
+
+
+def _structure(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
+    return [("parameter", n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()] + [
+        ("buffer", n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()
+    ]
+
+
+@dataclass
+class ReplayStats:
+    seconds: float
+    ops: int
+    computed_ops: int
+    scratch_random_ops: int
+    peak_bytes: int  # shadows plus scratch alive at once
+    emitted_bytes: int  # the requested rectangles handed back
+
+
+class InitReplay:
+    """A :class:`~models.tensor_source.TensorSource` of eager-init values for a meta model.
+
+    ``InitReplay(meta_model)`` records the model's construction (cheap: meta, no values) and
+    snapshots the global CPU generator: it must be the state the eager construction would
+    start from (call it right after building on meta, under the same ``torch.manual_seed``),
+    or pass ``rng_state``. Each :meth:`read`/:meth:`fill` replays the construction from that
+    state and leaves the generator where eager construction leaves it, so the caller's next
+    random draw (dropout, data order) is the one a single process would make.
+
+    Hugging Face models are rebuilt with ``type(model)._from_config(model.config)``; other
+    modules are initialized by calling ``reset_parameters()`` on every module owning tensors,
+    in ``modules()`` order (a module owning parameters without one raises
+    :class:`NoInitializerError`).
+
+    Names are those of ``named_parameters()`` (tied weights once, under the first name, e.g.
+    ``model.embed_tokens.weight``; :meth:`aliases` maps ``lm_head.weight`` to it and read
+    accepts either) followed by ``named_buffers()``, non-persistent buffers included.
+    """
+
+    def __init__(self, meta_model: nn.Module, *, rng_state: torch.Tensor | None = None) -> None:
+        _check_cpu_default()
+        self._hf = _is_hf(meta_model)
+        self._program = _hf_program(meta_model) if self._hf else _plain_program(meta_model)
+        self._rng_state = (torch.get_rng_state() if rng_state is None else rng_state).clone()
+        rec = Recorder()
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng_state)
+            with MetaConstructors(), rec:
+                built = self._program()
+        self._records = rec.records
+        self._entries = _entries(built, rec.sid)
+        self._aliases = tied_parameter_names(built)
+        self.last_stats: ReplayStats | None = None
+        if _structure(meta_model) != _structure(built) or tied_parameter_names(meta_model) != self._aliases:
+            got, want = _structure(meta_model), _structure(built)
+            diff = [w for w in want if w not in got][:3] + [g for g in got if g not in want][:3]
+            raise ReplayMismatchError(
+                f"the meta model is not what {type(meta_model).__name__} builds from its config "
+                f"(first differences: {diff}); InitReplay reproduces a model as constructed, not one "
+                "modified afterwards (resized embeddings, replaced modules, changed tying)"
+            )
+        bad = [e.name for e in self._entries.values() if e.sid is not None and not rec.initialized[e.sid]]
+        if bad:
+            how = (
+                "its _init_weights never writes them (eager construction leaves whatever memory held); "
+                "initialize them in the model's _init_weights, or build the model eagerly"
+                if self._hf
+                else "no reset_parameters() writes them and values made at construction are lost on the "
+                "meta device; write them in a reset_parameters(), or build the model eagerly"
+            )
+            raise UninitializedTensorError(f"tensors without an initial value: {', '.join(bad)}: {how}")
+
+    # ----------------------------------------------------------------- the protocol
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def parameter_names(self) -> list[str]:
+        return [n for n, e in self._entries.items() if e.kind == "parameter"]
+
+    def buffer_names(self, *, persistent: bool | None = None) -> list[str]:
+        return [
+            n
+            for n, e in self._entries.items()
+            if e.kind == "buffer" and (persistent is None or e.persistent == persistent)
+        ]
+
+    def aliases(self) -> dict[str, str]:
+        """Tied names: ``{alias: canonical}``, e.g. ``{"lm_head.weight": "model.embed_tokens.weight"}``."""
+        return dict(self._aliases)
+
+    def entry(self, name: str) -> TensorEntry:
+        canonical = self._aliases.get(name, name)
+        try:
+            return self._entries[canonical]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a parameter or buffer of this model") from None
+
+    def shape(self, name: str) -> torch.Size:
+        return self.entry(name).shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self.entry(name).dtype
+
+    def read(self, requests: Requests, *, advance_rng: bool = True) -> Iterator[tuple[str, list[torch.Tensor]]]:
+        """Yield ``(name, [tensor per rect])``, in the order the values become final.
+
+        The replay runs to its end before the first yield (a dispatch mode cannot be suspended),
+        so the rectangles asked for are all held at once, plus one tensor in flight; use
+        :meth:`fill` to copy them into your own buffers instead. Ask for everything (buffers
+        too) in one call: each call is a full replay. ``advance_rng=False`` leaves the generator
+        as it was and skips the random draws no requested value depends on (buffers only: fast).
+        """
+        done: list[tuple[str, list[torch.Tensor]]] = []
+        self._replay(requests, advance_rng, lambda name, ts: done.append((name, ts)))
+        done.reverse()
+        while done:
+            yield done.pop()
+
+    def fill(
+        self, destinations: Mapping[str, Sequence[tuple[Rect, torch.Tensor]]], *, advance_rng: bool = True
+    ) -> None:
+        """Copy each requested rectangle into its destination tensor the moment it is final.
+
+        ``{name: [(rect, dest), ...]}``; ``dest`` has the rectangle's shape (any strides or
+        device, e.g. a view into a flat ZeRO buffer). Peak memory: the destinations plus one
+        tensor in flight.
+        """
+        requests = {n: [r for r, _ in items] for n, items in destinations.items()}
+        dests = {n: [d for _, d in items] for n, items in destinations.items()}
+        self._replay(requests, advance_rng, None, dests)
+
+    def buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every buffer, whole (non-persistent ones included); draws nothing from the generator."""
+        for name, (t,) in self.read(whole(self.buffer_names()), advance_rng=False):
+            yield name, t
+
+    # ----------------------------------------------------------------- the replay
+
+    def _replay(self, requests, advance_rng, sink, dests=None) -> None:
+        jobs: dict[int, list[tuple[str, TensorEntry, list]]] = {}
+        late: list[tuple[str, TensorEntry, list]] = []
+        for name, rects in requests.items():
+            e = self.entry(name)
+            norm = [normalize_rect(name, e.shape, r) for r in rects]
+            job = (name, e, norm)
+            (jobs.setdefault(e.sid, []) if e.sid is not None else late).append(job)
+
+        def deliver(name, values):
+            if dests is None:
+                sink(name, values)
+
+        def emit(sid: int, ex: Executor) -> bool:
+            mine = jobs.pop(sid)
+            for name, e, rects in mine:
+                full = ex.view_as(sid, e.dtype, e.shape, e.stride, e.offset)
+                if dests is None and len(mine) == 1 and _owns_storage(full, rects, ex.shadows[sid]):
+                    ex.stats.emitted_bytes += full.nbytes
+                    deliver(name, [full])
+                    return True  # the shadow itself, no copy
+                vals = []
+                for i, r in enumerate(rects):
+                    if dests is not None:
+                        dests[name][i].copy_(full[r])
+                    else:
+                        vals.append(full[r].clone(memory_format=torch.contiguous_format))
+                        ex.stats.emitted_bytes += vals[-1].nbytes
+                deliver(name, vals)
+            return False
+
+        _check_cpu_default()
+        the_plan = plan(self._records, set(jobs), advance_rng=advance_rng)
+        ex = Executor(self._records, the_plan, emit)
+        start = time.perf_counter()
+        saved = None if advance_rng else torch.get_rng_state()
+        torch.set_rng_state(self._rng_state)
+        try:
+            with MetaConstructors(), ex:
+                built = self._program()
+        finally:
+            if saved is not None:
+                torch.set_rng_state(saved)
+        if ex.k != len(self._records):
+            raise TraceError(f"construction ran {ex.k} ops, the recorded one {len(self._records)}")
+        if jobs:
+            raise TraceError(f"internal: values never became final: {[j[0] for js in jobs.values() for j in js]}")
+        for name, e, rects in late:  # tensors construction made on the CPU: real already
+            full = built.get_parameter(e.name) if e.kind == "parameter" else built.get_buffer(e.name)
+            vals = []
+            for i, r in enumerate(rects):
+                if dests is not None:
+                    dests[name][i].copy_(full.detach()[r])
+                else:
+                    vals.append(full.detach()[r].clone(memory_format=torch.contiguous_format))
+            deliver(name, vals)
+        s: Stats = ex.stats
+        self.last_stats = ReplayStats(
+            time.perf_counter() - start, s.ops, s.computed_ops, s.scratch_random_ops, s.peak_bytes, s.emitted_bytes
+        )
+
+
+__all__ = [
+    "InitReplay",
+    "MaterializeError",
+    "NoInitializerError",
+    "ReplayMismatchError",
+    "ReplayStats",
+    "TensorEntry",
+    "UninitializedTensorError",
+]

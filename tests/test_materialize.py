@@ -1,0 +1,277 @@
+"""InitReplay: a meta model's values equal, bit for bit, eager construction's under the same seed."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
+
+from models.materialize import (
+    InitReplay,
+    MaterializeError,
+    NoInitializerError,
+    ReplayMismatchError,
+    UninitializedTensorError,
+)
+from models.tensor_source import RectError, TensorSource, whole
+from tests.tiny_families import FAMILIES, tiny_config
+
+
+def _pair(family: str, seed: int = 0, **kwargs):
+    """(eager model, generator state after eager construction, the same model built on meta)."""
+    cfg = tiny_config(family)
+    torch.manual_seed(seed)
+    eager = AutoModelForCausalLM.from_config(cfg, **kwargs)
+    after = torch.get_rng_state()
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg, **kwargs)
+    return eager, after, meta
+
+
+def _reference(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = dict(model.named_parameters(remove_duplicate=False))
+    out.update(model.named_buffers())
+    return {n: t.detach() for n, t in out.items()}
+
+
+def _rects(shape) -> list[tuple[slice, ...]]:
+    """A row range, a single middle row, a column range and an inner block (what TP/ZeRO ask)."""
+    if len(shape) == 0:
+        return [()]
+    n = shape[0]
+    rects = [(slice(0, max(1, n // 3)),), (slice(n // 2, n // 2 + 1),)]
+    if len(shape) >= 2:
+        m = shape[1]
+        rects += [(slice(None), slice(m // 4, m // 2 + 1)), (slice(1, n - 1), slice(1, m))]
+    return rects
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_whole_tensors_equal_eager(family):
+    eager, after, meta = _pair(family)
+    src = InitReplay(meta)
+    torch.manual_seed(1234)  # the replay starts from the state captured at InitReplay(), not this one
+    got = dict(src.read(whole(src.names())))
+    assert torch.equal(torch.get_rng_state(), after), "the generator must end where eager construction left it"
+    ref = _reference(eager)
+    assert set(src.names()) | set(src.aliases()) == set(ref)
+    for name in src.names():
+        (value,) = got[name]
+        assert value.dtype == ref[name].dtype and torch.equal(value, ref[name]), name
+    for alias, canonical in src.aliases().items():
+        assert eager.get_parameter(alias) is eager.get_parameter(canonical)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rectangles_equal_eager(family):
+    eager, after, meta = _pair(family, seed=7)
+    src = InitReplay(meta)
+    names = src.names() + list(src.aliases())
+    requests = {n: _rects(src.shape(n)) for n in names}
+    got = dict(src.read(requests))
+    assert torch.equal(torch.get_rng_state(), after)
+    ref = _reference(eager)
+    for name in names:
+        assert len(got[name]) == len(requests[name])
+        for rect, value in zip(requests[name], got[name]):
+            assert value.is_contiguous() and torch.equal(value, ref[name][rect]), (name, rect)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mixtral"])
+def test_bf16_equal_eager(family):
+    eager, after, meta = _pair(family, seed=3, dtype=torch.bfloat16)
+    src = InitReplay(meta)
+    got = dict(src.read(whole(src.names())))
+    assert torch.equal(torch.get_rng_state(), after)
+    ref = _reference(eager)
+    assert all(got[n][0].dtype == torch.bfloat16 or n in src.buffer_names() for n in src.names())
+    assert all(torch.equal(got[n][0], ref[n]) for n in src.names())
+
+
+def test_subset_of_one_tensor_draws_the_rest_into_scratch():
+    eager, after, meta = _pair("llama", seed=5)
+    src = InitReplay(meta)
+    name = "model.layers.1.mlp.down_proj.weight"
+    ((got_name, (value,)),) = list(src.read({name: [(slice(None), slice(3, 9))]}))
+    assert got_name == name and torch.equal(value, eager.get_parameter(name)[:, 3:9])
+    assert torch.equal(torch.get_rng_state(), after)
+    assert src.last_stats.scratch_random_ops > 0
+
+
+def test_reads_repeat_and_fill_into_a_flat_buffer():
+    eager, after, meta = _pair("llama_tied", seed=11)
+    src = InitReplay(meta)
+    first = dict(src.read({n: [(slice(0, 2),)] for n in src.parameter_names()}))
+    flat = torch.zeros(sum(src.shape(n).numel() for n in src.names()))
+    dests, at = {}, 0
+    for n in src.names():  # views into one ZeRO-like flat buffer, filled in place
+        k = src.shape(n).numel()
+        dests[n] = [((), flat[at : at + k].view(src.shape(n)))]
+        at += k
+    src.fill(dests)
+    assert torch.equal(torch.get_rng_state(), after)
+    ref = _reference(eager)
+    for n, [(_, dest)] in dests.items():
+        assert torch.equal(dest, ref[n]), n
+    assert all(torch.equal(first[n][0], ref[n][:2]) for n in first)
+
+
+def test_buffers_draw_nothing_from_the_generator():
+    eager, _, meta = _pair("gemma", seed=2)
+    src = InitReplay(meta)
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    bufs = dict(src.buffers())
+    assert torch.equal(torch.get_rng_state(), before)
+    assert src.last_stats.scratch_random_ops == 0
+    assert set(bufs) == set(src.buffer_names()) >= {"model.rotary_emb.inv_freq", "model.embed_tokens.embed_scale"}
+    assert src.buffer_names(persistent=False) == src.buffer_names()
+    assert all(torch.equal(t, eager.get_buffer(n)) for n, t in bufs.items())
+
+
+def _vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def test_peak_memory_is_one_tensor_not_the_model():
+    cfg = LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=12, num_attention_heads=4, vocab_size=8000
+    )
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    model_bytes = sum(p.numel() * 4 for p in meta.parameters())  # ~54 MB
+    largest = max(p.numel() * 4 for p in meta.parameters())  # the embedding, ~8 MB
+    src = InitReplay(meta)
+    requests = {n: [(slice(0, 1),)] for n in src.names()}
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak-RSS watermark
+        rss_probe = True
+    except OSError:
+        rss_probe = False
+    base = _vm("VmRSS") if rss_probe else 0
+    got = dict(src.read(requests))
+    stats = src.last_stats
+    assert stats.peak_bytes <= 2 * largest, stats
+    assert stats.emitted_bytes < 200_000  # one row of each tensor
+    if rss_probe:
+        grew = _vm("VmHWM") - base
+        assert grew < min(0.5 * model_bytes, 3 * largest), (grew, model_bytes, largest)
+    assert len(got) == len(src.names())
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        self.lin = nn.Linear(16, 32)
+        self.norm = nn.LayerNorm(32)
+        self.bn = nn.BatchNorm1d(32)
+        self.head = nn.Linear(32, 50, bias=False)
+
+
+def test_plain_module_uses_reset_parameters_in_module_order():
+    torch.manual_seed(3)
+    eager = _Net()
+    after = torch.get_rng_state()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = _Net()
+    src = InitReplay(meta)
+    got = dict(src.read(whole(src.names())))
+    assert torch.equal(torch.get_rng_state(), after)
+    assert all(torch.equal(got[n][0], t) for n, t in eager.state_dict().items())
+
+
+class _NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3))
+
+
+def test_plain_module_without_reset_parameters_says_how_to_fix():
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(2, 2), _NoReset())
+    with pytest.raises(NoInitializerError, match=r"module 1 \(_NoReset\) owns parameters \['w'\].*reset_parameters"):
+        InitReplay(meta)
+
+
+def test_plain_buffer_made_at_construction_has_no_value():
+    class Buf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.register_buffer("pos", torch.arange(4))
+
+    with torch.device("meta"):
+        meta = Buf()
+    with pytest.raises(UninitializedTensorError, match="pos"):
+        InitReplay(meta)
+
+
+class _TinyConfig(PretrainedConfig):
+    model_type = "zero3d_tiny_uninit"
+
+    def __init__(self, hidden=8, **kwargs):
+        self.hidden = hidden
+        super().__init__(**kwargs)
+
+
+class _TinyUninit(PreTrainedModel):
+    config_class = _TinyConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.proj = nn.Linear(config.hidden, config.hidden)
+        self.scale = nn.Parameter(torch.empty(config.hidden))  # _init_weights never writes it
+        self.post_init()
+
+
+def test_hf_parameter_left_uninitialized_is_named():
+    with torch.device("meta"):
+        meta = _TinyUninit._from_config(_TinyConfig())
+    with pytest.raises(UninitializedTensorError, match=r"scale: .*_init_weights"):
+        InitReplay(meta)
+
+
+def test_meta_model_modified_after_construction_is_refused():
+    _, _, meta = _pair("llama")
+    with torch.device("meta"):
+        meta.lm_head = nn.Linear(32, 50, bias=False)
+    with pytest.raises(ReplayMismatchError, match="lm_head.weight"):
+        InitReplay(meta)
+
+
+def test_bad_requests():
+    _, _, meta = _pair("llama")
+    src = InitReplay(meta)
+    assert isinstance(src, TensorSource)
+    name = "model.embed_tokens.weight"  # (97, 32)
+    for rect, msg in [
+        ((slice(0, 98),), "outside shape"),
+        ((slice(0, 4, 2),), "step"),
+        ((3,), "not a slice"),
+        ((slice(None),) * 3, "more dimensions"),
+        ([slice(0, 1)], "tuple of slices"),
+    ]:
+        with pytest.raises(RectError, match=msg):
+            list(src.read({name: [rect]}))
+    with pytest.raises(KeyError, match="not a parameter or buffer"):
+        src.shape("model.nope.weight")
+
+
+def test_refuses_to_run_inside_a_meta_device_block():
+    _, _, meta = _pair("llama")
+    with torch.device("meta"), pytest.raises(MaterializeError, match="default device is meta"):
+        InitReplay(meta)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc")
+def test_vm_probe_reads_numbers():
+    assert _vm("VmRSS") > 0
