@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -25,6 +26,15 @@ from parallel3d.engine import Engine
 from parallel3d.errors import ConfigError
 from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
+from parallel3d.meta_init import (
+    buffer_values,
+    detach_from_meta,
+    load_in_place,
+    on_meta,
+    pretrained_source,
+    take_source,
+    value_provider,
+)
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.pipeline_engine import PipelineEngine
 from parallel3d.tensor_parallel import apply_tensor_parallel, causal_lm_loss
@@ -166,6 +176,25 @@ def _stage_groups(pipe: PipelineModel, groups: list[dict], group_names: list[lis
     return [dict(g, params=ps) for g, ps in zip(groups, staged) if ps]
 
 
+def _meta_values(source, model: nn.Module, tp_info, trainable: set[int], dtype: torch.dtype):
+    """ZeRO's value provider for a meta model; frozen params are filled in the same read, whole.
+
+    One read only: a replay of eager init draws the whole model's random numbers each time.
+    """
+    specs = tp_info.shard_specs if tp_info is not None else {}
+    rank, world = (tp_info.tp_rank, tp_info.tp_size) if tp_info is not None else (0, 1)
+    provide = value_provider(source, list(model.named_parameters()), specs, rank, world)
+    frozen = {p: torch.empty(p.numel()) for p in model.parameters() if id(p) not in trainable}
+
+    def provide_with_frozen(wanted) -> None:
+        provide({**wanted, **{p: (0, p.numel(), flat) for p, flat in frozen.items()}})
+        for param, flat in frozen.items():
+            kind = dtype if param.is_floating_point() else param.dtype
+            param.data = flat.view(param.shape).to(device=param.device, dtype=kind)
+
+    return provide_with_frozen
+
+
 def _lr_scheduler(cfg: Zero3DConfig, lr_scheduler: Any, optimizer: ZeroOptimizer):
     if lr_scheduler is not None:
         if hasattr(lr_scheduler, "step"):
@@ -197,12 +226,18 @@ def initialize(
     training_data: Any = None,
     collate_fn: Callable | None = None,
     device: torch.device | str | None = None,
+    pretrained: str | os.PathLike | None = None,
 ):
     """Build a training engine for ``model`` from ``config`` (DeepSpeed JSON/YAML path or dict).
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)`` like ``deepspeed.initialize``;
     the dataloader is None without ``training_data``, the scheduler None without one.
     Launch under torchrun (any world size) or as a plain single process.
+
+    ``model`` may be built on the meta device (``with torch.device("meta"): ...``): each rank
+    then fills in only what it holds, with the values eager construction under the same seed
+    gives, or with ``pretrained`` weights: a Hugging Face directory (``model.safetensors`` or
+    shards with ``model.safetensors.index.json``) of which each rank reads only its slices.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -226,9 +261,18 @@ def initialize(
         _check_optimizer_options(factory, groups)
     if lr_scheduler is not None and cfg.scheduler is not None:
         raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one")
+    weights = pretrained_source(pretrained, model) if pretrained is not None else None
+    source = None  # where a meta model's parameters come from
+    if on_meta(model):
+        replay = take_source(model)  # before anything changes the model
+        source = weights or replay
+        detach_from_meta(model, buffer_values(replay, source), device)
+    elif weights is not None:
+        load_in_place(model, weights)
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device)
     dtype = _working_dtype(cfg)
-    model.to(device)
+    if source is None:
+        model.to(device)
     # Order (torchtitan's): tensor parallelism first, on full-precision weights, then ZeRO
     # shards each tp rank's pieces over its dp group.
     tp_info = pipe = None
@@ -241,8 +285,11 @@ def initialize(
         groups = _stage_groups(pipe, groups, group_names)
     trainable = {id(p) for g in groups for p in g["params"]}
     for p in model.parameters():
-        if id(p) not in trainable and p.is_floating_point():
+        if id(p) not in trainable and p.is_floating_point() and source is None:
             p.data = p.data.to(dtype)
+    values = None
+    if source is not None:
+        values = _meta_values(source, model, tp_info, trainable, dtype)
     z = cfg.zero_optimization
     settings = ZeroSettings(
         stage=z.stage,
@@ -267,6 +314,7 @@ def initialize(
         norm_groups=[mesh.group("pp")] if pipe else (),
         norm_duplicate_params=[t.param for t in pipe.tied if not t.first] if pipe else (),
         param_order=list(model.parameters()),
+        initial_values=values,
     )
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
     if pipe is not None:

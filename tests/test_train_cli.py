@@ -57,6 +57,31 @@ def train_two_processes(tmp_path: Path, cache_dir: Path, *overrides: str) -> tup
     return run, proc
 
 
+def test_exported_model_trains_on_from_model_path(tmp_path, cache_dir):
+    """train -> zero3d export -> a job with model.path: it starts from the exported weights.
+
+    The same data split, seed and layout, so the second job's step-0 validation loss is the
+    first job's last one: every rank read exactly its share of the exported tensors.
+    """
+    run, _ = train_two_processes(tmp_path, cache_dir, "train.max_steps=4")
+    hf = tmp_path / "hf"
+    assert cli.main(["export", str(run / "checkpoints" / "latest"), str(hf)]) == 0
+    second = tmp_path / "second"
+    second.mkdir()
+    job = tiny_job(second / "run")
+    job["model"] = {"path": str(hf)}
+    job["tokenizer"] = {}
+    (second / "tiny.yaml").write_text(yaml.safe_dump(job))
+    env = dict(os.environ, ZERO3D_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(second / "tiny.yaml"),
+                           "--nproc-per-node", "2", "train.max_steps=1"], cwd=second, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first_last = [r["val_loss"] for r in read_metrics(run) if "val_loss" in r][-1]
+    second_first = read_metrics(second / "run")[0]["val_loss"]
+    assert second_first == pytest.approx(first_last, rel=1e-6)
+
+
 def test_zero3d_train_with_pipeline_stages(tmp_path, cache_dir):
     """Two processes as two pipeline stages (1F1B, ZeRO 2): training and validation losses fall."""
     records = read_metrics(train_two_processes(tmp_path, cache_dir, "engine.pipeline.stages=2")[0])

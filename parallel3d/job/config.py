@@ -42,7 +42,9 @@ class ModelConfig(Section):
     model_type: Optional[str] = None
     """A `transformers` model type ("llama", "gpt2", "qwen2", ...) built with random weights."""
     path: Optional[str] = None
-    """A local directory for `AutoModelForCausalLM.from_pretrained` (no downloads)."""
+    """A local Hugging Face directory (config.json and safetensors weights, as `save_pretrained` or
+    `zero3d export` write them; no downloads). The model is built on the meta device from its
+    config and each rank reads only the slices of the weights it holds."""
     config: dict[str, Any] = {}
     """Overrides of the model type's default config (hidden_size, num_hidden_layers, ...)."""
     attn_implementation: Optional[str] = "sdpa"

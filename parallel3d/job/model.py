@@ -1,4 +1,4 @@
-"""The model of a job: an HF config (random init) or a local pretrained directory.
+"""The model of a job: an HF config (random init) or a local pretrained directory, built on meta.
 
 Everything that can be checked without weights is checked in `hf_config`: unknown config
 overrides (transformers would keep them silently), ``seq_len`` against the model's context.
@@ -17,7 +17,6 @@ from parallel3d.job.config import JobConfig
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -80,33 +79,35 @@ def check_dtype(job: JobConfig, precision: str) -> None:
                           "engine section")
 
 
-def build_model(job: JobConfig, config, precision: str, log: bool = True) -> torch.nn.Module:
-    """The model: random init from ``config`` (fp32; the engine casts it), or loaded from model.path."""
+def build_model(job: JobConfig, config, log: bool = True) -> torch.nn.Module:
+    """The job's model, built on the meta device from ``config`` (no memory, no weights yet).
+
+    ``parallel3d.initialize`` then fills in each rank's share: the values eager construction
+    gives under the job's seed, or the weights in model.path (each rank reading only its
+    slices; see ``pretrained_path``).
+    """
     from transformers import AutoModelForCausalLM
 
     m = job.model
     kwargs = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
     try:
-        if m.path is None:
+        with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, **kwargs)
-        else:
-            dtype = DTYPES[PRECISION_DTYPE[precision]]
-            model = AutoModelForCausalLM.from_pretrained(m.path, config=config, local_files_only=True, dtype=dtype, **kwargs)
     except ValueError as exc:
         if "attn_implementation" in str(exc):
             raise ConfigError(f'model.attn_implementation: "{m.attn_implementation}" is not supported here: {exc}') from None
         raise ConfigError(f"model: transformers cannot build the model: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(f'model.path: "{m.path}" has no weights transformers can load: {exc}') from None
     if log:
         n = sum(p.numel() for p in model.parameters())
         logger.info("model: %s, %.2fM parameters", type(model).__name__, n / 1e6)
     return model
 
 
+def pretrained_path(job: JobConfig) -> str | None:
+    """The directory whose weights the model starts from (None: random init)."""
+    return None if job.model.path is None else str(job.model.path)
+
+
 def check_buildable(job: JobConfig, config) -> None:
     """Build the model on the meta device (no memory, no weights) to surface errors before launch."""
-    if job.model.path is not None:
-        return
-    with torch.device("meta"):
-        build_model(job, config, "fp32", log=False)
+    build_model(job, config, log=False)

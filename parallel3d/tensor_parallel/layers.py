@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from parallel3d import storageless
 from parallel3d.tensor_parallel.comm import (
     copy_to_tp,
     gather_from_tp,
@@ -131,7 +132,7 @@ class RowParallelLinear(nn.Module):
         self.specs: dict[str, ShardSpec] = {"weight": make_spec(self.full_in_features, in_dim, world)}
         self.weight = _param(self.specs["weight"].shard(weight.detach(), rank, world), weight)
         self.in_features = self.weight.shape[in_dim]
-        self.bias = _param(bias.detach().clone(), bias) if bias is not None else None
+        self.bias = _param(storageless.clone(bias.detach()), bias) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:

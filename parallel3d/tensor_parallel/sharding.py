@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel3d.storageless import is_storageless, storageless
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -30,9 +32,13 @@ class ShardSpec:
     packed: int = 1
 
     def shard(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-        """Rank ``rank``'s shard of ``full`` (a copy, contiguous)."""
+        """Rank ``rank``'s shard of ``full`` (a copy, contiguous; storage-less if ``full`` is)."""
         if full.shape[self.dim] != self.full_size:
             raise ValueError(f"expected size {self.full_size} along dim {self.dim}, got {tuple(full.shape)}")
+        if is_storageless(full):
+            shape = list(full.shape)
+            shape[self.dim] = self.padded_size // world
+            return storageless(shape, full.dtype, full.device)
         if self.padded_size > self.full_size:
             pad_shape = list(full.shape)
             pad_shape[self.dim] = self.padded_size - self.full_size

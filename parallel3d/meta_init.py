@@ -1,0 +1,170 @@
+"""Start a model built on the meta device: every rank fills in only what it holds.
+
+``initialize`` hands a meta model through three steps here:
+
+1. ``take_source`` picks where values come from (``models.materialize.InitReplay``: what eager
+   construction under the caller's seed would give) before anything changes the model;
+2. ``detach_from_meta`` gives every buffer its value and swaps every parameter for one on the
+   device that has its shape but no storage (``torch.utils.swap_tensors``: the Parameter
+   objects the caller holds, in param groups or a client optimizer, stay the same objects).
+   Tensor parallelism then cuts storage-less shards of storage-less params (nothing is read);
+3. ``value_provider`` fills the flat ranges of params ZeRO keeps, in ZeRO's own buffers,
+   reading from the source only the rows of the full tensors that cover them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+
+import torch
+from torch import nn
+
+from parallel3d.errors import ConfigError
+from parallel3d.storageless import storageless
+from parallel3d.tensor_parallel.sharding import ShardSpec
+
+
+def on_meta(model: nn.Module) -> bool:
+    """True when any parameter or buffer of ``model`` lives on the meta device."""
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def take_source(model: nn.Module):
+    """The values a meta model starts from: those eager construction would give (same seed)."""
+    from models.materialize import InitReplay, MaterializeError
+
+    try:
+        return InitReplay(model)
+    except MaterializeError as exc:
+        raise ConfigError(f"cannot initialize the meta-device model: {exc}") from None
+
+
+def pretrained_source(directory, model: nn.Module):
+    """A Hugging Face safetensors directory as a source, checked against ``model`` (names, shapes, dtypes)."""
+    from models.pretrained import CheckpointError, SafetensorsSource
+
+    try:
+        return SafetensorsSource.for_model(directory, model)
+    except CheckpointError as exc:
+        raise ConfigError(f"pretrained: {exc}") from None
+
+
+def buffer_values(replay, weights) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every buffer as constructed (no random draw), persistent ones from ``weights`` when it has them."""
+    stored = set(weights.names()) if weights is not replay else set()
+    from_weights = [n for n in replay.buffer_names(persistent=True) if n in stored]
+    yield from ((n, t) for n, t in replay.buffers() if n not in from_weights)
+    if from_weights:
+        for name, (value,) in weights.read({n: [()] for n in from_weights}):
+            yield name, value
+
+
+def load_in_place(model: nn.Module, weights) -> None:
+    """Read every parameter and stored persistent buffer of a model that has storage, whole."""
+    tensors = dict(model.named_parameters())
+    tensors.update((n, b) for n, b in model.named_buffers() if n in set(weights.names()))
+    canonical = weights.aliases()
+    destinations: dict[str, list] = {}
+    for name, tensor in tensors.items():
+        destinations.setdefault(canonical.get(name, name), []).append(((), tensor.data))
+    with torch.no_grad():
+        weights.fill(destinations)
+
+
+def detach_from_meta(model: nn.Module, buffers: Iterator[tuple[str, torch.Tensor]], device: torch.device) -> None:
+    """Give every buffer its value; make every parameter storage-less on ``device``."""
+    metas = {id(b): b for b in model.buffers() if b.is_meta}
+    named = {n: b for n, b in model.named_buffers(remove_duplicate=False) if id(b) in metas}
+    for name, value in buffers:
+        if name in named and named[name].is_meta:
+            torch.utils.swap_tensors(named[name], value.to(device))
+    left = [n for n, b in named.items() if b.is_meta]
+    if left:
+        raise ConfigError(f"meta-device model: no value for buffer(s) {left[:5]}; build the model eagerly instead")
+    for p in {id(p): p for p in model.parameters()}.values():
+        if p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(storageless(p.shape, p.dtype, device), requires_grad=p.requires_grad))
+    for module in model.modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise ConfigError(f"meta-device model: {type(module).__name__}.{attr} is a tensor on the meta device "
+                                  "that is neither a parameter nor a buffer, so it cannot be materialized")
+
+
+def _block_runs(spec: ShardSpec, lo: int, hi: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+    """Along the split dim: ``(piece_start, full_start, count)`` runs for piece indices [lo, hi).
+
+    A tp piece is the concatenation of rank ``rank``'s chunk of each of the spec's packed
+    blocks, in the full tensor zero-padded to ``padded_size``; padding rows have no source.
+    """
+    block = spec.padded_size // spec.packed
+    chunk = block // world
+    runs = []
+    for b in range(spec.packed):
+        a, z = max(lo, b * chunk), min(hi, (b + 1) * chunk)
+        full_start = b * block + rank * chunk + (a - b * chunk)
+        count = min(z - a, spec.full_size - full_start)
+        if count > 0:
+            runs.append((a, full_start, count))
+    return runs
+
+
+def _row_reads(shape: torch.Size, spec: ShardSpec | None, rows: tuple[int, int], rank: int, world: int,
+               dest: torch.Tensor) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
+    """(rectangle of the full tensor, view of ``dest``) pairs that fill piece rows ``rows``.
+
+    Rows of vocabulary padding have no source: ``dest`` is zeroed first where there are any.
+    """
+    ra, rb = rows
+    if spec is None:
+        return [((slice(ra, rb),), dest)]
+    if spec.padded_size > spec.full_size:
+        dest.zero_()
+    if spec.dim == 0:
+        return [((slice(full, full + n),), dest[a - ra : a - ra + n]) for a, full, n in _block_runs(spec, ra, rb, rank, world)]
+    lead = (slice(ra, rb),) + (slice(None),) * (spec.dim - 1)
+    return [((*lead, slice(full, full + n)), dest.narrow(spec.dim, a, n))
+            for a, full, n in _block_runs(spec, 0, shape[spec.dim], rank, world)]
+
+
+def value_provider(source, named_params: list[tuple[str, nn.Parameter]], specs: Mapping[str, ShardSpec],
+                   tp_rank: int = 0, tp_world: int = 1):
+    """ZeRO's ``initial_values``: fill the flat ranges of (tp pieces of) params it keeps, from ``source``.
+
+    Given ``{param: (start, stop, flat)}`` (``flat`` is where elements [start, stop) of the
+    param go), it has the source write the whole rows inside the range straight into
+    ``flat`` (several rectangles of the full tensor for packed q|k|v; vocabulary padding rows
+    are zeroed, they have no source), and the at most two rows the range cuts through into a
+    one-row buffer each, copied over afterwards. One ``source.fill`` for everything.
+    """
+    canonical = getattr(source, "aliases", lambda: {})()
+    names = {id(p): n for n, p in named_params}
+    known = set(source.names())
+
+    def provide(wanted: Mapping[nn.Parameter, tuple[int, int, torch.Tensor]]) -> None:
+        unknown = sorted(n for p in wanted if (n := names.get(id(p))) is None or canonical.get(n, n) not in known)
+        if unknown:
+            raise ConfigError(f"meta-device model: the model's initialization gives no value for {unknown[:5]}")
+        destinations: dict[str, list] = {}
+        partial_rows = []
+        for param, (start, stop, flat) in wanted.items():
+            if start >= stop:
+                continue
+            name, spec = names[id(param)], specs.get(names[id(param)])
+            reads = destinations.setdefault(canonical.get(name, name), [])
+            row, tail = math.prod(param.shape[1:]), param.shape[1:]
+            first, last = -(-start // row), stop // row  # the rows wholly inside [start, stop)
+            if first < last:
+                rows = flat[first * row - start : last * row - start].view(last - first, *tail)
+                reads += _row_reads(param.shape, spec, (first, last), tp_rank, tp_world, rows)
+            for r in sorted({start // row, (stop - 1) // row} - set(range(first, last))):
+                bounce = torch.empty((1, *tail), dtype=flat.dtype)
+                reads += _row_reads(param.shape, spec, (r, r + 1), tp_rank, tp_world, bounce)
+                partial_rows.append((bounce, r * row, start, stop, flat))
+        source.fill(destinations)
+        for bounce, row_start, start, stop, flat in partial_rows:
+            a, z = max(start, row_start), min(stop, row_start + bounce.numel())
+            flat[a - start : z - start].copy_(bounce.reshape(-1)[a - row_start : z - row_start])
+
+    return provide
