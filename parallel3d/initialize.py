@@ -245,12 +245,6 @@ def initialize(
     ensure_process_group(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(config, world)
-    if cfg.pipeline.stages > 1 and cfg.tensor_parallel.sequence_parallel:
-        raise ConfigError(
-            f"tensor_parallel.sequence_parallel with pipeline.stages {cfg.pipeline.stages}: sequence "
-            "parallelism splits the sequence at the model's first and last block, which pipeline stages "
-            "cut apart; not supported yet - turn one of them off"
-        )
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     groups = _param_groups(model, model_parameters)

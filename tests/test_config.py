@@ -336,3 +336,11 @@ def test_config_modules_do_not_import_torch_distributed():
         imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
         assert not [m for m in imported if m.startswith("torch.distributed") or m == "deepspeed"], name
+
+
+def test_sequence_parallel_with_pipeline_stops_at_load():
+    """A cross-field rule, checked where the config is read: before any rank builds a mesh."""
+    config = {"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2},
+              "tensor_parallel": {"size": 2, "sequence_parallel": True}}
+    with pytest.raises(ConfigError, match="sequence_parallel with pipeline.stages 2"):
+        load_config(config, 4)
