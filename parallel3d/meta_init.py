@@ -26,8 +26,14 @@ from parallel3d.tensor_parallel.sharding import ShardSpec
 
 
 def on_meta(model: nn.Module) -> bool:
-    """True when any parameter or buffer of ``model`` lives on the meta device."""
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    """True when ``model``'s parameters live on the meta device (all of them: a mix is refused)."""
+    where = {}
+    for name, p in model.named_parameters():
+        where.setdefault(p.is_meta, name)
+    if len(where) == 2:
+        raise ConfigError(f"the model is partly on the meta device ({where[True]} is, {where[False]} is not); "
+                          "build it wholly under torch.device('meta') or wholly on a real device")
+    return where.get(True) is not None or any(b.is_meta for b in model.buffers())
 
 
 def take_source(model: nn.Module):
@@ -62,8 +68,9 @@ def buffer_values(replay, weights) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_in_place(model: nn.Module, weights) -> None:
     """Read every parameter and stored persistent buffer of a model that has storage, whole."""
+    stored = set(weights.names())
     tensors = dict(model.named_parameters())
-    tensors.update((n, b) for n, b in model.named_buffers() if n in set(weights.names()))
+    tensors.update((n, b) for n, b in model.named_buffers() if n in stored)
     canonical = weights.aliases()
     destinations: dict[str, list] = {}
     for name, tensor in tensors.items():

@@ -177,3 +177,12 @@ def _meta_wider() -> nn.Module:
     cfg.intermediate_size = 96
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_model_partly_on_meta_is_refused():
+    import parallel3d
+
+    model = _meta("llama")
+    model.lm_head = nn.Linear(32, 128, bias=False)
+    with pytest.raises(ConfigError, match="partly on the meta device"):
+        parallel3d.initialize(model=model, config=ds_config(0, 1, 1))
