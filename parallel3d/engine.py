@@ -114,6 +114,20 @@ class Engine:
             logger.info("step %d loss %.6f lr %s", self.global_steps, value, self.get_lr())
         return value
 
+    def eval_batch(self, data_iter: Iterator) -> float:
+        """Forward only over ``gradient_accumulation_steps`` micro-batches; their dp-mean loss.
+
+        The same call and meaning as under pipeline stages, so evaluation code need not ask
+        which layout it runs on. Train/eval mode is the caller's (``engine.eval()``).
+        """
+        losses = []
+        with torch.no_grad():
+            for _ in range(self.gradient_accumulation_steps):
+                batch = self._to_device(next(data_iter))
+                output = self(**batch) if isinstance(batch, dict) else self(*batch)
+                losses.append(_loss_of(output).detach().float())
+        return self._dp_mean(torch.stack(losses).mean())
+
     def _dp_mean(self, loss: torch.Tensor) -> float:
         """The mean of ``loss`` over the data-parallel ranks (the same value on all of them)."""
         group = self.mesh.dp_group

@@ -127,3 +127,24 @@ def test_unused_parameter_does_not_disturb_the_rest(dist, stage):
         assert losses == pytest.approx(want_losses, rel=RTOL)
         assert max_rel_param_error(params, want_params)[0] < RTOL
         assert untouched, "a parameter no forward used was updated (weight decay without a gradient)"
+
+
+def _eval_then_train(stage: int):
+    import parallel3d
+
+    config = ds_config(stage, GAS, 2, stage3_param_persistence_threshold=0)
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+    batches = rank_micro_batches(token_batches(STEPS, GAS, 2), torch.distributed.get_rank())
+    eval_loss = engine.eval_batch(iter(batches[:GAS]))  # the first window, before any step
+    data_iter = iter(batches)
+    losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
+    return eval_loss, losses, engine.full_parameters()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_eval_batch_is_the_first_steps_loss_and_changes_nothing(dist, stage):
+    want_losses, want_params = oracle("llama", 2)
+    for eval_loss, losses, params in dist.run(2, _eval_then_train, stage):
+        assert eval_loss == pytest.approx(want_losses[0], rel=RTOL)
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        assert max_rel_param_error(params, want_params)[0] < RTOL
