@@ -1,0 +1,179 @@
+"""The three steps of ``initialize`` that change the model, in their fixed order.
+
+``apply_tp`` -> ``apply_pipeline`` -> ``apply_zero`` (torchtitan's order: tensor parallelism on
+full-precision weights first, then the pipeline keeps this pp rank's chunks, then ZeRO shards
+each rank's pieces over its dp group). Each takes the model as the previous step left it (real
+or storage-less: see parallel3d/meta_init.py), its config section and the mesh, and returns a
+small record (or None when its dimension is 1). Parameter groups travel by name until ZeRO
+takes them, so no step has to re-map parameter objects that an earlier one replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from models import fetch_unit_modules
+from parallel3d.config import Zero3DConfig
+from parallel3d.config_sections import PipelineConfig, TensorParallelConfig
+from parallel3d.mesh import Mesh3D
+from parallel3d.meta_init import value_provider
+from parallel3d.pipeline.stage import PipelineModel, split_model
+from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
+from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
+
+
+def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: Mesh3D) -> TensorParallelInfo | None:
+    """Replace the model's projections, embedding and head by tensor-parallel layers (tp > 1)."""
+    if mesh.tp == 1:
+        return None
+    return apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=section.sequence_parallel)
+
+
+def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: Mesh3D,
+                   tp_info: TensorParallelInfo | None) -> PipelineModel | None:
+    """Keep this pp rank's chunks of ``model`` (pp > 1); the rest is removed from it.
+
+    Under tensor parallelism the last stage's head yields vocabulary-sharded logits, so its
+    loss is the vocab-parallel cross entropy over the tp group.
+    """
+    if mesh.pp == 1:
+        return None
+    loss_fn = None
+    if tp_info is not None:
+        loss_fn = functools.partial(
+            _tp_causal_lm_loss, group=tp_info.group, vocab_start=tp_info.head.vocab_start, vocab_size=tp_info.vocab_size
+        )
+    return split_model(
+        model,
+        mesh.pp,
+        mesh.local_rank("pp"),
+        virtual_stages=section.virtual_stages,
+        partition=section.partition,
+        balance=section.balance,
+        activation_checkpointing=section.activation_checkpointing,
+        loss_fn=loss_fn,
+    )
+
+
+def apply_zero(
+    model: nn.Module,
+    cfg: Zero3DConfig,
+    mesh: Mesh3D,
+    named_groups: list[dict],
+    optimizer_factory: Callable,
+    tp_info: TensorParallelInfo | None,
+    pipe: PipelineModel | None,
+    source=None,
+) -> ZeroOptimizer:
+    """Hand this rank's trainable params to ZeRO over the dp group (``cfg.zero_optimization``).
+
+    ``named_groups`` are torch-style param groups whose ``params`` are HF names. With a
+    ``source`` (a meta model) ZeRO fills its buffers from it and frozen params are read whole;
+    otherwise frozen params are cast to the working precision and ZeRO takes current values.
+    """
+    groups = _stage_groups(pipe, named_groups) if pipe is not None else _model_groups(model, named_groups)
+    dtype = _working_dtype(cfg)
+    trainable = {id(p) for g in groups for p in g["params"]}
+    values = None
+    if source is not None:
+        values = _meta_values(source, model, tp_info, trainable, dtype)
+    else:
+        for p in model.parameters():
+            if id(p) not in trainable and p.is_floating_point():
+                p.data = p.data.to(dtype)
+    z = cfg.zero_optimization
+    settings = ZeroSettings(
+        stage=z.stage,
+        overlap_comm=z.overlap_comm,
+        reduce_bucket_size=z.reduce_bucket_size,
+        prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+        param_persistence_threshold=z.stage3_param_persistence_threshold,
+        max_live_parameters=z.stage3_max_live_parameters,
+        gradient_clipping=cfg.gradient_clipping,
+        defer_reduction=pipe is not None,
+    )
+    return ZeroOptimizer(
+        groups,
+        optimizer_factory,
+        mesh.dp_group,
+        settings,
+        dtype=dtype,
+        loss_scaler=_loss_scaler(cfg),
+        fetch_modules=fetch_unit_modules(model) if z.stage == 3 else (),
+        model_parallel_params=tp_info.sharded_params if tp_info else (),
+        model_parallel_group=mesh.group("tp") if tp_info else None,
+        norm_groups=[mesh.group("pp")] if pipe else (),
+        norm_duplicate_params=[t.param for t in pipe.tied if not t.first] if pipe else (),
+        param_order=list(model.parameters()),
+        initial_values=values,
+    )
+
+
+def _model_groups(model: nn.Module, named_groups: list[dict]) -> list[dict]:
+    by_name = dict(model.named_parameters())
+    return [dict(g, params=[by_name[n] for n in g["params"]]) for g in named_groups]
+
+
+def _working_dtype(cfg: Zero3DConfig) -> torch.dtype:
+    if cfg.bf16.enabled:
+        return torch.bfloat16
+    if cfg.fp16.enabled:
+        return torch.float16
+    return torch.float32
+
+
+def _loss_scaler(cfg: Zero3DConfig) -> LossScaler:
+    fp16 = cfg.fp16
+    if not fp16.enabled:
+        return LossScaler(1.0)
+    if fp16.loss_scale:
+        return LossScaler(fp16.loss_scale)
+    return DynamicLossScaler(
+        initial_scale_power=fp16.initial_scale_power,
+        loss_scale_window=fp16.loss_scale_window,
+        hysteresis=fp16.hysteresis,
+        consecutive_hysteresis=fp16.consecutive_hysteresis,
+        min_loss_scale=fp16.min_loss_scale,
+    )
+
+
+def _tp_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, group, vocab_start: int, vocab_size: int):
+    return causal_lm_loss(logits, labels, group, vocab_start=vocab_start, vocab_size=vocab_size)
+
+
+def _stage_groups(pipe: PipelineModel, named_groups: list[dict]) -> list[dict]:
+    """The user's param groups restricted to this stage's params (a tied copy joins its original's group)."""
+    group_of = {n: gi for gi, g in enumerate(named_groups) for n in g["params"]}
+    for tied in pipe.tied:
+        owner = next((group_of[n] for n in tied.names if n in group_of), None)
+        for n in tied.names:
+            if owner is not None:
+                group_of.setdefault(n, owner)
+    staged: list[list[nn.Parameter]] = [[] for _ in named_groups]
+    for name, param in pipe.hf_named_parameters():
+        if name in group_of and param.requires_grad:
+            staged[group_of[name]].append(param)
+    return [dict(g, params=ps) for g, ps in zip(named_groups, staged) if ps]
+
+
+def _meta_values(source, model: nn.Module, tp_info, trainable: set[int], dtype: torch.dtype):
+    """ZeRO's value provider for a meta model; frozen params are filled in the same read, whole.
+
+    One read only: a replay of eager init draws the whole model's random numbers each time.
+    """
+    specs = tp_info.shard_specs if tp_info is not None else {}
+    rank, world = (tp_info.tp_rank, tp_info.tp_size) if tp_info is not None else (0, 1)
+    provide = value_provider(source, list(model.named_parameters()), specs, rank, world)
+    frozen = {p: torch.empty(p.numel()) for p in model.parameters() if id(p) not in trainable}
+
+    def provide_with_frozen(wanted) -> None:
+        provide({**wanted, **{p: (0, p.numel(), flat) for p, flat in frozen.items()}})
+        for param, flat in frozen.items():
+            kind = dtype if param.is_floating_point() else param.dtype
+            param.data = flat.view(param.shape).to(device=param.device, dtype=kind)
+
+    return provide_with_frozen
