@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import checkpoint
-from parallel3d.errors import ConfigError
+from parallel3d.errors import ConfigError, UsageError
 from parallel3d.mesh import Mesh3D
 from zero import ZeroOptimizer
 
@@ -61,6 +61,7 @@ class Engine:
         self.micro_steps = 0
         self.global_samples = 0
         self.device = mesh.device
+        self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
 
     # -- the DeepSpeed loop --------------------------------------------------------------
 
@@ -79,14 +80,22 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        if self._backward_pending:
+            raise UsageError("engine.backward() was called twice for one micro-batch; call engine.step() "
+                             "after each engine.backward() (the loop is engine(batch) -> backward(loss) -> step())")
         scale = self.optimizer.loss_scale / self.gradient_accumulation_steps
         self.optimizer.start_backward(self.is_gradient_accumulation_boundary())
         (loss * scale).backward()
         self.optimizer.finish_backward()
+        self._backward_pending = True
         return loss
 
     def step(self) -> None:
         """Count a micro-batch; at a window's end, step the optimizer and the LR schedule."""
+        if not self._backward_pending:
+            raise UsageError("engine.step() without engine.backward(loss) for this micro-batch; the loop is "
+                             "engine(batch) -> engine.backward(loss) -> engine.step()")
+        self._backward_pending = False
         if self.is_gradient_accumulation_boundary():
             stepped = self.optimizer.step()
             if stepped and self.lr_scheduler is not None:
@@ -102,8 +111,8 @@ class Engine:
         tuple of positional ones. Returns the mean loss of the batch over all dp ranks.
         """
         losses = []
-        for _ in range(self.gradient_accumulation_steps):
-            batch = self._to_device(next(data_iter))
+        for i in range(self.gradient_accumulation_steps):
+            batch = self._to_device(self._next_micro_batch(data_iter, i))
             output = self(**batch) if isinstance(batch, dict) else self(*batch)
             loss = _loss_of(output)
             self.backward(loss)
@@ -122,11 +131,21 @@ class Engine:
         """
         losses = []
         with torch.no_grad():
-            for _ in range(self.gradient_accumulation_steps):
-                batch = self._to_device(next(data_iter))
+            for i in range(self.gradient_accumulation_steps):
+                batch = self._to_device(self._next_micro_batch(data_iter, i))
                 output = self(**batch) if isinstance(batch, dict) else self(*batch)
                 losses.append(_loss_of(output).detach().float())
         return self._dp_mean(torch.stack(losses).mean())
+
+    def _next_micro_batch(self, data_iter: Iterator, index: int):
+        """The next micro-batch, or a message saying the iterator ran out in the middle of a window."""
+        try:
+            return next(data_iter)
+        except StopIteration:
+            raise UsageError(
+                f"data_iter ran out after {index} of the {self.gradient_accumulation_steps} micro-batches "
+                "(gradient_accumulation_steps) one batch needs"
+            ) from None
 
     def _dp_mean(self, loss: torch.Tensor) -> float:
         """The mean of ``loss`` over the data-parallel ranks (the same value on all of them)."""

@@ -7,3 +7,10 @@ class ConfigError(ValueError):
     Raised on every rank before any collective starts, with one message that names the
     key, the value and the rule it breaks.
     """
+
+
+class UsageError(RuntimeError):
+    """The engine's API called out of its order (a step without a backward, say).
+
+    Not a config problem: the message says which call was expected instead.
+    """

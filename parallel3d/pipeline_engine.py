@@ -59,7 +59,8 @@ class PipelineEngine(Engine):
         return self.pipe.hf_named_parameters()
 
     def _micro_batches(self, data_iter: Iterator) -> list[dict]:
-        batches = [self._to_device(next(data_iter)) for _ in range(self.gradient_accumulation_steps)]
+        gas = self.gradient_accumulation_steps
+        batches = [self._to_device(self._next_micro_batch(data_iter, i)) for i in range(gas)]
         if not all(isinstance(b, dict) for b in batches):
             raise ConfigError("under pipeline parallelism each micro-batch must be a dict with input_ids and labels")
         return batches

@@ -134,3 +134,24 @@ def test_bad_optimizer_values_stop_before_training(params, message):
     config["optimizer"]["params"] = params
     with pytest.raises(parallel3d.ConfigError, match=message.replace("(", r"\(")):
         parallel3d.initialize(model=make_model("llama"), config=config)
+
+
+def test_api_misuse_is_named():
+    """A step without a backward, two backwards for one micro-batch, an iterator that runs dry."""
+    import parallel3d
+    from parallel3d.errors import UsageError
+
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=ds_config(1, 2, 1))
+    ids = torch.arange(8)[None]
+    with pytest.raises(UsageError, match=r"step\(\) without engine.backward"):
+        engine.step()
+    loss = engine(input_ids=ids, labels=ids).loss
+    engine.backward(loss)
+    with pytest.raises(UsageError, match="called twice"):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    assert engine.global_steps == 0 and engine.micro_steps == 1
+    with pytest.raises(UsageError, match="ran out after 1 of the 2"):
+        engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
+    with pytest.raises(UsageError, match="ran out after 0 of the 2"):
+        engine.eval_batch(iter([]))
