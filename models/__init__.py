@@ -6,6 +6,7 @@ from models.anatomy import fetch_unit_modules, tied_parameter_names
 from models.materialize import (
     InitReplay,
     MaterializeError,
+    MetaBuildDrewError,
     NoInitializerError,
     ReplayMismatchError,
     UninitializedTensorError,
@@ -32,6 +33,7 @@ __all__ = [
     "CheckpointTensorMissing",
     "InitReplay",
     "MaterializeError",
+    "MetaBuildDrewError",
     "NoInitializerError",
     "NotAHuggingFaceDirectory",
     "Rect",

@@ -10,13 +10,17 @@ twice under two modes:
   on (``torch.get_default_device()``, transformers' ``get_torch_context_manager_or_global_device``,
   which tests ``torch.tensor([]).device``) sees the CPU and takes eager's path: transformers then
   runs ``initialize_weights`` instead of skipping it as it does under ``torch.device("meta")``.
+  It also answers ``Tensor.is_meta`` with ``False``, because torch's own init functions skip
+  meta tensors without drawing.
 - :class:`Trace` (a TorchDispatchMode) sees every aten op touching a meta tensor. Storages are
   numbered in order of first sight, so both runs name them alike.
 
-Run 1 (:class:`Recorder`) records, per op, which storages it reads, writes, fully overwrites
+Run 1 (:class:`Recorder`; :class:`~models.init_execute.ValuedRecorder` when the construction
+branches on values it draws) records, per op, which storages it reads, writes, fully overwrites
 and creates; it runs with the generator forked. :func:`plan` then walks the record backwards
 (liveness, as a compiler does for registers) from the storages requested at the end: an op is
-*needed* if a storage it writes is live after it. Run 2 (:class:`Executor`) computes needed ops
+*needed* if a storage it writes is live after it. Run 2 (:class:`~models.init_execute.Executor`,
+in :mod:`models.init_execute`) computes needed ops
 on real CPU "shadow" storages, runs every random op that is not needed on a scratch tensor of
 the same size, strides and dtype (so the generator advances exactly as eager: CPU ``normal_``
 picks its algorithm by numel and contiguity), emits a requested tensor right after the last op
@@ -47,22 +51,52 @@ class TraceError(RuntimeError):
 # --------------------------------------------------------------------------- function mode
 
 
+_LITERALS = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor})
+_IS_META = torch._C.TensorBase.__dict__["is_meta"]
+
+
 @functools.lru_cache(1)
 def _constructors() -> frozenset:
     from torch.utils._device import _device_constructors
 
-    literal = {torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor}
-    return frozenset(_device_constructors() - literal)
+    return frozenset(_device_constructors() - _LITERALS)
 
 
 class MetaConstructors(TorchFunctionMode):
-    """``torch.device("meta")`` for factory functions, minus literals, without being a DeviceContext."""
+    """``torch.device("meta")`` for factory functions, minus literals, without being a DeviceContext.
+
+    ``Tensor.is_meta`` reads ``False``: torch's own ``trunc_normal_``, ``orthogonal_``,
+    ``dirac_`` and ``sparse_`` (torch 2.13 ``nn/init.py``) return at once on a meta tensor
+    without drawing, where eager draws. ``Tensor.device`` still says meta.
+
+    A literal asked for on the meta device (``torch.tensor(data, device=w.device)``, RWKV's
+    init does it) is built on the CPU and moved with ``.to("meta")``: torch builds literals
+    with dispatch modes off, so the data would otherwise reach the trace as a meta tensor
+    with no known value.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if getattr(func, "__self__", None) is _IS_META:
+            return False
         if func in _constructors() and kwargs.get("device") is None:
             kwargs["device"] = _META
+        elif func in _LITERALS and _is_meta(kwargs.get("device")):
+            return _literal_on_meta(func, args, kwargs)
+        elif (
+            func is torch.Tensor.new_tensor
+            and args[0].is_meta
+            and (kwargs.get("device") is None or _is_meta(kwargs["device"]))
+        ):
+            kwargs.setdefault("dtype", args[0].dtype)
+            return _literal_on_meta(torch.tensor, args[1:], {**kwargs, "device": _META})
         return func(*args, **kwargs)
+
+
+def _literal_on_meta(func, args, kwargs):
+    grad = kwargs.pop("requires_grad", False)
+    out = func(*args, **{**kwargs, "device": _CPU}).to(_META)
+    return out.requires_grad_() if grad else out
 
 
 # --------------------------------------------------------------------------- op facts
@@ -89,6 +123,7 @@ class OpInfo:
     random: bool
     metadata_only: bool  # reads no values of its tensor inputs (views, *_like, new_*)
     uninitialized_output: bool
+    observer: bool  # returns Python values (item(), bool()): the program may branch on them
 
 
 @functools.lru_cache(None)
@@ -111,7 +146,8 @@ def op_info(func) -> OpInfo:
         view or name in _META_INPLACE or name.endswith("_like") or name.startswith("new_") or name in _EMPTY
     )
     overwrites = name in _OVERWRITE or (bool(mutated) and all(n.startswith("out") for _, n, _ in mutated))
-    return OpInfo(name, mutated, overwrites, random, metadata_only, name in _EMPTY)
+    observer = bool(schema.returns) and not any("Tensor" in str(r.type) for r in schema.returns)
+    return OpInfo(name, mutated, overwrites, random, metadata_only, name in _EMPTY, observer)
 
 
 def _arg(args, kwargs, pos, name, kwarg_only):
@@ -163,6 +199,7 @@ class Trace(TorchDispatchMode):
         self.sid_of: dict[int, int] = {}
         self._alive: list = []  # keeps numbered storages alive so their addresses are not reused
         self.initialized: list[bool] = []
+        self.real_draws: list[str] = []  # random ops on CPU tensors (drawn even when built on meta)
         self.k = 0
 
     def sid(self, t: torch.Tensor, *, initialized: bool = False) -> int:
@@ -178,6 +215,9 @@ class Trace(TorchDispatchMode):
         kwargs = kwargs or {}
         leaves = pytree.tree_leaves((args, kwargs))
         if not any(isinstance(x, torch.Tensor) and x.is_meta for x in leaves) and not _is_meta(kwargs.get("device")):
+            if op_info(func).random:
+                # A draw on a real CPU tensor: it happens under torch.device("meta") too.
+                self.real_draws.append(str(func))
             return func(*args, **kwargs)
         info = op_info(func)
         mutated = [t for m in info.mutated for t in _tensors(_arg(args, kwargs, *m))]
@@ -201,7 +241,8 @@ class Trace(TorchDispatchMode):
             else:
                 reads.append(s)
         meta_args, meta_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
-        out = func(*meta_args, **meta_kwargs)
+        # An observer of a meta value has no meta result: the run computes it, or gives up.
+        out = None if info.observer else func(*meta_args, **meta_kwargs)
         known = set(self.sid_of)
         fresh = []
         for t in _tensors(out):
@@ -218,8 +259,7 @@ class Trace(TorchDispatchMode):
             overwrites=tuple(overwrites),
             creates=tuple(s for _, s in fresh),
             random=info.random,
-            observer=bool(func._schema.returns)
-            and not any("Tensor" in str(r.type) for r in func._schema.returns),
+            observer=info.observer,
         )
         k = self.k
         self.k += 1
@@ -239,14 +279,23 @@ def _to_meta(x):
     return x
 
 
+class NeedsValues(BaseException):
+    """The construction branches on a value (``if not mask.any()``): record again with values.
+
+    A BaseException, so that no ``except Exception`` in model code swallows it.
+    """
+
+
 class Recorder(Trace):
-    """Run 1: record the ops; values are never computed."""
+    """Run 1: record the ops; values are never computed (see :class:`ValuedRecorder`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[OpRecord] = []
 
     def after(self, k, rec, func, args, kwargs, out, fresh):
+        if rec.observer:
+            raise NeedsValues(rec.name)
         self.records.append(rec)
         return out
 
@@ -294,169 +343,3 @@ def plan(records: list[OpRecord], requested: set[int], *, advance_rng: bool = Tr
         records[k].random and not needed[k] and (advance_rng or k < last_random) for k in range(n)
     ]
     return Plan(needed, run_random, dict(emit_after), dict(free_after))
-
-
-# --------------------------------------------------------------------------- run 2
-
-
-@dataclass
-class Stats:
-    ops: int = 0
-    computed_ops: int = 0
-    scratch_random_ops: int = 0
-    shadow_bytes: int = 0  # live shadows plus the spare buffer
-    peak_bytes: int = 0  # the most shadow + scratch bytes alive at once (values handed back not counted)
-    emitted_bytes: int = 0
-
-
-class Executor(Trace):
-    """Run 2: compute what the plan needs on CPU shadows; emit requested storages when final.
-
-    ``emit(sid, executor) -> bool`` is called right after the last op that touches a requested
-    storage; it reads the value with :meth:`view_as` and returns whether it kept the storage
-    itself (zero-copy hand-off), otherwise the storage is recycled.
-
-    One *spare* storage, the largest freed so far, is recycled for the next shadow or scratch
-    that fits, whatever its size: with fresh allocations per op, glibc's heap grew by every
-    layer's draws (measured: RSS +52 MB while at most 9 MB were alive, for a 54 MB model), and
-    page faults on fresh buffers cost more than the draws themselves.
-    """
-
-    def __init__(self, records: list[OpRecord], the_plan: Plan, emit) -> None:
-        super().__init__()
-        self.records = records
-        self.the_plan = the_plan
-        self.emit = emit
-        self.shadows: dict[int, torch.UntypedStorage] = {}
-        self.spare: torch.UntypedStorage | None = None
-        self.stats = Stats()
-
-    # ------------------------------------------------------------ memory
-
-    def _track(self, extra: int = 0) -> None:
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.shadow_bytes + extra)
-
-    def _take(self, nbytes: int) -> torch.UntypedStorage:
-        spare = self.spare
-        if spare is not None and nbytes <= spare.nbytes():
-            self.spare = None
-            self.stats.shadow_bytes -= spare.nbytes()
-            return spare
-        return torch.UntypedStorage(nbytes, device=_CPU)
-
-    def _release(self, st: torch.UntypedStorage) -> None:
-        if self.spare is None or st.nbytes() > self.spare.nbytes():
-            if self.spare is not None:
-                self.stats.shadow_bytes -= self.spare.nbytes()
-            self.spare = st
-            self.stats.shadow_bytes += st.nbytes()
-
-    def _set_shadow(self, sid: int, st: torch.UntypedStorage) -> None:
-        self._free(sid)
-        self.shadows[sid] = st
-        self.stats.shadow_bytes += st.nbytes()
-        self._track()
-
-    def _free(self, sid: int, *, handed_off: bool = False) -> None:
-        st = self.shadows.pop(sid, None)
-        if st is not None:
-            self.stats.shadow_bytes -= st.nbytes()
-            if not handed_off:
-                self._release(st)
-
-    def view(self, sid: int, like: torch.Tensor) -> torch.Tensor:
-        """The shadow of meta tensor ``like`` (whose storage is ``sid``)."""
-        return self.view_as(sid, like.dtype, like.size(), like.stride(), like.storage_offset())
-
-    def view_as(self, sid: int, dtype, size, stride, offset) -> torch.Tensor:
-        return _on(self.shadows[sid], dtype, size, stride, offset)
-
-    # ------------------------------------------------------------ ops
-
-    def after(self, k, rec, func, args, kwargs, out, fresh):
-        if k >= len(self.records) or self.records[k].name != rec.name:
-            expected = self.records[k].name if k < len(self.records) else "the end of the program"
-            raise TraceError(f"construction differs between two runs at op {k}: {rec.name} vs {expected}")
-        p = self.the_plan
-        self.stats.ops += 1
-        if p.needed[k]:
-            self.stats.computed_ops += 1
-            out = self._compute(k, rec, func, args, kwargs, out, fresh)
-        elif p.run_random[k]:
-            self.stats.scratch_random_ops += 1
-            self._draw(rec, func, args, kwargs)
-        for s in p.emit_after.get(k, ()):
-            self._free(s, handed_off=bool(self.emit(s, self)))
-        for s in p.free_after.get(k, ()):
-            self._free(s)
-        return out
-
-    def _compute(self, k, rec, func, args, kwargs, out, fresh):
-        writes = set(rec.writes)
-
-        def real(x):
-            if isinstance(x, torch.Tensor) and x.is_meta:
-                s = self.sid(x)
-                if s not in self.shadows:
-                    if s not in writes:
-                        raise TraceError(
-                            f"op {k} ({rec.name}) reads a meta tensor that has no value here; it was made "
-                            "outside the replayed construction (a cached tensor?)"
-                        )
-                    self._set_shadow(s, self._take(x.untyped_storage().nbytes()))
-                return self.view(s, x)
-            if isinstance(x, torch.device) and x.type == "meta":
-                return _CPU
-            return x
-
-        real_args, real_kwargs = pytree.tree_map(real, (args, kwargs))
-        res = func(*real_args, **real_kwargs)
-        by_meta = {id(m): r for m, r in zip(_tensors(out), _tensors(res))}
-        for m, s in fresh:
-            self._adopt(s, m, by_meta[id(m)])
-        return res if rec.observer else out
-
-    def _draw(self, rec, func, args, kwargs) -> None:
-        """A random op nobody needs: draw into scratch so the generator advances as in eager."""
-        mutated = set(rec.writes) - set(rec.input_reads)
-        taken: list[torch.UntypedStorage] = []
-
-        def scratch_or_shadow(x):
-            if isinstance(x, torch.Tensor) and x.is_meta:
-                s = self.sid(x)
-                if s not in mutated and s in self.shadows:
-                    return self.view(s, x)
-                taken.append(self._take(x.untyped_storage().nbytes()))
-                return _on(taken[-1], x.dtype, x.size(), x.stride(), x.storage_offset())
-            if isinstance(x, torch.device) and x.type == "meta":
-                return _CPU
-            return x
-
-        real_args, real_kwargs = pytree.tree_map(scratch_or_shadow, (args, kwargs))
-        res = func(*real_args, **real_kwargs)
-        made = {st.data_ptr() for st in taken}
-        extra = sum(st.nbytes() for st in taken) + sum(
-            t.untyped_storage().nbytes() for t in _tensors(res) if t.untyped_storage().data_ptr() not in made
-        )
-        self._track(extra)
-        del res, real_args, real_kwargs
-        for st in taken:
-            self._release(st)
-
-    def _adopt(self, sid: int, meta: torch.Tensor, real: torch.Tensor) -> None:
-        nbytes = meta.untyped_storage().nbytes()
-        if (
-            real.device == _CPU
-            and real.dtype == meta.dtype
-            and real.stride() == meta.stride()
-            and real.storage_offset() == meta.storage_offset()
-            and real.untyped_storage().nbytes() == nbytes
-        ):
-            self._set_shadow(sid, real.untyped_storage())
-        else:
-            self._set_shadow(sid, self._take(nbytes))
-            self.view(sid, meta).copy_(real)
-
-
-def _on(storage: torch.UntypedStorage, dtype, size, stride, offset) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype, device=_CPU).set_(storage, offset, size, stride)

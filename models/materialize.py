@@ -28,109 +28,30 @@ model's ``post_init`` runs before the head is even constructed. Building under
 
 from __future__ import annotations
 
-import copy
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from models.anatomy import tied_parameter_names
-from models.init_trace import Executor, MetaConstructors, Recorder, Stats, TraceError, plan
+from models.init_execute import Executor, Stats, ValuedRecorder
+from models.init_programs import (
+    MaterializeError,
+    MetaBuildDrewError,
+    NoInitializerError,
+    ReplayMismatchError,
+    TensorEntry,
+    UninitializedTensorError,
+    _entries,
+    _hf_program,
+    _is_hf,
+    _plain_program,
+    _structure,
+)
+from models.init_trace import MetaConstructors, NeedsValues, Recorder, TraceError, plan
 from models.tensor_source import Rect, Requests, normalize_rect, whole
-
-
-class MaterializeError(RuntimeError):
-    """A meta model whose values cannot be reproduced."""
-
-
-class UninitializedTensorError(MaterializeError):
-    """Construction never writes these tensors: eager construction leaves them as garbage."""
-
-
-class NoInitializerError(MaterializeError):
-    """A non-Hugging Face module owns parameters but has no ``reset_parameters``."""
-
-
-class ReplayMismatchError(MaterializeError):
-    """The meta model is not what its construction builds (modified after construction?)."""
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One named tensor of the model, and where its value lives in the trace."""
-
-    name: str
-    kind: str  # "parameter" or "buffer"
-    persistent: bool
-    shape: torch.Size
-    dtype: torch.dtype
-    sid: int | None  # the traced storage; None for a tensor construction made on the CPU
-    stride: tuple[int, ...]
-    offset: int
-
-
-def _is_hf(model: nn.Module) -> bool:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(model, PreTrainedModel)
-
-
-def _hf_program(model: nn.Module) -> Callable[[], nn.Module]:
-    cls = type(model)
-    config = copy.deepcopy(model.config)
-    # ``_from_config`` is what ``AutoModelForCausalLM.from_config`` calls; it reads the dtype
-    # back from ``config.dtype``, which the first construction set.
-    return lambda: cls._from_config(copy.deepcopy(config))
-
-
-def _plain_program(model: nn.Module) -> Callable[[], nn.Module]:
-    for name, module in model.named_modules():
-        own = [n for n, _ in module.named_parameters(recurse=False)]
-        if own and not callable(getattr(module, "reset_parameters", None)):
-            raise NoInitializerError(
-                f"module {name or '<root>'} ({type(module).__name__}) owns parameters {own} but has no "
-                "reset_parameters(), so its values cannot be made on the meta device. Give the class a "
-                "reset_parameters() that initializes its own parameters, or build the model eagerly (on CPU) "
-                "and pass the real model."
-            )
-    template = copy.deepcopy(model)  # meta: costs nothing
-
-    def run() -> nn.Module:
-        m = _fresh_copy(template)
-        for module in m.modules():
-            if any(True for _ in module.parameters(recurse=False)) or any(
-                True for _ in module.buffers(recurse=False)
-            ):
-                reset = getattr(module, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-        return m
-
-    return run
-
-
-def _fresh_copy(template: nn.Module) -> nn.Module:
-    # Runs inside the trace: detach the copy's tensors from the modes by copying on meta first.
-    with torch.utils._python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
-        return copy.deepcopy(template)
-
-
-def _entries(model: nn.Module, sid_of: Callable[[torch.Tensor], int]) -> dict[str, TensorEntry]:
-    out: dict[str, TensorEntry] = {}
-    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, t in items:
-            owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner) if owner else model
-            persistent = kind == "parameter" or leaf not in module._non_persistent_buffers_set
-            out[name] = TensorEntry(
-                name, kind, persistent, t.shape, t.dtype, sid_of(t) if t.is_meta else None,
-                tuple(t.stride()), t.storage_offset(),
-            )
-    return out
 
 
 def _check_cpu_default() -> None:
@@ -157,12 +78,6 @@ def _owns_storage(full: torch.Tensor, rects: list, storage: torch.UntypedStorage
     )
 
 
-def _structure(model: nn.Module) -> list[tuple[str, str, tuple[int, ...], torch.dtype]]:
-    return [("parameter", n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()] + [
-        ("buffer", n, tuple(b.shape), b.dtype) for n, b in model.named_buffers()
-    ]
-
-
 @dataclass
 class ReplayStats:
     seconds: float
@@ -179,9 +94,12 @@ class InitReplay:
     ``InitReplay(meta_model)`` records the model's construction (cheap: meta, no values) and
     snapshots the global CPU generator: it must be the state the eager construction would
     start from (call it right after building on meta, under the same ``torch.manual_seed``),
-    or pass ``rng_state``. Each :meth:`read`/:meth:`fill` replays the construction from that
-    state and leaves the generator where eager construction leaves it, so the caller's next
-    random draw (dropout, data order) is the one a single process would make.
+    or pass ``seed`` (the state right after ``torch.manual_seed(seed)``) or ``rng_state``.
+    A model whose construction draws on the CPU even on meta (DiffLlama's
+    ``torch.normal(..., size=...)``) needs one of them: :class:`MetaBuildDrewError` otherwise.
+    Each :meth:`read`/:meth:`fill` replays the construction from that state and leaves the
+    generator where eager construction leaves it, so the caller's next random draw (dropout,
+    data order) is the one a single process would make.
 
     Hugging Face models are rebuilt with ``type(model)._from_config(model.config)``; other
     modules are initialized by calling ``reset_parameters()`` on every module owning tensors,
@@ -193,16 +111,28 @@ class InitReplay:
     accepts either) followed by ``named_buffers()``, non-persistent buffers included.
     """
 
-    def __init__(self, meta_model: nn.Module, *, rng_state: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, meta_model: nn.Module, *, seed: int | None = None, rng_state: torch.Tensor | None = None
+    ) -> None:
         _check_cpu_default()
         self._hf = _is_hf(meta_model)
         self._program = _hf_program(meta_model) if self._hf else _plain_program(meta_model)
+        if seed is not None and rng_state is not None:
+            raise ValueError("give seed or rng_state, not both")
+        if seed is not None:
+            rng_state = torch.Generator().manual_seed(seed).get_state()
         self._rng_state = (torch.get_rng_state() if rng_state is None else rng_state).clone()
-        rec = Recorder()
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(self._rng_state)
-            with MetaConstructors(), rec:
-                built = self._program()
+        rec, built = self._record(Recorder())
+        if rec is None:  # the construction branches on values it draws (torch's trunc_normal_)
+            rec, built = self._record(ValuedRecorder())
+        if rec.real_draws and seed is None and rng_state is None:
+            raise MetaBuildDrewError(
+                f"{type(meta_model).__name__}'s construction draws from the CPU generator even on the meta "
+                f"device ({len(rec.real_draws)} draw(s), first {rec.real_draws[0]}: e.g. torch.normal(..., size=...) "
+                "takes no device), so building it on meta advanced the generator and the state now is not "
+                "where eager construction starts. Pass the seed you built under: InitReplay(model, seed=s) "
+                "(or rng_state=the state before building)."
+            )
         self._records = rec.records
         self._entries = _entries(built, rec.sid)
         self._aliases = tied_parameter_names(built)
@@ -225,6 +155,15 @@ class InitReplay:
                 "meta device; write them in a reset_parameters(), or build the model eagerly"
             )
             raise UninitializedTensorError(f"tensors without an initial value: {', '.join(bad)}: {how}")
+
+    def _record(self, rec):
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(self._rng_state)
+            try:
+                with MetaConstructors(), rec:
+                    return rec, self._program()
+            except NeedsValues:
+                return None, None
 
     # ----------------------------------------------------------------- the protocol
 
@@ -358,6 +297,7 @@ class InitReplay:
 __all__ = [
     "InitReplay",
     "MaterializeError",
+    "MetaBuildDrewError",
     "NoInitializerError",
     "ReplayMismatchError",
     "ReplayStats",
