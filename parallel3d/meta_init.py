@@ -99,24 +99,6 @@ def detach_from_meta(model: nn.Module, buffers: Iterator[tuple[str, torch.Tensor
                                   "that is neither a parameter nor a buffer, so it cannot be materialized")
 
 
-def _block_runs(spec: ShardSpec, lo: int, hi: int, rank: int, world: int) -> list[tuple[int, int, int]]:
-    """Along the split dim: ``(piece_start, full_start, count)`` runs for piece indices [lo, hi).
-
-    A tp piece is the concatenation of rank ``rank``'s chunk of each of the spec's packed
-    blocks, in the full tensor zero-padded to ``padded_size``; padding rows have no source.
-    """
-    block = spec.padded_size // spec.packed
-    chunk = block // world
-    runs = []
-    for b in range(spec.packed):
-        a, z = max(lo, b * chunk), min(hi, (b + 1) * chunk)
-        full_start = b * block + rank * chunk + (a - b * chunk)
-        count = min(z - a, spec.full_size - full_start)
-        if count > 0:
-            runs.append((a, full_start, count))
-    return runs
-
-
 def _row_reads(shape: torch.Size, spec: ShardSpec | None, rows: tuple[int, int], rank: int, world: int,
                dest: torch.Tensor) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
     """(rectangle of the full tensor, view of ``dest``) pairs that fill piece rows ``rows``.
@@ -129,10 +111,10 @@ def _row_reads(shape: torch.Size, spec: ShardSpec | None, rows: tuple[int, int],
     if spec.padded_size > spec.full_size:
         dest.zero_()
     if spec.dim == 0:
-        return [((slice(full, full + n),), dest[a - ra : a - ra + n]) for a, full, n in _block_runs(spec, ra, rb, rank, world)]
+        return [((slice(full, full + n),), dest[a - ra : a - ra + n]) for a, full, n in spec.source_runs(ra, rb, rank, world)]
     lead = (slice(ra, rb),) + (slice(None),) * (spec.dim - 1)
     return [((*lead, slice(full, full + n)), dest.narrow(spec.dim, a, n))
-            for a, full, n in _block_runs(spec, 0, shape[spec.dim], rank, world)]
+            for a, full, n in spec.source_runs(0, shape[spec.dim], rank, world)]
 
 
 def value_provider(source, named_params: list[tuple[str, nn.Parameter]], specs: Mapping[str, ShardSpec],

@@ -186,3 +186,18 @@ def test_model_partly_on_meta_is_refused():
     model.lm_head = nn.Linear(32, 128, bias=False)
     with pytest.raises(ConfigError, match="partly on the meta device"):
         parallel3d.initialize(model=model, config=ds_config(0, 1, 1))
+
+
+@pytest.mark.parametrize("size,packed,pad,world", [(12, 3, False, 2), (10, 1, True, 4), (8, 2, False, 4), (9, 1, True, 2)])
+def test_shard_source_runs_rebuild_the_shard(size, packed, pad, world):
+    """The runs a meta start reads from the full tensor give exactly ``ShardSpec.shard``'s piece."""
+    from parallel3d.tensor_parallel.sharding import make_spec
+
+    full = torch.arange(size * 3, dtype=torch.float32).reshape(size, 3)
+    spec = make_spec(size, 0, world, packed=packed, pad=pad)
+    for rank in range(world):
+        want = spec.shard(full, rank, world)
+        got = torch.zeros_like(want)
+        for shard_start, full_start, count in spec.source_runs(0, want.shape[0], rank, world):
+            got[shard_start : shard_start + count] = full[full_start : full_start + count]
+        assert torch.equal(got, want), rank

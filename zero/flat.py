@@ -102,6 +102,14 @@ class FlatUnit:
         """The part of the flat layout this rank stores: all of it (persistent) or its shard."""
         return (0, self.padded) if self.persistent else self.shard_range
 
+    def param_ranges(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """``(param index, start, stop)``: each param's part of flat range [lo, hi) (may be empty)."""
+        out = []
+        for pi, (off, n) in enumerate(zip(self.offsets, self.numels)):
+            start = max(off, lo)
+            out.append((pi, start, max(start, min(off + n, hi))))
+        return out
+
     def install(self, full_fp32: torch.Tensor) -> None:
         """Take ``full_fp32`` (identical on all ranks) as the unit's value and lay out storage."""
         start, end = self.kept_range

@@ -86,7 +86,7 @@ class GradientReducer:
         self._views: dict[nn.Parameter, torch.Tensor] = {}  # stages 0-1: the installed .grad views
         self._handles: list = []
         # received[ui][pi]: param pi of unit ui got a gradient in this accumulation window
-        self.received = [torch.zeros(len(u.params), dtype=torch.bool) for u in self.units]
+        self.received = [[False] * len(u.params) for u in self.units]
         self._allocated = False
         for ui, unit in enumerate(self.units):
             for pi, p in enumerate(unit.params):
@@ -254,6 +254,5 @@ class GradientReducer:
         for unit in self.units:
             (unit.grad_full if self.accumulate_full else unit.grad_shard).zero_()
         self._shard_fresh = [True] * len(self.units)
-        for flags in self.received:
-            flags.zero_()
+        self.received = [[False] * len(u.params) for u in self.units]
         self.install_grad_views()

@@ -67,8 +67,7 @@ def shard_pieces(units: Sequence[FlatUnit]) -> list[Piece]:
     pieces = []
     for ui, unit in enumerate(units):
         lo, hi = unit.shard_range
-        for pi, (off, n) in enumerate(zip(unit.offsets, unit.numels)):
-            start, stop = max(off, lo), min(off + n, hi)
+        for pi, start, stop in unit.param_ranges(lo, hi):
             if start < stop:
                 pieces.append(Piece(ui, pi, start - lo, stop - lo))
     return pieces
@@ -151,9 +150,10 @@ class ZeroOptimizer:
                 if ps:
                     params.append(ps)
                     origin.append((gi, *kind))
-        device = next((p.device for ps in params for p in ps if not p.is_meta), None) or torch.device("cpu")
-        if initial_values is None and any(p.is_meta for ps in params for p in ps):
-            raise ValueError("parameters on the meta device need initial_values")
+        if any(p.is_meta for ps in params for p in ps):
+            raise ValueError("parameters on the meta device: give them storage-less tensors on the device first "
+                             "(parallel3d.meta_init.detach_from_meta) and their values through initial_values")
+        device = params[0][0].device
         self.layout = self._layout(params, list(fetch_modules), device)
         self.units = self.layout.units
         for unit in self.units:
@@ -236,9 +236,9 @@ class ZeroOptimizer:
             buffer = torch.empty(hi - lo, dtype=torch.float32, device=unit.device)
             buffer[max(unit.numel, lo) - lo :].zero_()
             kept.append(buffer)
-            for p, off, n in zip(unit.params, unit.offsets, unit.numels):
-                start, stop = max(lo, off), max(min(hi, off + n), max(lo, off))
-                wanted[p] = (start - off, stop - off, buffer[start - lo : stop - lo])
+            for pi, start, stop in unit.param_ranges(lo, hi):
+                off = unit.offsets[pi]
+                wanted[unit.params[pi]] = (start - off, stop - off, buffer[start - lo : stop - lo])
         provide(wanted)
         for unit, values_kept in zip(self.units, kept):
             unit.install_kept(values_kept)
@@ -293,14 +293,16 @@ class ZeroOptimizer:
         self.reducer.ensure_buffers()
         return [u.grad_shard if u.grad_shard.dtype == torch.float32 else u.grad_shard.float() for u in self.units]
 
-    def _received_anywhere(self) -> list[torch.Tensor]:
+    def _received_anywhere(self) -> list[list[bool]]:
         """Per unit, which params got a gradient on some dp rank in this window (a MAX over dp)."""
         local = self.reducer.received
         if self.dp_world == 1 or not local:
             return local
-        flags = torch.cat(local).to(torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return list(flags.bool().cpu().split([len(f) for f in local]))
+        flat = [flag for flags in local for flag in flags]
+        agreed = torch.tensor(flat, dtype=torch.int32, device=self.units[0].device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        values = iter(agreed.tolist())
+        return [[bool(next(values)) for _ in flags] for flags in local]
 
     def _point_piece_grads(self, grads: Sequence[torch.Tensor]) -> None:
         """Give each piece its slice of the unit gradient, or None if no rank produced one."""

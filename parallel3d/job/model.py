@@ -84,7 +84,7 @@ def build_model(job: JobConfig, config, log: bool = True) -> torch.nn.Module:
 
     ``parallel3d.initialize`` then fills in each rank's share: the values eager construction
     gives under the job's seed, or the weights in model.path (each rank reading only its
-    slices; see ``pretrained_path``).
+    slices).
     """
     from transformers import AutoModelForCausalLM
 
@@ -101,11 +101,6 @@ def build_model(job: JobConfig, config, log: bool = True) -> torch.nn.Module:
         n = sum(p.numel() for p in model.parameters())
         logger.info("model: %s, %.2fM parameters", type(model).__name__, n / 1e6)
     return model
-
-
-def pretrained_path(job: JobConfig) -> str | None:
-    """The directory whose weights the model starts from (None: random init)."""
-    return None if job.model.path is None else str(job.model.path)
 
 
 def check_buildable(job: JobConfig, config) -> None:

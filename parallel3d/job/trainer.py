@@ -22,7 +22,7 @@ import yaml
 import parallel3d
 from parallel3d.job.checkpoints import checkpoint_root, prune
 from parallel3d.job.metrics import Metrics, summary_text
-from parallel3d.job.model import build_model, pretrained_path
+from parallel3d.job.model import build_model
 from parallel3d.job.prepare import Prepared, describe
 from parallel3d.job.sampler import BlockSampler, TrainLoader, eval_batches
 
@@ -82,7 +82,7 @@ def train(prep: Prepared) -> dict:
         _write_run_files(prep, out)
     seed_everything(cfg.seed)
     model = build_model(job, prep.hf_config)
-    engine, _, _, _ = parallel3d.initialize(model=model, config=prep.engine_config, pretrained=pretrained_path(job))
+    engine, _, _, _ = parallel3d.initialize(model=model, config=prep.engine_config, pretrained=job.model.path)
     mesh = engine.mesh
     micro, gas = engine.config.train_micro_batch_size_per_gpu, engine.config.gradient_accumulation_steps
     sampler = BlockSampler(len(prep.blocks["train"]), micro, mesh.dp, mesh.local_rank("dp"), gas, cfg.seed)

@@ -46,6 +46,23 @@ class ShardSpec:
         blocks = full.chunk(self.packed, dim=self.dim)
         return torch.cat([b.chunk(world, dim=self.dim)[rank] for b in blocks], dim=self.dim).contiguous()
 
+    def source_runs(self, lo: int, hi: int, rank: int, world: int) -> list[tuple[int, int, int]]:
+        """Where indices [lo, hi) of rank ``rank``'s shard (along ``dim``) come from in the full tensor.
+
+        ``(shard_start, full_start, count)`` runs, one per packed block the range touches; the
+        zero padding of the vocabulary has no source and is left out.
+        """
+        block = self.padded_size // self.packed
+        chunk = block // world
+        runs = []
+        for b in range(self.packed):
+            a, z = max(lo, b * chunk), min(hi, (b + 1) * chunk)
+            full_start = b * block + rank * chunk + (a - b * chunk)
+            count = min(z - a, self.full_size - full_start)
+            if count > 0:
+                runs.append((a, full_start, count))
+        return runs
+
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
         """The full tensor from every rank's shard (rank order), padding removed."""
         per_rank = [s.chunk(self.packed, dim=self.dim) for s in shards]
