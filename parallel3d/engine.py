@@ -1,10 +1,15 @@
-"""The training engine returned by ``parallel3d.initialize``: DeepSpeed's loop, our ZeRO."""
+"""The training engine returned by ``parallel3d.initialize``: DeepSpeed's loop, our ZeRO.
+
+One class for every layout. What differs between a plain data-parallel model and pipeline
+stages is how a window of micro-batches runs, and that is the step loop it holds
+(parallel3d/step_loops.py); ``train_batch`` and ``eval_batch`` mean the same on all layouts.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -13,32 +18,19 @@ from torch import nn
 from parallel3d import checkpoint
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.mesh import Mesh3D
+from parallel3d.pipeline.stage import PipelineModel
+from parallel3d.step_loops import MicroBatchLoop, PipelineLoop
 from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
 
 
-def _loss_of(output: Any) -> torch.Tensor:
-    """The loss in a model output: ``.loss`` (HF), the first element of a tuple, or a tensor."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    if loss is None and isinstance(output, torch.Tensor):
-        loss = output
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ConfigError(
-            "train_batch needs the model to return a scalar loss (an HF output with .loss, "
-            "a tuple starting with the loss, or a tensor); pass labels in each batch"
-        )
-    return loss
-
-
 class Engine:
     """Wraps a model and its ZeRO optimizer; one instance per rank.
 
-    Call it like the model; ``backward`` then ``step`` every micro-batch (the optimizer steps
-    at the end of each ``gradient_accumulation_steps`` window), or ``train_batch`` for a whole
-    window at once.
+    ``train_batch`` runs a whole ``gradient_accumulation_steps`` window on every layout. Without
+    pipeline stages the model can also be called directly: ``engine(batch)``, ``backward``
+    then ``step`` every micro-batch (the optimizer steps at the end of each window).
     """
 
     def __init__(
@@ -49,6 +41,7 @@ class Engine:
         optimizer: ZeroOptimizer,
         lr_scheduler=None,
         tp_info=None,
+        pipe: PipelineModel | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -62,13 +55,22 @@ class Engine:
         self.global_samples = 0
         self.device = mesh.device
         self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
+        self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
 
     # -- the DeepSpeed loop --------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
+    def _per_micro_batch_call(self, what: str) -> None:
+        if not self.loop.per_micro_batch_calls:
+            raise ConfigError(
+                f"engine.{what} is not available with pipeline.stages > 1: a pipeline runs whole batches "
+                "through its schedule; use engine.train_batch(data_iter) or engine.eval_batch(data_iter)"
+            )
+
     def forward(self, *args, **kwargs):
+        self._per_micro_batch_call("forward (engine(...))")
         self.optimizer.gather_for_forward()
         output = self.module(*args, **kwargs)
         if not torch.is_grad_enabled():
@@ -80,6 +82,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+        self._per_micro_batch_call("backward")
         if self._backward_pending:
             raise UsageError("engine.backward() was called twice for one micro-batch; call engine.step() "
                              "after each engine.backward() (the loop is engine(batch) -> backward(loss) -> step())")
@@ -92,6 +95,7 @@ class Engine:
 
     def step(self) -> None:
         """Count a micro-batch; at a window's end, step the optimizer and the LR schedule."""
+        self._per_micro_batch_call("step")
         if not self._backward_pending:
             raise UsageError("engine.step() without engine.backward(loss) for this micro-batch; the loop is "
                              "engine(batch) -> engine.backward(loss) -> engine.step()")
@@ -107,45 +111,36 @@ class Engine:
     def train_batch(self, data_iter: Iterator) -> float:
         """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches.
 
-        Each item of ``data_iter`` is a dict of model keyword arguments (with labels) or a
-        tuple of positional ones. Returns the mean loss of the batch over all dp ranks.
+        Each item of ``data_iter`` is a dict of model keyword arguments (with labels) or, without
+        pipeline stages, a tuple of positional ones. Returns the mean loss of the batch over all
+        dp ranks (the same value on every rank).
         """
-        losses = []
-        for i in range(self.gradient_accumulation_steps):
-            batch = self._to_device(self._next_micro_batch(data_iter, i))
-            output = self(**batch) if isinstance(batch, dict) else self(*batch)
-            loss = _loss_of(output)
-            self.backward(loss)
-            self.step()
-            losses.append(loss.detach().float())
-        value = self._dp_mean(torch.stack(losses).mean())
+        batches = [self._to_device(self._next_micro_batch(data_iter, i)) for i in range(self.gradient_accumulation_steps)]
+        value = self._dp_mean(self.loop.train(batches))
         if self.global_steps % self.config.steps_per_print == 0 and self._is_rank0():
             logger.info("step %d loss %.6f lr %s", self.global_steps, value, self.get_lr())
         return value
 
-    def eval_batch(self, data_iter: Iterator) -> float:
-        """Forward only over ``gradient_accumulation_steps`` micro-batches; their dp-mean loss.
+    def eval_batch(self, data_iter: Iterator, num_micro_batches: int | None = None) -> float:
+        """Forward only over ``num_micro_batches`` micro-batches (default: one window's worth).
 
-        The same call and meaning as under pipeline stages, so evaluation code need not ask
-        which layout it runs on. Train/eval mode is the caller's (``engine.eval()``).
+        Returns their mean loss over all dp ranks, on every layout, so evaluation code need not
+        ask which layout it runs on. Train/eval mode is the caller's (``engine.eval()``).
         """
-        losses = []
-        with torch.no_grad():
-            for i in range(self.gradient_accumulation_steps):
-                batch = self._to_device(self._next_micro_batch(data_iter, i))
-                output = self(**batch) if isinstance(batch, dict) else self(*batch)
-                losses.append(_loss_of(output).detach().float())
-        return self._dp_mean(torch.stack(losses).mean())
+        count = self.gradient_accumulation_steps if num_micro_batches is None else num_micro_batches
+        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+            raise ConfigError(f"eval_batch: num_micro_batches must be a positive int, got {num_micro_batches!r}")
+        batches = [self._to_device(self._next_micro_batch(data_iter, i, count)) for i in range(count)]
+        return self._dp_mean(self.loop.evaluate(batches))
 
-    def _next_micro_batch(self, data_iter: Iterator, index: int):
+    def _next_micro_batch(self, data_iter: Iterator, index: int, count: int | None = None):
         """The next micro-batch, or a message saying the iterator ran out in the middle of a window."""
         try:
             return next(data_iter)
         except StopIteration:
-            raise UsageError(
-                f"data_iter ran out after {index} of the {self.gradient_accumulation_steps} micro-batches "
-                "(gradient_accumulation_steps) one batch needs"
-            ) from None
+            needs = (f"{self.gradient_accumulation_steps} micro-batches (gradient_accumulation_steps) one batch needs"
+                     if count is None else f"{count} micro-batches asked for")
+            raise UsageError(f"data_iter ran out after {index} of the {needs}") from None
 
     def _dp_mean(self, loss: torch.Tensor) -> float:
         """The mean of ``loss`` over the data-parallel ranks (the same value on all of them)."""
@@ -186,7 +181,16 @@ class Engine:
 
     def named_parameters(self):
         """(HF name, parameter) of the parameters this rank trains."""
-        return self.module.named_parameters()
+        return self.loop.named_parameters()
+
+    def write_timeline(self, path: str | Path) -> Path | None:
+        """Write the last step's per-rank pipeline action timeline as a Chrome trace (collective over pp).
+
+        Needs pipeline stages and ``pipeline.record_timeline: true``; rank 0 of the pp group writes it.
+        """
+        if not isinstance(self.loop, PipelineLoop):
+            raise ConfigError("engine.write_timeline needs pipeline.stages > 1 (it records the pipeline schedule)")
+        return self.loop.write_timeline(path)
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter by name, whole and in fp32 (collective over dp and tp).

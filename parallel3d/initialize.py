@@ -26,7 +26,6 @@ from parallel3d.errors import ConfigError
 from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
-from parallel3d.pipeline_engine import PipelineEngine
 from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -174,8 +173,5 @@ def initialize(
     pipe = apply_pipeline(model, cfg.pipeline, mesh, tp_info)
     zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source)
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
-    if pipe is not None:
-        engine = PipelineEngine(model, cfg, mesh, zero_opt, scheduler, pipe, tp_info=tp_info)
-    else:
-        engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info)
+    engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

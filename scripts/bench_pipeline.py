@@ -149,7 +149,7 @@ def step(engine, batches, clock: DualClock) -> tuple[float, dict]:
     start = time.perf_counter()
     engine.train_batch(iter(batches))
     wall = time.perf_counter() - start
-    tl = engine.executor.timeline
+    tl = engine.loop.executor.timeline
     if len(clock.cpu) != 1 + 2 * len(tl):
         raise RuntimeError(f"expected {1 + 2 * len(tl)} clock samples, got {len(clock.cpu)}: the executor's timing "
                            "changed; update DualClock")

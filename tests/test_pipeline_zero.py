@@ -84,6 +84,26 @@ def test_forward_under_pipeline_is_refused(dist):
         assert message.startswith("engine.forward (engine(...)) is not available with pipeline.stages > 1")
 
 
+def _eval_three(pp: int):
+    import parallel3d
+
+    config = ds_config(1, GAS, DP)
+    config["pipeline"] = {"stages": pp}
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama", num_hidden_layers=4), config=config)
+    batches = rank_micro_batches(token_batches(1, GAS, DP), engine.mesh.local_rank("dp"))
+    return engine.eval_batch(iter(batches), num_micro_batches=3)
+
+
+@pytest.mark.parametrize("pp", [1, PP])
+def test_eval_batch_of_any_length_is_the_single_process_mean(dist, pp):
+    """One ``eval_batch`` call on every layout: a 3-micro-batch window (shorter than GAS)."""
+    model, data = make_model("llama", num_hidden_layers=4), token_batches(1, GAS, DP)
+    with torch.no_grad():
+        want = sum(float(model(input_ids=data[0, a, r], labels=data[0, a, r]).loss)
+                   for a in range(3) for r in range(DP)) / (3 * DP)
+    assert dist.run(pp * DP, _eval_three, pp) == pytest.approx([want] * pp * DP, rel=RTOL)
+
+
 def train_3d(kind: str, stage: int, schedule: str, dp: int) -> tuple[list[float], dict]:
     import parallel3d
 

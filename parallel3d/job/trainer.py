@@ -40,30 +40,23 @@ def seed_everything(seed: int) -> None:
 
 
 def evaluate(engine, blocks, micro: int, max_batches: int | None) -> float:
-    """Mean validation loss over every dp rank's share (each batch has the same token count)."""
+    """Mean validation loss over every dp rank's share (each batch has the same token count).
+
+    Every dp rank gets the same number of batches; they go through ``engine.eval_batch`` a
+    window of ``gradient_accumulation_steps`` at a time (the last window may be shorter),
+    which returns each window's dp mean on every layout.
+    """
     mesh = engine.mesh
-    total = torch.zeros(2, dtype=torch.float64)
-    batches = eval_batches(blocks, micro, mesh.dp, mesh.local_rank("dp"), max_batches)
+    batches = list(eval_batches(blocks, micro, mesh.dp, mesh.local_rank("dp"), max_batches))
+    window = engine.gradient_accumulation_steps
+    total, count = 0.0, 0
     engine.eval()
-    with torch.no_grad():
-        if mesh.pp > 1:
-            # a pipeline evaluates whole windows of gradient_accumulation_steps micro-batches
-            # (eval_batch returns their dp mean; the sum below then averages equal values)
-            window = list(batches)
-            gas = engine.gradient_accumulation_steps
-            for start in range(0, len(window) - gas + 1, gas):
-                loss = engine.eval_batch(iter(window[start : start + gas]))
-                total += torch.tensor([loss, 1.0], dtype=torch.float64)
-        else:
-            for batch in batches:
-                out = engine(**{k: v.to(engine.device) for k, v in batch.items()})
-                total += torch.tensor([float(out.loss), 1.0], dtype=torch.float64)
+    for start in range(0, len(batches), window):
+        part = batches[start : start + window]
+        total += engine.eval_batch(iter(part), num_micro_batches=len(part)) * len(part)
+        count += len(part)
     engine.train()
-    if mesh.dp > 1:
-        reduced = total.to(engine.device)
-        dist.all_reduce(reduced, group=mesh.dp_group)
-        total = reduced.cpu()
-    return float(total[0] / total[1])
+    return total / count  # prepare() refused a validation split with fewer than dp x micro blocks
 
 
 def _write_run_files(prep: Prepared, out: Path) -> None:
