@@ -1,25 +1,216 @@
-"""Sharded checkpoints: one file per rank, written atomically, loaded without pickled code.
+"""Mesh-free checkpoints: saved on one pp x dp x tp layout and ZeRO stage, loaded on any other.
 
-Layout: ``save_dir/<tag>/rank<R>.pt`` (with the unit layout, so the fp32 weights can be
-reassembled without an engine), ``save_dir/<tag>/config.json`` (the HF model config, when
-the model has one) and ``save_dir/latest`` naming the newest tag. Each
-rank writes into ``save_dir/.<tag>.tmp``; after a barrier rank 0 renames the directory to
-its final name and only then updates ``latest``, so a crash mid-save leaves the previous
-checkpoint whole. Files hold only tensors and plain Python values and are read with
-``torch.load(weights_only=True)``.
+A checkpoint directory ``save_dir/<tag>/`` holds
+
+* the tensors, through torch.distributed.checkpoint (parallel3d/checkpoint_storage.py), each
+  under a name and in the shape the unmodified model gives it: ``model/<HF name>`` (fp32
+  master weights) and ``optim/<state>/<HF name>`` for every tensor the optimizer keeps per
+  parameter (Adam's moments and step, SGD's momentum: whatever ``torch.optim`` stores, in the
+  parameter's shape or as a scalar);
+* ``checkpoint.json``: the rest, as JSON: engine counters, optimizer group options, loss
+  scaler, LR scheduler, every rank's RNG state, the user's ``client_state`` and the layout
+  that wrote it (for information only). It is written last: a directory without it is not a
+  checkpoint;
+* ``config.json``: the Hugging Face model config, when the model has one.
+
+Saving writes into ``save_dir/.<tag>.tmp``; rank 0 renames it once every rank has finished
+and only then points ``save_dir/latest`` at it, so a kill at any moment leaves ``latest``
+naming a complete checkpoint. Loading reads no pickle: JSON, and tensors through
+``torch.load(weights_only=True)`` after their checksums were verified.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import logging
 import os
 import random
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from parallel3d.checkpoint_chunks import Chunk, piece_chunks
+from parallel3d.checkpoint_storage import load_chunks, read_metadata, save_chunks
 from parallel3d.errors import ConfigError
+from parallel3d.tensor_parallel.sharding import ShardSpec
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "checkpoint.json"
+FORMAT = "zero3d-checkpoint/2"
+_TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+
+
+# ---- what a rank holds ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    """How one of this rank's trainable parameters is named in a checkpoint."""
+
+    name: str  # the checkpoint name (for a tied copy: the name its first holder saves it under)
+    spec: ShardSpec | None
+    save: bool  # False for the second copy of a tied parameter (the first holder writes it)
+
+    def global_shape(self, local_shape) -> tuple[int, ...]:
+        shape = list(local_shape)
+        if self.spec is not None:
+            shape[self.spec.dim] = self.spec.full_size
+        return tuple(shape)
+
+
+def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
+    """This rank's trainable parameters and their checkpoint names."""
+    specs = engine.tp_info.shard_specs if engine.tp_info is not None else {}
+    pipe = getattr(engine.loop, "pipe", None)
+    tied = {t.param: t for t in getattr(pipe, "tied", ())}
+    out = {}
+    for name, p in engine.named_parameters():
+        if not p.requires_grad:
+            continue
+        spec, save = specs.get(name), True
+        if p in tied and not tied[p].first:
+            name, save = next(n for n in tied[p].names if n != name), False
+        out[p] = ParamEntry(name, spec, save)
+    return out
+
+
+def _state_index(metadata) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
+    """``{param name: {state key: (dtype, shape)}}`` of the optimizer states in a checkpoint."""
+    out: dict[str, dict] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        kind, _, rest = fqn.partition("/")
+        key, _, name = rest.partition("/")
+        if kind == "optim" and name:
+            out.setdefault(name, {})[key] = (md.properties.dtype, tuple(md.size))
+    return out
+
+
+def _state_chunks(engine, *, saving: bool, metadata=None) -> tuple[list[Chunk], list[dict]]:
+    """Chunks of masters and optimizer states for this rank; on load also the fresh state tensors."""
+    zero = engine.optimizer
+    entries = param_entries(engine)
+    tp_rank, tp = engine.mesh.local_rank("tp"), engine.mesh.tp
+    chunks: list[Chunk] = []
+    states = zero.piece_states() if saving else []
+    saved_states = _state_index(metadata) if not saving else {}
+    for i, (param, first, master, shape) in enumerate(zero.piece_params()):
+        e = entries[param]
+
+        def chunks_of(name: str, flat: torch.Tensor) -> list[Chunk]:
+            return piece_chunks(name, flat, first, shape, e.global_shape(shape), e.spec, tp_rank, tp)
+
+        if saving:
+            if e.save:
+                chunks += chunks_of(f"model/{e.name}", master.detach())
+                for key, value in states[i].items():
+                    chunks += _state_value_chunks(key, value, e, master, chunks_of)
+            continue
+        chunks += chunks_of(f"model/{e.name}", master.data)
+        state = {}
+        for key, (dtype, size) in saved_states.get(e.name, {}).items():
+            if size == ():
+                value = torch.zeros((), dtype=dtype, device=_scalar_device(zero, master))
+                chunks.append(Chunk(f"optim/{key}/{e.name}", (), (), (), value))
+            else:
+                value = torch.zeros(master.shape, dtype=dtype, device=master.device)
+                chunks += chunks_of(f"optim/{key}/{e.name}", value)
+            state[key] = value
+        states.append(state)
+    return chunks, states
+
+
+def _state_value_chunks(key, value, e: ParamEntry, master, chunks_of) -> list[Chunk]:
+    if "/" in str(key) or not isinstance(key, str):
+        raise ConfigError(f"optimizer state key {key!r} cannot be stored (state keys must be strings without '/')")
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        return [Chunk(f"optim/{key}/{e.name}", (), (), (), value.detach())]
+    if isinstance(value, torch.Tensor) and value.numel() == master.numel():
+        return chunks_of(f"optim/{key}/{e.name}", value.detach().reshape(-1))
+    what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+    raise ConfigError(
+        f"optimizer state {key!r} of {e.name} is {what}; a mesh-free checkpoint stores per-parameter states "
+        "that are elementwise (the parameter's shape) or scalars, as Adam, AdamW, SGD, Adagrad and RMSprop keep")
+
+
+def _scalar_device(zero, master: torch.Tensor) -> torch.device:
+    """torch.optim keeps scalar states (``step``) on the CPU unless the group is fused or capturable."""
+    group = next(g for g in zero.inner.param_groups if any(p is master for p in g["params"]))
+    return master.device if group.get("fused") or group.get("capturable") else torch.device("cpu")
+
+
+# ---- plain values -----------------------------------------------------------------------
+
+
+def check_tag(tag: str) -> str:
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag == "latest":
+        raise ConfigError(f"checkpoint tag {tag!r} is not allowed: use 1-128 letters, digits, '.', '_', '+' or '-', "
+                          "starting with a letter or digit, and not 'latest'")
+    return tag
+
+
+def encode_value(value, where: str):
+    """``value`` as JSON-ready data: plain values, lists, str-keyed dicts and tensors."""
+    if isinstance(value, np.generic) and isinstance(value.item(), (bool, int, float)):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [encode_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        bad = [k for k in value if not isinstance(k, str)]
+        if bad:
+            raise ConfigError(f"{where}: key {bad[0]!r} is not a string; checkpoint dicts need string keys")
+        return {k: encode_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        return {"__tensor__": base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode(),
+                "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+    raise ConfigError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint cannot "
+                      "store; use None, bool, int, float, str, lists, dicts with string keys, or torch tensors")
+
+
+def decode_value(value):
+    if isinstance(value, list):
+        return [decode_value(v) for v in value]
+    if isinstance(value, dict):
+        if "__tensor__" in value:
+            dtype = getattr(torch, value["dtype"])
+            raw = bytearray(base64.b64decode(value["__tensor__"]))
+            flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            return flat.view(dtype).reshape(value["shape"]).clone()
+        return {k: decode_value(v) for k, v in value.items()}
+    return value
+
+
+def _rng_state() -> dict:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [name, keys.tolist(), pos, has_gauss, cached]}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return encode_value(state, "rng")
+
+
+def _set_rng_state(state: dict) -> None:
+    state = decode_value(state)
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+# ---- save / load ------------------------------------------------------------------------
 
 
 def _rank() -> int:
@@ -31,95 +222,178 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+def _gather_to_rank0(value) -> list | None:
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size() if _rank() == 0 else None
+    dist.gather_object(value, out, dst=0)
+    return out
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
 
 
 def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict) -> str:
-    """Save ``engine``'s state and ``client_state``; returns the tag written."""
-    tag = tag or f"global_step{engine.global_steps}"
+    """Save ``engine``'s state and ``client_state`` (rank 0's is kept); returns the tag written."""
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    client = encode_value(client_state, "client_state")
+    scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    scheduler = encode_value(scheduler, "lr_scheduler.state_dict()")
+    chunks, _ = _state_chunks(engine, saving=True)  # refuses unstorable optimizer state before any collective
     root = Path(save_dir)
     tmp, final = root / f".{tag}.tmp", root / tag
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    state = engine.state_dict_for_checkpoint()
-    state["rng"] = _rng_state()
-    state["client_state"] = client_state
-    torch.save(state, tmp / f"rank{_rank()}.pt")
-    hf_config = getattr(engine.module, "config", None)
-    if _rank() == 0 and hasattr(hf_config, "to_json_file"):
-        hf_config.to_json_file(tmp / "config.json")
-    _barrier()
+    save_chunks(tmp, chunks, None)
+    rngs = _gather_to_rank0(_rng_state())
     if _rank() == 0:
-        if final.exists():
-            old = root / f".{tag}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-        latest_tmp = root / ".latest.tmp"
-        latest_tmp.write_text(tag)
-        latest_tmp.replace(root / "latest")
+        hf_config = getattr(engine.module, "config", None)
+        if hasattr(hf_config, "to_json_file"):
+            hf_config.to_json_file(tmp / "config.json")
+        mesh = engine.mesh
+        _write_json(tmp / MANIFEST, {
+            "format": FORMAT,
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "optimizer": encode_value(engine.optimizer.extra_state(), "optimizer"),
+            "lr_scheduler": scheduler,
+            "rng": rngs,
+            "client_state": client,
+            "written_by": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "zero_stage": engine.optimizer.settings.stage,
+                           "train_batch_size": engine.config.train_batch_size},
+        })
+        _publish(root, tmp, final, tag)
     _barrier()
     return tag
 
 
+def _publish(root: Path, tmp: Path, final: Path, tag: str) -> None:
+    """Make ``tmp`` the checkpoint ``tag`` and point ``latest`` at it (rank 0, after every rank wrote)."""
+    if final.exists():
+        old = root / f".{tag}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(tag)
+    latest_tmp.replace(root / "latest")
+
+
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
-    """The checkpoint directory for ``tag`` (or the ``latest`` one), checked to exist."""
+    """The checkpoint directory for ``tag`` (or the ``latest`` one), checked to be a complete checkpoint."""
     root = Path(load_dir)
     if tag is None:
         latest = root / "latest"
         if not latest.is_file():
             raise ConfigError(f"no checkpoint in {root}: {latest} does not exist")
         tag = latest.read_text().strip()
-    path = root / tag
+    path = root / check_tag(tag)
     if not path.is_dir():
         raise ConfigError(f"checkpoint {path} does not exist")
     return path
 
 
-def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[str, dict]:
-    """Restore ``engine`` from ``load_dir``; returns the checkpoint path and the client state.
-
-    Every rank reads and checks its own file first; the ranks then agree (one all-reduce)
-    before any state changes, so a file missing or unfit on one rank stops all of them with
-    a message instead of leaving the others waiting in a collective.
-    """
-    error: ConfigError | None = None
-    path = state = None
+def read_manifest(path: Path) -> dict:
+    """The checkpoint's ``checkpoint.json``, or a message saying why ``path`` is not a checkpoint."""
+    file = path / MANIFEST
+    if not file.is_file():
+        if any(path.glob("rank*.pt")):
+            raise ConfigError(f"checkpoint {path} was written by Zero3D before mesh-free checkpoints (rank*.pt "
+                              "files); this version cannot load it. Export it with the Zero3D release that wrote it "
+                              "(`zero3d export`) and start from the exported model with `pretrained=`")
+        raise ConfigError(f"{path} is not a complete zero3d checkpoint: it has no {MANIFEST}")
     try:
-        path = resolve_tag(load_dir, tag)
-        file = path / f"rank{_rank()}.pt"
-        if not file.is_file():
-            raise ConfigError(f"checkpoint {path} has no file for rank {_rank()} ({file.name}); was it written by a larger world?")
-        try:
-            state = torch.load(file, map_location=engine.device, weights_only=True)
-        except Exception as exc:
-            raise ConfigError(f"checkpoint file {file} is unreadable: {exc}") from exc
-        engine.check_checkpoint_state(state)
-    except ConfigError as exc:
-        error = exc
+        doc = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{file} is unreadable: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ConfigError(f"{file} is not a zero3d checkpoint manifest of format {FORMAT!r}")
+    return doc
+
+
+def _check_model(engine, metadata, path: Path) -> None:
+    """Every parameter of this rank is in the checkpoint with its shape (changes nothing)."""
+    entries = param_entries(engine)
+    for param, _, _, shape in engine.optimizer.piece_params():
+        e = entries[param]
+        md = metadata.state_dict_metadata.get(f"model/{e.name}")
+        if md is None:
+            raise ConfigError(f"checkpoint {path} has no parameter {e.name}: it was written for another model")
+        if tuple(md.size) != e.global_shape(shape):
+            raise ConfigError(f"checkpoint {path} holds {e.name} with shape {list(md.size)}, this model "
+                              f"{list(e.global_shape(shape))}: it was written for another model")
+
+
+def _agree(error: ConfigError | None, device, path) -> None:
+    """Raise on every rank if any rank failed (one all-reduce), before any state changes."""
     if dist.is_initialized():
-        failed = torch.tensor([int(error is not None)], device=engine.device)
+        failed = torch.tensor([int(error is not None)], device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
-            error = ConfigError(f"checkpoint {path} could not be loaded on another rank (see its error); nothing was changed")
+            error = ConfigError(f"checkpoint {path} could not be loaded on another rank (see its error); "
+                                "nothing was changed")
     if error is not None:
         raise error
-    engine.load_state_dict_from_checkpoint(state)
-    _set_rng_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state["rng"].items()})
-    return str(path), state.get("client_state", {})
+
+
+def _names_everywhere(engine) -> set[str]:
+    mine = sorted({e.name for e in param_entries(engine).values()})
+    if not dist.is_initialized():
+        return set(mine)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {n for names in every for n in names}
+
+
+def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[str, dict]:
+    """Restore ``engine`` from ``load_dir``, whatever layout wrote it; returns the path and client state.
+
+    Every rank reads the JSON and checks the model first; the ranks agree (one all-reduce)
+    before DCP reads any tensor, so a checkpoint unfit on one rank stops all of them with a
+    message. A damaged chunk is found before any tensor is overwritten.
+    """
+    error: ConfigError | None = None
+    path = manifest = metadata = None
+    try:
+        path = resolve_tag(load_dir, tag)
+        manifest = read_manifest(path)
+        metadata = read_metadata(path)
+        _check_model(engine, metadata, path)
+    except ConfigError as exc:
+        error = exc
+    _agree(error, engine.device, path)
+    saved = {fqn[len("model/") :] for fqn in metadata.state_dict_metadata if fqn.startswith("model/")}
+    if extra := sorted(saved - _names_everywhere(engine)):
+        raise ConfigError(f"checkpoint {path} holds parameters this model lacks ({', '.join(extra[:5])}"
+                          f"{', ...' if len(extra) > 5 else ''}): it was written for another model")
+    chunks, states = _state_chunks(engine, saving=False, metadata=metadata)
+    with torch.no_grad():
+        load_chunks(path, chunks, None)
+    zero = engine.optimizer
+    zero.set_piece_states(states)
+    zero.load_extra_state(decode_value(manifest["optimizer"]))
+    zero.publish_params()
+    if engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(decode_value(manifest["lr_scheduler"]))
+    engine.global_steps = int(manifest["global_steps"])
+    engine.global_samples = int(manifest["global_samples"])
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
+    rngs = manifest["rng"]
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if len(rngs) == world:
+        _set_rng_state(rngs[_rank()])
+    else:
+        logger.info("checkpoint %s was written by %d processes, this run has %d: RNG states not restored",
+                    path, len(rngs), world)
+    return str(path), decode_value(manifest["client_state"]) or {}

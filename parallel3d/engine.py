@@ -209,10 +209,11 @@ class Engine:
         return full
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
-        """Write this rank's shard under ``save_dir/tag`` (default ``global_step{N}``).
+        """Save the training state under ``save_dir/tag`` (default ``global_step{N}``); collective.
 
-        ``client_state`` (plain values and tensors) is stored with it and handed back by
-        ``load_checkpoint``, as in DeepSpeed. Returns the tag.
+        Mesh-free: every tensor under its Hugging Face name and full shape (parallel3d/checkpoint.py).
+        ``client_state`` (None, bool, int, float, str, lists, dicts with string keys, tensors) is
+        stored as rank 0 passes it and handed back by ``load_checkpoint``. Returns the tag.
         """
         if self.micro_steps % self.gradient_accumulation_steps:
             raise ConfigError(
@@ -223,74 +224,9 @@ class Engine:
         return checkpoint.save(self, save_dir, tag, client_state or {})
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
-        """Restore the state written by ``save_checkpoint`` (same mesh shape and stage).
+        """Restore the state written by ``save_checkpoint`` on any layout, ZeRO stage and world size.
 
-        Returns ``(checkpoint_path, client_state)`` like DeepSpeed.
+        Returns ``(checkpoint_path, client_state)`` like DeepSpeed (``client_state`` as rank 0
+        saved it).
         """
         return checkpoint.load(self, load_dir, tag)
-
-    def checkpoint_layout(self) -> list[dict]:
-        """Where each parameter lives in this rank's master shards (for export without the engine)."""
-        names = {p: n for n, p in self.named_parameters()}
-        return [
-            {
-                "names": [names[p] for p in unit.params],
-                "shapes": [list(s) for s in unit.shapes],
-                "offsets": list(unit.offsets),
-                "padded": unit.padded,
-                "shard_size": unit.shard_size,
-                "rank": unit.rank,
-                "world": unit.world,
-            }
-            for unit in self.optimizer.units
-        ]
-
-    def state_dict_for_checkpoint(self) -> dict:
-        return {
-            "layout": self.checkpoint_layout(),
-            "zero": self.optimizer.state_dict(),
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "global_steps": self.global_steps,
-            "micro_steps": self.micro_steps,
-            "global_samples": self.global_samples,
-            "mesh": [self.mesh.pp, self.mesh.dp, self.mesh.tp],
-        }
-
-    def check_checkpoint_state(self, state: dict) -> None:
-        """Refuse a checkpoint's rank state that does not fit this engine (changes nothing)."""
-        mesh = [self.mesh.pp, self.mesh.dp, self.mesh.tp]
-        if list(state["mesh"]) != mesh:
-            raise ConfigError(
-                f"checkpoint was written on a pp x dp x tp mesh of {state['mesh']}; this run's mesh is {mesh}"
-            )
-        saved_stage, stage = state["zero"]["stage"], self.optimizer.settings.stage
-        if saved_stage != stage:
-            raise ConfigError(
-                f"checkpoint was written with ZeRO stage {saved_stage} on data-parallel size "
-                f"{state['zero']['dp_world']}; this engine runs stage {stage} on {self.mesh.dp}"
-            )
-        self._check_layout(state["layout"])
-
-    def load_state_dict_from_checkpoint(self, state: dict) -> None:
-        """Restore from a checkpoint's rank state (checked with ``check_checkpoint_state`` first)."""
-        self.optimizer.load_state_dict(state["zero"])
-        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        self.global_steps = state["global_steps"]
-        self.micro_steps = state["micro_steps"]
-        self.global_samples = state["global_samples"]
-
-    def _check_layout(self, saved: list[dict]) -> None:
-        ours = self.checkpoint_layout()
-        if saved == ours:
-            return
-        if len(saved) != len(ours):
-            where = f"it has {len(saved)} parameter units, this engine {len(ours)}"
-        else:
-            i = next(i for i, (a, b) in enumerate(zip(saved, ours)) if a != b)
-            where = f"unit {i} holds {saved[i]['names'][:3]}... there and {ours[i]['names'][:3]}... here"
-        raise ConfigError(
-            f"checkpoint's parameter layout differs from this engine's ({where}); the model, "
-            "zero_optimization.reduce_bucket_size and stage3_param_persistence_threshold must be "
-            "the ones the checkpoint was written with"
-        )

@@ -88,7 +88,8 @@ def test_resume_is_bit_identical(dist, tmp_path, stage, precision):
     for rank, r in enumerate(dist.run(DP, resume, stage, precision, str(tmp_path))):
         assert r["tag"] == "global_step3" and r["latest"] == "global_step3"
         assert r["path"] == str(tmp_path / "global_step3")
-        assert sorted(os.listdir(tmp_path / "global_step3")) == ["config.json", "rank0.pt", "rank1.pt"]
+        assert sorted(os.listdir(tmp_path / "global_step3")) == [
+            "__0_0.distcp", "__1_0.distcp", "checkpoint.json", "config.json", "dcp.json"]
         assert r["client_state"] == {"epoch": 7, "note": "hi"}
         assert r["different_init"], "run B started from the same weights: the test proves nothing"
         # counters and schedule come back as they were at the save

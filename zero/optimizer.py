@@ -378,37 +378,47 @@ class ZeroOptimizer:
 
     # -- state ---------------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
-        """This rank's shard of the training state (masters, inner optimizer, loss scaler)."""
-        return {
-            "stage": self.settings.stage,
-            "dp_world": self.dp_world,
-            "masters": [m.detach().clone() for m in self.masters],
-            "pieces": [[pc.unit, pc.param, pc.start, pc.stop] for pc in self.pieces],
-            "inner": self.inner.state_dict(),
-            "loss_scaler": self.loss_scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-        }
+    def piece_params(self) -> list[tuple[nn.Parameter, int, nn.Parameter, torch.Size]]:
+        """``(param, first element, master piece, param shape)`` for every piece of this rank.
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["stage"] != self.settings.stage or state["dp_world"] != self.dp_world:
-            raise ValueError(
-                f"checkpoint was written with ZeRO stage {state['stage']} on data-parallel size "
-                f"{state['dp_world']}; this engine runs stage {self.settings.stage} on {self.dp_world}"
-            )
-        pieces = [[pc.unit, pc.param, pc.start, pc.stop] for pc in self.pieces]
-        if state.get("pieces") != pieces:
-            raise ValueError(
-                "checkpoint's optimizer state is laid out per flat unit (written before Zero3D kept "
-                "optimizer state per parameter piece) or for other units; it cannot be loaded here"
-            )
-        with torch.no_grad():
-            for master, saved in zip(self.masters, state["masters"], strict=True):
-                master.copy_(saved)
-        self.inner.load_state_dict(state["inner"])
+        The piece holds elements ``[first, first + numel)`` of the flattened parameter (of its
+        tensor-parallel shard, under tp); the master piece is a view into the fp32 master shard.
+        """
+        out = []
+        for pc, master in zip(self.pieces, self.master_pieces):
+            unit = self.units[pc.unit]
+            first = unit.shard_range[0] + pc.start - unit.offsets[pc.param]
+            out.append((unit.params[pc.param], first, master, unit.shapes[pc.param]))
+        return out
+
+    def piece_states(self) -> list[dict]:
+        """The inner optimizer's state of each master piece (``{}`` before its first step)."""
+        return [self.inner.state.get(m, {}) for m in self.master_pieces]
+
+    def set_piece_states(self, states: Sequence[dict]) -> None:
+        """Replace the inner optimizer's state, piece by piece (the order of :meth:`piece_params`)."""
+        for master, state in zip(self.master_pieces, states, strict=True):
+            if state:
+                self.inner.state[master] = dict(state)
+            else:
+                self.inner.state.pop(master, None)
+
+    def extra_state(self) -> dict:
+        """Everything else a resume needs, as plain values: group options, loss scaler, skips."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.inner.param_groups]
+        return {"param_groups": groups, "loss_scaler": self.loss_scaler.state_dict(),
+                "skipped_steps": self.skipped_steps}
+
+    def load_extra_state(self, state: dict) -> None:
+        groups = state["param_groups"]
+        if len(groups) != len(self.inner.param_groups):
+            raise ValueError(f"the checkpoint has {len(groups)} optimizer parameter groups, this engine "
+                             f"{len(self.inner.param_groups)}")
+        for group, saved in zip(self.inner.param_groups, groups):
+            for key, value in saved.items():
+                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         self.loss_scaler.load_state_dict(state["loss_scaler"])
-        self.skipped_steps = state["skipped_steps"]
-        self.publish_params()
+        self.skipped_steps = int(state["skipped_steps"])
 
     def full_fp32_params(self) -> dict[nn.Parameter, torch.Tensor]:
         """Every trainable parameter, whole, in fp32 from the masters (a collective over dp)."""

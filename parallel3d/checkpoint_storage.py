@@ -1,0 +1,265 @@
+"""Chunks to and from disk with torch.distributed.checkpoint (DCP), without pickle on load.
+
+DCP does the distributed part: every rank proposes the chunks it holds, the coordinator
+drops duplicates (a replicated tensor is written once) and checks that the chunks of each
+tensor tile it exactly, and on load each rank reads only the saved chunks that intersect
+its own (DCP's resharding). Two things of DCP's file format are replaced:
+
+* the global metadata, which DCP pickles (``pickle.load`` on a crafted file runs code), is
+  written as JSON (``dcp.json``) and parsed back into DCP's dataclasses;
+* every stored chunk gets a CRC-32 in that JSON, and a rank verifies the bytes of every
+  chunk it is about to read while planning, so a damaged file stops every rank (DCP
+  propagates planning errors) before any tensor is overwritten.
+
+Chunk data stay DCP's per-rank ``__R_0.distcp`` files of ``torch.save``d tensors, read with
+``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from parallel3d.checkpoint_chunks import Chunk
+from parallel3d.errors import ConfigError
+
+METADATA_FILE = "dcp.json"
+FORMAT = "zero3d-dcp-json/1"
+_DTYPES = {str(t).removeprefix("torch."): t for t in (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool)}
+
+
+class CorruptCheckpointError(ConfigError):
+    """A stored chunk's bytes do not match the checksum written with it."""
+
+
+@dataclasses.dataclass
+class _CheckedStorageInfo(_StorageInfo):
+    crc32: int = 0
+
+
+def _crc(path: Path, offset: int, length: int) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            block = f.read(min(left, 1 << 24))
+            if not block:
+                break
+            crc = zlib.crc32(block, crc)
+            left -= len(block)
+    return crc
+
+
+# ---- metadata as JSON -------------------------------------------------------------------
+
+
+def metadata_to_json(md: Metadata) -> dict:
+    tensors = {}
+    for fqn, tmd in md.state_dict_metadata.items():
+        if not isinstance(tmd, TensorStorageMetadata):
+            raise TypeError(f"{fqn}: only tensors are stored in a zero3d checkpoint's DCP part")
+        tensors[fqn] = {"dtype": str(tmd.properties.dtype).removeprefix("torch."), "size": list(tmd.size),
+                        "chunks": []}
+    for index, info in md.storage_data.items():
+        chunk = next(c for c in md.state_dict_metadata[index.fqn].chunks if list(c.offsets) == list(index.offset))
+        tensors[index.fqn]["chunks"].append({
+            "offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "file": info.relative_path,
+            "offset": info.offset, "length": info.length, "crc32": info.crc32})
+    return {"format": FORMAT, "tensors": tensors}
+
+
+def metadata_from_json(doc: dict, where: Path) -> Metadata:
+    """DCP ``Metadata`` from :func:`metadata_to_json`'s document, every field checked."""
+    try:
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}, expected {FORMAT!r}")
+        state, storage = {}, {}
+        for fqn, t in doc["tensors"].items():
+            chunks = []
+            for c in t["chunks"]:
+                offsets, sizes = torch.Size(map(int, c["offsets"])), torch.Size(map(int, c["sizes"]))
+                file = str(c["file"])
+                if Path(file).name != file or file.startswith("."):
+                    raise ValueError(f"{fqn}: file name {file!r} is not a plain file name")
+                chunks.append(ChunkStorageMetadata(offsets, sizes))
+                storage[MetadataIndex(fqn, offsets)] = _CheckedStorageInfo(
+                    file, int(c["offset"]), int(c["length"]), None, int(c["crc32"]))
+            state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_DTYPES[t["dtype"]]),
+                                               torch.Size(map(int, t["size"])), chunks)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ConfigError(f"{where} is not a valid zero3d checkpoint metadata file: {exc!r}") from None
+    return Metadata(state_dict_metadata=state, storage_data=storage)
+
+
+def read_metadata(directory: Path) -> Metadata:
+    path = directory / METADATA_FILE
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"checkpoint {directory} has no {METADATA_FILE}; the save did not complete") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{path} is unreadable: {exc}") from None
+    return metadata_from_json(doc, path)
+
+
+def read_chunk(directory: Path, md: Metadata, fqn: str, offsets: Sequence[int]) -> torch.Tensor:
+    """One stored chunk, checksum verified (for readers outside DCP: export)."""
+    info = md.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
+    path = directory / info.relative_path
+    with open(path, "rb") as f:
+        f.seek(info.offset)
+        data = f.read(info.length)
+    if len(data) != info.length or zlib.crc32(data) != info.crc32:
+        raise CorruptCheckpointError(f"checkpoint file {path} is damaged: the chunk of {fqn} at {list(offsets)} "
+                                     "does not match its checksum (truncated or altered)")
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, with a checksum per chunk and the metadata as JSON."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        results = future.wait()
+        checked = []
+        for r in results:
+            info = r.storage_data
+            crc = _crc(Path(self.path) / info.relative_path, info.offset, info.length)
+            checked.append(dataclasses.replace(r, storage_data=_CheckedStorageInfo(
+                info.relative_path, info.offset, info.length, info.transform_descriptors, crc)))
+        future = torch.futures.Future()
+        future.set_result(checked)
+        return future
+
+    def finish(self, metadata: Metadata, results) -> None:
+        metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
+        tmp = Path(self.path) / f".{METADATA_FILE}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(metadata_to_json(metadata), f)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp.replace(Path(self.path) / METADATA_FILE)
+
+
+class _Reader(FileSystemReader):
+    """DCP's file reader: JSON metadata, and every chunk a rank will read verified first."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        return read_metadata(Path(self.path))
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        seen = set()
+        for item in plan.items:
+            if item.storage_index in seen:
+                continue
+            seen.add(item.storage_index)
+            info = self.storage_data[item.storage_index]
+            path = Path(self.path) / info.relative_path
+            size = path.stat().st_size if path.is_file() else -1
+            if size < info.offset + info.length or _crc(path, info.offset, info.length) != info.crc32:
+                what = "missing" if size < 0 else ("truncated" if size < info.offset + info.length else "altered")
+                raise CorruptCheckpointError(
+                    f"checkpoint file {path} is damaged ({what}): the chunk of {item.storage_index.fqn} at "
+                    f"{list(item.storage_index.offset)} does not match its checksum")
+        return plan
+
+
+class _SavePlanner(DefaultSavePlanner):
+    def __init__(self, chunks: list[Chunk]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False, dedup_save_to_lowest_rank=True)
+        self.chunks = {c.key: c for c in chunks}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False) -> None:
+        self.state_dict, self.is_coordinator = {}, is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(
+            index=MetadataIndex(c.name, torch.Size(c.offsets)),
+            type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.sizes)),
+                properties=TensorProperties(dtype=c.view.dtype),
+                size=torch.Size(c.global_shape)))
+            for c in self.chunks.values()]
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        return self.chunks[(write_item.index.fqn, tuple(write_item.index.offset))].view.detach()
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    def __init__(self, chunks: list[Chunk]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.chunks = {c.key: c for c in chunks}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for (name, offsets), c in self.chunks.items():
+            wanted = ChunkStorageMetadata(torch.Size(offsets), torch.Size(c.sizes))
+            items += create_read_items_for_chunk_list(name, self.metadata.state_dict_metadata[name], [wanted])
+        return LoadPlan(items)
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        view = self.chunks[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))].view
+        return narrow_tensor_by_index(view, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item, tensor: torch.Tensor) -> None:
+        """Nothing to do: ``resolve_tensor`` handed out the destination itself."""
+
+
+def _first_failure(exc: CheckpointException, directory: Path, what: str) -> ConfigError:
+    """The first failing rank's error, as a ConfigError (the same message on every rank)."""
+    error = next(iter(exc.failures.values()))[0]
+    if isinstance(error, ConfigError):
+        return type(error)(str(error))
+    return ConfigError(f"{what} checkpoint {directory} failed: {error!r}")
+
+
+def save_chunks(directory: Path, chunks: list[Chunk], group: dist.ProcessGroup | None) -> None:
+    """Write every rank's ``chunks`` under ``directory`` (collective over ``group``)."""
+    try:
+        dcp.save({}, storage_writer=_Writer(directory, single_file_per_rank=True), planner=_SavePlanner(chunks),
+                 process_group=group)
+    except CheckpointException as exc:
+        raise _first_failure(exc, directory, "saving") from None
+
+
+def load_chunks(directory: Path, chunks: list[Chunk], group: dist.ProcessGroup | None) -> None:
+    """Fill every rank's ``chunks`` from ``directory`` (collective over ``group``).
+
+    A damaged or missing chunk raises :class:`CorruptCheckpointError` on every rank before
+    anything is written.
+    """
+    try:
+        dcp.load({}, storage_reader=_Reader(directory), planner=_LoadPlanner(chunks), process_group=group)
+    except CheckpointException as exc:
+        raise _first_failure(exc, directory, "loading") from None
