@@ -1,16 +1,15 @@
-"""``zero3d export CKPT OUT``: a sharded training checkpoint -> a Hugging Face model directory.
+"""``zero3d export CKPT OUT``: a training checkpoint of any layout -> a Hugging Face model directory.
 
 Why streaming: the point of ZeRO is a model that does not fit in one place, so export must not
-rebuild the full fp32 model in memory. Each rank file is opened with
-``torch.load(mmap=True, weights_only=True)`` (no pickled code runs, nothing is read until
-touched), and the safetensors files are written by hand: their header only needs names, dtypes
-and shapes, which the checkpoint's unit layout already gives, so each parameter is then copied
-slice by slice from the master shards that hold it straight into the file. Anonymous memory
-stays at one chunk; the mapped file pages are dropped every ``map_budget`` bytes by reopening
-the rank files, so the resident set stays bounded too.
+rebuild the full fp32 model in memory. A checkpoint stores every parameter under its Hugging
+Face name and full shape as chunks (parallel3d/checkpoint.py), whatever pp x dp x tp layout
+and ZeRO stage wrote it; the safetensors files are written by hand, since their header only
+needs names, dtypes and shapes, so each parameter is assembled from its chunks (checksums
+verified) and written before the next is read. Memory stays at the largest tensor plus one
+chunk.
 
 What is exported: the fp32 master weights of every trainable parameter. Frozen parameters are
-not in a ZeRO checkpoint (they have no master); they are reported and ``from_pretrained`` will
+not in a checkpoint (they have no master); they are reported and ``from_pretrained`` will
 initialize them. Tied weights (GPT-2's ``lm_head`` = ``wte``) are stored once, as in the
 checkpoint, and ``from_pretrained`` re-ties them from the config.
 """
@@ -18,7 +17,6 @@ checkpoint, and ``from_pretrained`` re-ties them from the config.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -31,109 +29,45 @@ from pathlib import Path
 
 import torch
 
+from parallel3d.checkpoint import MANIFEST, read_manifest
+from parallel3d.checkpoint_storage import read_chunk, read_metadata
 from parallel3d.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "fp16": (torch.float16, "F16")}
-CHUNK = 1 << 22  # elements copied at a time (16 MB of fp32)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The tag directory holding ``rank*.pt`` for a tag dir, a ``latest`` pointer file, a
-    ``checkpoints/`` save dir (its newest tag) or a run dir containing ``checkpoints/``."""
+    """The tag directory for a tag dir, a ``latest`` pointer file, a ``checkpoints/`` save dir
+    (its newest tag) or a run dir containing ``checkpoints/``."""
     p = Path(path)
     if p.is_file() and p.name == "latest":
         p = p.parent / p.read_text().strip()
-    elif p.is_dir() and not any(p.glob("rank*.pt")):
+    elif p.is_dir() and not (p / MANIFEST).is_file():
         if (p / "checkpoints" / "latest").is_file():
             p = p / "checkpoints"
         if (p / "latest").is_file():
             p = p / (p / "latest").read_text().strip()
     if not p.exists():
         raise ConfigError(f"checkpoint {path} does not exist" + (f" (resolved to {p})" if str(p) != str(path) else ""))
-    if not p.is_dir() or not (p / "rank0.pt").is_file():
-        raise ConfigError(f"{p} is not a zero3d checkpoint: expected a directory with rank0.pt, ... "
-                          "(written by engine.save_checkpoint), a 'latest' file or a checkpoints/ directory")
+    if not p.is_dir():
+        raise ConfigError(f"{p} is not a zero3d checkpoint: expected a checkpoint directory (written by "
+                          "engine.save_checkpoint), a 'latest' file or a checkpoints/ directory")
     return p
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One parameter: where it lies in its unit's flat buffer, and which unit."""
+    """One parameter of the checkpoint: its HF name and full shape."""
 
     name: str
     shape: tuple[int, ...]
-    unit: int
-    offset: int
 
     @property
     def numel(self) -> int:
         return int(torch.Size(self.shape).numel())
-
-
-class ShardReader:
-    """Lazily opened, memory-mapped rank files; reopened every ``budget`` bytes read so the
-    pages they mapped are released (touched mapped pages count in the resident set)."""
-
-    def __init__(self, tag_dir: Path, budget: int) -> None:
-        self.tag_dir, self.budget = tag_dir, budget
-        self._states: dict[int, dict] = {}
-        self._read = 0
-
-    def state(self, rank: int) -> dict:
-        if rank not in self._states:
-            file = self.tag_dir / f"rank{rank}.pt"
-            if not file.is_file():
-                raise ConfigError(f"checkpoint {self.tag_dir} has no {file.name}; the layout needs every rank's file")
-            try:
-                self._states[rank] = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-            except Exception as exc:
-                raise ConfigError(f"checkpoint file {file} is unreadable: {exc}") from exc
-        return self._states[rank]
-
-    def master(self, rank: int, unit: int) -> torch.Tensor:
-        try:
-            return self.state(rank)["zero"]["masters"][unit]
-        except (KeyError, IndexError, TypeError):
-            raise ConfigError(f"{self.tag_dir / f'rank{rank}.pt'} has no fp32 master for unit {unit}") from None
-
-    def consumed(self, nbytes: int) -> None:
-        self._read += nbytes
-        if self._read >= self.budget:
-            self.close()
-
-    def close(self) -> None:
-        self._states.clear()
-        self._read = 0
-        gc.collect()
-
-
-def read_layout(reader: ShardReader) -> tuple[list[Entry], list[dict]]:
-    """Parameters in checkpoint order and the unit layout, checked to be the same on every rank."""
-    state = reader.state(0)
-    if "layout" not in state or "zero" not in state:
-        raise ConfigError(f"{reader.tag_dir / 'rank0.pt'} has no 'layout'/'zero' entries; was it written by engine.save_checkpoint?")
-    mesh = list(state.get("mesh", [1, 1, 1]))
-    if mesh[0] != 1 or mesh[2] != 1:
-        raise ConfigError(f"checkpoint mesh pp x dp x tp = {mesh}: export of tensor/pipeline-parallel checkpoints is not supported yet")
-    layout = state["layout"]
-    for r in range(1, max((u["world"] for u in layout), default=1)):
-        other = reader.state(r)["layout"]
-        if [(u["names"], u["shapes"], u["world"]) for u in other] != [(u["names"], u["shapes"], u["world"]) for u in layout]:
-            raise ConfigError(f"rank{r}.pt and rank0.pt in {reader.tag_dir} describe different units")
-    entries = [Entry(n, tuple(s), i, off) for i, u in enumerate(layout)
-               for n, s, off in zip(u["names"], u["shapes"], u["offsets"])]
-    reader.close()
-    return entries, layout
-
-
-def param_ranges(entry: Entry, unit: dict) -> list[tuple[int, int, int]]:
-    """``(rank, lo, hi)``: the pieces of ``entry`` in order, as ranges of each rank's master shard."""
-    size, start, end = unit["shard_size"], entry.offset, entry.offset + entry.numel
-    ranks = range(start // size, (end - 1) // size + 1) if entry.numel else ()
-    return [(r, max(start, r * size) - r * size, min(end, (r + 1) * size) - r * size) for r in ranks]
 
 
 def plan_shards(entries: list[Entry], itemsize: int, max_shard_bytes: int) -> list[list[Entry]]:
@@ -150,7 +84,21 @@ def plan_shards(entries: list[Entry], itemsize: int, max_shard_bytes: int) -> li
     return shards
 
 
-def write_safetensors(path: Path, entries: list[Entry], layout: list[dict], reader: ShardReader, dtype: str) -> int:
+def assemble(tag_dir: Path, metadata, entry: Entry) -> torch.Tensor:
+    """The whole fp32 tensor of ``entry`` from its chunks (each checksum verified)."""
+    full = torch.empty(entry.shape, dtype=torch.float32)
+    covered = 0
+    for chunk in metadata.state_dict_metadata[f"model/{entry.name}"].chunks:
+        region = full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
+        region.copy_(read_chunk(tag_dir, metadata, f"model/{entry.name}", chunk.offsets))
+        covered += region.numel()
+    if covered != full.numel():
+        raise ConfigError(f"checkpoint {tag_dir}: the chunks of {entry.name} cover {covered} of its {full.numel()} "
+                          "elements; the checkpoint is incomplete")
+    return full
+
+
+def write_safetensors(path: Path, entries: list[Entry], tag_dir: Path, metadata, dtype: str) -> int:
     """Write one safetensors file tensor by tensor; returns the bytes of tensor data."""
     torch_dtype, code = DTYPES[dtype]
     itemsize = torch.empty((), dtype=torch_dtype).element_size()
@@ -165,11 +113,9 @@ def write_safetensors(path: Path, entries: list[Entry], layout: list[dict], read
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for e in entries:
-            for rank, lo, hi in param_ranges(e, layout[e.unit]):
-                for a in range(lo, hi, CHUNK):  # chunks, so one huge embedding cannot pin its pages
-                    piece = reader.master(rank, e.unit)[a : min(hi, a + CHUNK)]
-                    f.write(piece.to(torch_dtype).contiguous().view(torch.uint8).numpy().data)
-                    reader.consumed(piece.numel() * piece.element_size())
+            tensor = assemble(tag_dir, metadata, e).to(torch_dtype)
+            f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
     return offset
 
 
@@ -184,8 +130,8 @@ def _find_tokenizer(tag_dir: Path, explicit: str | None) -> Path | None:
     return None
 
 
-def _check_against_model(config, names: set[str]) -> None:
-    """Warn about parameters the model has that the checkpoint lacks (frozen ones), or extras."""
+def _model_order(config, names: list[str]) -> list[str]:
+    """``names`` in the model's own parameter order; warns of parameters missing (frozen) or unknown."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -193,18 +139,19 @@ def _check_against_model(config, names: set[str]) -> None:
             model = AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # noqa: BLE001 - a custom model class: skip the check, not the export
         logger.warning("could not build %s on the meta device to check names: %s", config.model_type, exc)
-        return
-    expected = {n for n, _ in model.named_parameters()}  # named_parameters drops tied duplicates
-    if missing := sorted(expected - names):
+        return sorted(names)
+    expected = [n for n, _ in model.named_parameters()]  # named_parameters drops tied duplicates
+    if missing := [n for n in expected if n not in names]:
         logger.warning("%d parameters are not in the checkpoint (frozen params have no ZeRO master); "
                        "from_pretrained will initialize them: %s", len(missing), ", ".join(missing[:8]))
-    if extra := sorted(names - expected):
+    if extra := sorted(set(names) - set(expected)):
         logger.warning("%d checkpoint parameters are unknown to %s: %s", len(extra), type(model).__name__, ", ".join(extra[:8]))
+    return [n for n in expected if n in names] + extra
 
 
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32",
                       tokenizer: str | None = None, max_shard_size: int = 2 << 30,
-                      map_budget: int = 64 << 20, overwrite: bool = False) -> Path:
+                      overwrite: bool = False) -> Path:
     """Write ``out`` as a ``from_pretrained`` directory from the checkpoint ``ckpt``; returns ``out``.
 
     Written into a temporary sibling and renamed at the end, so a failed export leaves nothing
@@ -224,9 +171,11 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
         config = AutoConfig.from_pretrained(tag_dir)
     except Exception as exc:
         raise ConfigError(f"{tag_dir / 'config.json'} is not a valid Hugging Face config: {exc}") from exc
-    reader = ShardReader(tag_dir, map_budget)
-    entries, layout = read_layout(reader)
-    _check_against_model(config, {e.name for e in entries})
+    read_manifest(tag_dir)
+    metadata = read_metadata(tag_dir)
+    shapes = {fqn[len("model/") :]: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
+              if fqn.startswith("model/")}
+    entries = [Entry(n, shapes[n]) for n in _model_order(config, list(shapes))]
     tok = _find_tokenizer(tag_dir, tokenizer)
 
     tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
@@ -239,9 +188,8 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
             f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         total = 0
         for name, shard in zip(names, shards):
-            total += write_safetensors(tmp / name, shard, layout, reader, dtype)
+            total += write_safetensors(tmp / name, shard, tag_dir, metadata, dtype)
             logger.info("wrote %s (%d tensors)", name, len(shard))
-        reader.close()
         if len(shards) > 1:
             index = {"metadata": {"total_size": total},
                      "weight_map": {e.name: n for n, shard in zip(names, shards) for e in shard}}

@@ -10,6 +10,7 @@ come back. Errors on loading are checked by their messages.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -123,79 +124,90 @@ def _error(fn) -> str:
 
 
 def load_errors(root: str) -> dict:
-    """On every rank: what loading says for a stage mismatch, a missing dir/tag, pickled code."""
+    """On every rank: what saving and loading say for bad tags, client state, files and models."""
+    import json
+
+    import parallel3d
+
     rank = torch.distributed.get_rank()
     engine, _ = _engine(2, "fp32", seed=0)
     engine.train_batch(iter(rank_micro_batches(token_batches(1, GAS, DP), rank)))
     engine.save_checkpoint(f"{root}/ckpt")
-    stage1, _ = _engine(1, "fp32", seed=0)
-    evil = Path(root, "evil", "global_step1")
-    evil.mkdir(parents=True, exist_ok=True)
-    torch.save({"payload": NotAWeight()}, evil / f"rank{rank}.pt")
+    wider, _, _, _ = parallel3d.initialize(model=make_model("llama", hidden_size=48), config=_config(1, "fp32"))
+    fewer, _, _, _ = parallel3d.initialize(model=make_model("llama", num_hidden_layers=1), config=_config(1, "fp32"))
+    old = Path(root, "old", "global_step1")
+    torch.distributed.barrier()
+    if rank == 0:
+        old.mkdir(parents=True, exist_ok=True)
+        torch.save({"payload": NotAWeight()}, old / "rank0.pt")
+        evil = Path(root, "evil", "global_step1")
+        evil.mkdir(parents=True, exist_ok=True)
+        for f in Path(root, "ckpt", "global_step1").iterdir():
+            (evil / f.name).write_bytes(f.read_bytes())
+        (evil / "dcp.json").write_bytes(b"\x80\x04crafted pickle")
+    torch.distributed.barrier()
     return {
-        "stage": _error(lambda: stage1.load_checkpoint(f"{root}/ckpt")),
+        "other_model": _error(lambda: wider.load_checkpoint(f"{root}/ckpt")),
+        "fewer_layers": _error(lambda: fewer.load_checkpoint(f"{root}/ckpt")),
         "missing_dir": _error(lambda: engine.load_checkpoint(f"{root}/nowhere")),
         "missing_tag": _error(lambda: engine.load_checkpoint(f"{root}/ckpt", tag="global_step9")),
-        "pickled_code": _error(lambda: engine.load_checkpoint(f"{root}/evil", tag="global_step1")),
+        "old_format": _error(lambda: engine.load_checkpoint(f"{root}/old", tag="global_step1")),
+        "pickled_metadata": _error(lambda: engine.load_checkpoint(f"{root}/evil", tag="global_step1")),
+        "bad_tag": _error(lambda: engine.save_checkpoint(f"{root}/ckpt", tag="../../x")),
+        "latest_tag": _error(lambda: engine.save_checkpoint(f"{root}/ckpt", tag="latest")),
+        "client_path": _error(lambda: engine.save_checkpoint(f"{root}/ckpt", client_state={"out": Path("/tmp")})),
+        "still_loadable": json.loads(Path(root, "ckpt", "global_step1", "checkpoint.json").read_text())["global_steps"],
+        "after_refusals": engine.load_checkpoint(f"{root}/ckpt")[0],
     }
 
 
-def test_load_errors(dist, tmp_path):
-    for rank, msg in enumerate(dist.run(DP, load_errors, str(tmp_path))):
-        assert msg["stage"] == ("ConfigError: checkpoint was written with ZeRO stage 2 on data-parallel size 2; "
-                                "this engine runs stage 1 on 2")
+def test_load_and_save_errors(dist, tmp_path):
+    for msg in dist.run(DP, load_errors, str(tmp_path)):
+        ckpt = tmp_path / "ckpt" / "global_step1"
+        assert re.fullmatch(rf"ConfigError: checkpoint {ckpt} holds \S+ with shape \[\d+, 32\], this model "
+                            r"\[\d+, 48\]: it was written for another model", msg["other_model"]), msg["other_model"]
+        assert msg["fewer_layers"].startswith(f"ConfigError: checkpoint {ckpt} holds parameters this model lacks "
+                                              "(model.layers.1."), msg["fewer_layers"]
         assert msg["missing_dir"] == f"ConfigError: no checkpoint in {tmp_path}/nowhere: {tmp_path}/nowhere/latest does not exist"
         assert msg["missing_tag"] == f"ConfigError: checkpoint {tmp_path}/ckpt/global_step9 does not exist"
-        unreadable = f"ConfigError: checkpoint file {tmp_path}/evil/global_step1/rank{rank}.pt is unreadable: "
-        assert msg["pickled_code"].startswith(unreadable), msg["pickled_code"]
-        assert "Weights only load failed" in msg["pickled_code"] and "getpid" in msg["pickled_code"]
+        assert msg["old_format"].startswith(f"ConfigError: checkpoint {tmp_path}/old/global_step1 was written by "
+                                            "Zero3D before mesh-free checkpoints"), msg["old_format"]
+        assert msg["pickled_metadata"].startswith(f"ConfigError: {tmp_path}/evil/global_step1/dcp.json is unreadable")
+        for key, tag in (("bad_tag", "../../x"), ("latest_tag", "latest")):
+            assert msg[key].startswith(f"ConfigError: checkpoint tag {tag!r} is not allowed"), msg[key]
+        assert msg["client_path"].startswith("ConfigError: client_state['out'] is a pathlib"), msg["client_path"]
+        assert "use None, bool, int, float, str" in msg["client_path"]
+        assert msg["still_loadable"] == 1 and msg["after_refusals"] == str(ckpt)
+    assert not (tmp_path / "x").exists() and (tmp_path / "ckpt" / "latest").read_text() == "global_step1"
 
 
-def load_other_layout(root: str) -> dict:
-    """On every rank: save with 3000-element buckets, load into an engine with 4000-element ones.
-
-    Both layouts start with the same two unit sizes (2048 and 2096 elements per rank), then
-    differ, so a loader that copies master after master fails only part-way through."""
-    import parallel3d
-
-    rank = torch.distributed.get_rank()
-    cfg = ds_config(2, GAS, DP, reduce_bucket_size=3000)
-    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=cfg)
-    engine.train_batch(iter(rank_micro_batches(token_batches(1, GAS, DP), rank)))
-    engine.save_checkpoint(root)
-    other, _, _, _ = parallel3d.initialize(model=make_model("llama", seed=5), config={**cfg, "zero_optimization": {
-        "stage": 2, "reduce_bucket_size": 4000}})
-    before = other.full_parameters()
-    error = _error(lambda: other.load_checkpoint(root))
-    after = other.full_parameters()
-    return {"error": error, "untouched": all(torch.equal(before[n], after[n]) for n in before)}
-
-
-def test_load_into_a_different_unit_layout_is_refused_cleanly(dist, tmp_path):
-    for r in dist.run(DP, load_other_layout, str(tmp_path)):
-        assert r["error"].startswith("ConfigError: "), r["error"]
-        assert r["untouched"], "a refused load must leave the engine as it was"
-
-
-def _load_with_one_file_missing(ckpt_dir: str) -> str:
-    import parallel3d
-
+def _damage(ckpt_dir: str, how: str) -> str:
+    """Save, damage rank 1's chunk file on disk, and load: every rank must stop, nothing changed."""
     engine, _ = _engine(2, "fp32", seed=0)
+    engine.train_batch(iter(rank_micro_batches(token_batches(1, GAS, DP), torch.distributed.get_rank())))
     tag = engine.save_checkpoint(ckpt_dir)
+    before = engine.full_parameters()
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        Path(ckpt_dir, tag, "rank1.pt").unlink()
+        file = Path(ckpt_dir, tag, "__1_0.distcp")
+        data = bytearray(file.read_bytes())
+        if how == "flipped":
+            for i in range(len(data) // 2, len(data) // 2 + 64):
+                data[i] ^= 0x5A
+            file.write_bytes(bytes(data))
+        elif how == "truncated":
+            file.write_bytes(bytes(data[: len(data) // 3]))
+        else:
+            file.unlink()
     torch.distributed.barrier()
-    try:
-        engine.load_checkpoint(ckpt_dir)
-    except parallel3d.ConfigError as exc:
-        return str(exc)
-    return "no error"
+    message = _error(lambda: engine.load_checkpoint(ckpt_dir))
+    after = engine.full_parameters()
+    return message if all(torch.equal(before[n], after[n]) for n in before) else "state changed: " + message
 
 
-def test_a_file_missing_on_one_rank_stops_every_rank(dist, tmp_path):
-    msg0, msg1 = dist.run(DP, _load_with_one_file_missing, str(tmp_path), timeout=120)
-    assert msg1 == (f"checkpoint {tmp_path}/global_step0 has no file for rank 1 (rank1.pt); "
-                    "was it written by a larger world?")
-    assert msg0 == (f"checkpoint {tmp_path}/global_step0 could not be loaded on another rank (see its error); "
-                    "nothing was changed")
+@pytest.mark.parametrize("how", ["flipped", "truncated", "missing"])
+def test_a_damaged_file_stops_every_rank_before_anything_changes(dist, tmp_path, how):
+    for msg in dist.run(DP, _damage, str(tmp_path), how, timeout=120):
+        what = {"flipped": "altered", "truncated": "truncated", "missing": "missing"}[how]
+        assert msg.startswith(f"CorruptCheckpointError: checkpoint file {tmp_path}/global_step1/__1_0.distcp is "
+                              f"damaged ({what})"), msg

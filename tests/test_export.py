@@ -1,4 +1,5 @@
-"""zero3d export: checkpoints of ZeRO stages 1 and 3 at dp=2 -> from_pretrained gives the engine's logits."""
+"""zero3d export: checkpoints of ZeRO stages 1 and 3 at dp=2, and of pp 2 x tp 2, -> from_pretrained
+gives the engine's logits (or, under pipeline stages, its loss)."""
 
 from __future__ import annotations
 
@@ -98,6 +99,42 @@ def test_frozen_params_reported(dist, tmp_path, caplog):
     assert "1 parameters are not in the checkpoint" in caplog.text and "model.norm.weight" in caplog.text
 
 
+def train_pp_tp_and_save(kind: str, save_dir: str) -> tuple:
+    """pp 2 x tp 2 x ZeRO-1: train, save, and the engine's loss on a fixed batch and its parameters."""
+    import parallel3d
+
+    config = ds_config(1, 2, 1)
+    config["pipeline"] = {"stages": 2}
+    config["tensor_parallel"] = {"size": 2}
+    model = make_model(kind, **({"num_hidden_layers": 4} if kind == "llama" else {"n_layer": 4}))
+    engine, _, _, _ = parallel3d.initialize(model=model, config=config)
+    data = token_batches(STEPS, 2, 1)
+    engine.train_batch(iter([{"input_ids": data[s, a, 0], "labels": data[s, a, 0]} for s in range(STEPS) for a in range(2)]))
+    engine.save_checkpoint(save_dir)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    loss = engine.eval_batch(iter([{"input_ids": ids, "labels": ids}]), num_micro_batches=1)
+    return loss, engine.full_parameters()
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_export_of_a_pipeline_and_tensor_parallel_checkpoint(dist, tmp_path, kind):
+    from transformers import AutoModelForCausalLM
+
+    results = dist.run(4, train_pp_tp_and_save, kind, str(tmp_path / "ckpt"))
+    out = tmp_path / "hf"
+    assert main([str(tmp_path / "ckpt"), str(out)]) == 0
+    got = load_exported(out)
+    tied = {"lm_head.weight": "transformer.wte.weight"}
+    for _, params in results:
+        for name, want in params.items():
+            assert torch.equal(got[tied.get(name, name) if name not in got else name], want), name
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert [r[0] for r in results] == pytest.approx([loss] * 4, rel=1e-5)
+
+
 def test_bad_input(tmp_path, capsys):
     def error(*argv: str) -> str:
         assert main([*argv]) == 2
@@ -106,21 +143,28 @@ def test_bad_input(tmp_path, capsys):
         return err
 
     assert "does not exist" in error(str(tmp_path / "nope"), str(tmp_path / "out"))
-    (tmp_path / "empty").mkdir()
-    assert "is not a zero3d checkpoint" in error(str(tmp_path / "empty"), str(tmp_path / "out"))
     (tmp_path / "save").mkdir()
     (tmp_path / "save" / "latest").write_text("global_step9")
     assert "does not exist" in error(str(tmp_path / "save"), str(tmp_path / "out"))
     tag = tmp_path / "save" / "global_step9"
     tag.mkdir()
-    (tag / "rank0.pt").write_bytes(b"not a checkpoint")
     assert "no config.json" in error(str(tag), str(tmp_path / "out"))
     make_model("llama").config.to_json_file(tag / "config.json")
-    assert "rank0.pt is unreadable" in error(str(tag), str(tmp_path / "out"))
-    torch.save({"something": 1}, tag / "rank0.pt")
-    assert "has no 'layout'" in error(str(tag), str(tmp_path / "out"))
+    assert "is not a complete zero3d checkpoint: it has no checkpoint.json" in error(str(tag), str(tmp_path / "out"))
+    (tag / "rank0.pt").write_bytes(b"not a checkpoint")
+    assert "was written by Zero3D before mesh-free checkpoints" in error(str(tag), str(tmp_path / "out"))
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     assert "is not empty" in error(str(tag), str(tmp_path / "full"))
     assert main([str(tag)]) == 2  # argparse: missing OUT
     assert resolve_checkpoint(tmp_path / "save" / "latest") == tag
+
+
+def test_a_damaged_checkpoint_is_not_exported(dist, tmp_path, capsys):
+    dist.run(2, train_and_save, "llama", 1, str(tmp_path / "ckpt"))
+    file = tmp_path / "ckpt" / "global_step3" / "__1_0.distcp"
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    file.write_bytes(bytes(data))
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 2
+    assert "__1_0.distcp is damaged" in capsys.readouterr().err and not (tmp_path / "hf").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -104,7 +105,8 @@ def test_zero3d_train_two_processes_end_to_end(tmp_path, cache_dir):
     ckpts = run / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["global_step12", "global_step8", "latest"]  # keep_last 2
     assert (ckpts / "latest").read_text() == "global_step12"
-    assert sorted(p.name for p in (ckpts / "global_step12").iterdir()) == ["config.json", "rank0.pt", "rank1.pt"]
+    assert sorted(p.name for p in (ckpts / "global_step12").iterdir()) == [
+        "__0_0.distcp", "__1_0.distcp", "checkpoint.json", "config.json", "dcp.json"]
     from transformers import AutoTokenizer
 
     assert len(AutoTokenizer.from_pretrained(str(run / "tokenizer"))) == 512
@@ -130,7 +132,18 @@ def test_resumed_run_continues_exactly_as_the_uninterrupted_one(dist, tmp_path, 
 
     full = dist.run(2, _train_in_workers, job(tmp_path / "a", 6), str(cache_dir))[0]
     first = dist.run(2, _train_in_workers, job(tmp_path / "b", 3), str(cache_dir))[0]
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
     second = dist.run(2, _train_in_workers, job(tmp_path / "b", 6, resume=True), str(cache_dir))[0]
+    # the same run resumed on another layout: tp 2, so dp 1 with micro-batches twice as large
+    # (the same global micro-batch of dp x micro = 8 blocks: the same training and validation blocks)
+    other = job(tmp_path / "c", 6, resume=True)
+    other["engine"].update(train_micro_batch_size_per_gpu=8, tensor_parallel={"size": 2})
+    moved = dist.run(2, _train_in_workers, other, str(cache_dir))[0]
+    assert [r["step"] for r in moved] == [4, 5, 6]
+    for got, want in zip(moved, full[4:], strict=True):
+        assert (got["step"], got["lr"], got["tokens"]) == (want["step"], want["lr"], want["tokens"])
+        for key in ("loss", "val_loss"):
+            assert got.get(key) == pytest.approx(want.get(key), rel=1e-5), (key, got, want)
     assert [r["step"] for r in first] == [0, 1, 2, 3] and [r["step"] for r in second] == [4, 5, 6]
 
     def numbers(records):

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint import resolve_tag
+from parallel3d.checkpoint import read_manifest, resolve_tag
+from parallel3d.checkpoint_storage import read_metadata
 from parallel3d.errors import ConfigError
 from parallel3d.job.config import JobConfig
 
@@ -28,8 +29,12 @@ def checkpoint_root(job: JobConfig) -> Path:
     return Path(job.train.output_dir) / "checkpoints"
 
 
-def find_resume(job: JobConfig, world_size: int) -> Path | None:
-    """The checkpoint to resume from per train.resume (None: start fresh), checked to be readable."""
+def find_resume(job: JobConfig) -> Path | None:
+    """The checkpoint to resume from per train.resume (None: start fresh), checked to be complete.
+
+    Any layout and world size may resume it (checkpoints are mesh-free); whether it holds
+    this job's model is :func:`check_resume_model`'s question.
+    """
     root = checkpoint_root(job)
     latest = root / "latest"
     mode = job.train.resume
@@ -47,18 +52,24 @@ def find_resume(job: JobConfig, world_size: int) -> Path | None:
         return None
     try:
         path = resolve_tag(root, None)
+        read_manifest(path)
+        read_metadata(path)
     except ConfigError as exc:
         raise ConfigError(f"train.resume: {exc}") from None
-    files = sorted(path.glob("rank*.pt"))
-    if len(files) != world_size:
-        raise ConfigError(f"train.resume: checkpoint {path} was written by {len(files)} processes; this run has "
-                          f"{world_size} (resume with the same world size)")
-    for file in files:
-        try:
-            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as exc:
-            raise ConfigError(f"train.resume: checkpoint file {file} is unreadable: {exc}") from None
     return path
+
+
+def check_resume_model(path: Path, model: torch.nn.Module) -> None:
+    """Refuse a checkpoint of another model (``model`` may be on meta) before any worker starts."""
+    want = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
+    saved = {fqn[len("model/") :]: list(md.size) for fqn, md in read_metadata(path).state_dict_metadata.items()
+             if fqn.startswith("model/")}
+    problems = [f"{n}: checkpoint {saved[n]}, model {s}" for n, s in want.items() if n in saved and saved[n] != s]
+    problems += [f"{n} missing from the checkpoint" for n in want if n not in saved]
+    problems += [f"{n} not in the model" for n in saved if n not in want]
+    if problems:
+        raise ConfigError(f"train.resume: checkpoint {path} was written for another model ({'; '.join(problems[:3])}"
+                          f"{'; ...' if len(problems) > 3 else ''}); use another train.output_dir to start fresh")
 
 
 def prune(root: Path, keep_last: int) -> list[Path]:

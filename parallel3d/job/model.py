@@ -103,6 +103,6 @@ def build_model(job: JobConfig, config, log: bool = True) -> torch.nn.Module:
     return model
 
 
-def check_buildable(job: JobConfig, config) -> None:
+def check_buildable(job: JobConfig, config) -> torch.nn.Module:
     """Build the model on the meta device (no memory, no weights) to surface errors before launch."""
-    build_model(job, config, log=False)
+    return build_model(job, config, log=False)

@@ -17,7 +17,7 @@ from typing import Any
 from parallel3d.config import Zero3DConfig, load_config
 from parallel3d.errors import ConfigError
 from parallel3d.job import model as model_lib
-from parallel3d.job.checkpoints import find_resume
+from parallel3d.job.checkpoints import check_resume_model, find_resume
 from parallel3d.job.config import JobConfig, engine_dict
 from parallel3d.job.data import iter_texts, load_documents, pack_documents
 from parallel3d.job.sampler import BlockSampler
@@ -73,11 +73,13 @@ def prepare(job: JobConfig, world_size: int) -> Prepared:
     resolved = _resolve_engine(engine_dict(job), world_size)
     model_lib.check_dtype(job, resolved.precision)
     hf_config = model_lib.hf_config(job)
-    resume_from = find_resume(job, world_size)
+    resume_from = find_resume(job)
     docs, identity = load_documents(job)
     tokenizer = _tokenizer(job, docs, identity)
     model_lib.fit_to_tokenizer(job, hf_config, tokenizer)
-    model_lib.check_buildable(job, hf_config)
+    model = model_lib.check_buildable(job, hf_config)
+    if resume_from is not None:
+        check_resume_model(resume_from, model)
     blocks, stats = pack_documents(docs, identity, tokenizer, job)
     dp, micro, gas = resolved.data_parallel_size, resolved.train_micro_batch_size_per_gpu, resolved.gradient_accumulation_steps
     sampler = BlockSampler(len(blocks["train"]), micro, dp, 0, gas, job.train.seed)

@@ -7,9 +7,11 @@ Tensor- and pipeline-parallel ranks of one replica have the same dp rank, so the
 same batches. An epoch is a whole number of optimizer steps (``gradient_accumulation_steps``
 micro-batches each); the leftover blocks of an epoch are skipped.
 
-The position (epoch, micro-batches consumed) is all the state there is: stored in a
-checkpoint's client_state, it makes a restarted run read exactly the blocks the uninterrupted
-run would have read.
+The position (epoch, samples consumed) is all the state there is: stored in a checkpoint's
+client_state, it makes a restarted run read exactly the blocks the uninterrupted run would
+have read, with any data-parallel size: global micro-batch g of an epoch is the slice
+``[g * dp * micro, (g + 1) * dp * micro)`` of the permutation, so every layout with the same
+global batch (train_batch_size) reads the same blocks in each optimizer step.
 """
 
 from __future__ import annotations
@@ -59,17 +61,20 @@ class BlockSampler:
         return self.epoch + self.position / self.micro_per_epoch
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_blocks": self.num_blocks,
-                "global_micro_batch": self.dp * self.micro, "grad_accum": self.grad_accum}
+        """The position in global terms (samples of this epoch read by all ranks), so a run that
+        resumes with another data-parallel size or micro-batch reads exactly the next blocks."""
+        return {"epoch": self.epoch, "samples": self.position * self.dp * self.micro, "seed": self.seed,
+                "num_blocks": self.num_blocks, "train_batch_size": self.dp * self.micro * self.grad_accum}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("seed", "num_blocks", "global_micro_batch", "grad_accum"):
+        for key in ("seed", "num_blocks", "train_batch_size"):
             if state.get(key) != mine[key]:
                 raise ConfigError(
                     f"cannot resume the data position: the checkpoint's {key} is {state.get(key)} but this run's is "
-                    f"{mine[key]} (the data, train.seed or the batch sizes changed since it was written)")
-        self.epoch, self.position, self._perm = int(state["epoch"]), int(state["position"]), None
+                    f"{mine[key]} (the data, train.seed or the global batch size changed since it was written)")
+        # a checkpoint ends an optimizer step, so its samples are a whole number of global batches
+        self.epoch, self.position, self._perm = int(state["epoch"]), int(state["samples"]) // (self.dp * self.micro), None
 
 
 class TrainLoader:
