@@ -28,7 +28,8 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -217,16 +218,16 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def _gather_to_rank0(value) -> list | None:
+def _gather_to_rank0(value, group: dist.ProcessGroup | None = None) -> list | None:
     if not dist.is_initialized():
         return [value]
     out = [None] * dist.get_world_size() if _rank() == 0 else None
-    dist.gather_object(value, out, dst=0)
+    dist.gather_object(value, out, dst=0, group=group)
     return out
 
 
@@ -239,40 +240,76 @@ def _write_json(path: Path, doc: dict) -> None:
     tmp.replace(path)
 
 
-def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict) -> str:
-    """Save ``engine``'s state and ``client_state`` (rank 0's is kept); returns the tag written."""
+def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict,
+         group: dist.ProcessGroup | None = None, in_background: bool = False) -> tuple[str, BackgroundSave | None]:
+    """Save ``engine``'s state and ``client_state`` (rank 0's is kept); returns the tag written.
+
+    With ``in_background`` the chunks are first copied to CPU memory (the only part training
+    waits for) and a thread writes them over ``group`` (a process group of its own, so its
+    collectives never interleave with training's) and publishes the checkpoint; the thread is
+    returned, and its ``finish()`` waits for it and raises its error, if any.
+    """
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     client = encode_value(client_state, "client_state")
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    scheduler = encode_value(scheduler, "lr_scheduler.state_dict()")
+    mesh = engine.mesh
+    manifest = {
+        "format": FORMAT,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "optimizer": encode_value(engine.optimizer.extra_state(), "optimizer"),
+        "lr_scheduler": encode_value(scheduler, "lr_scheduler.state_dict()"),
+        "client_state": client,
+        "written_by": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "zero_stage": engine.optimizer.settings.stage,
+                       "train_batch_size": engine.config.train_batch_size},
+    }
     chunks, _ = _state_chunks(engine, saving=True)  # refuses unstorable optimizer state before any collective
-    root = Path(save_dir)
+    hf_config = getattr(engine.module, "config", None)
+    config_json = hf_config.to_json_string() if hasattr(hf_config, "to_json_string") else None
+    manifest["rng"] = _gather_to_rank0(_rng_state(), group)
+    if not in_background:
+        _write(Path(save_dir), tag, chunks, manifest, config_json, group)
+        return tag, None
+    staged = [replace(c, view=c.view.detach().to("cpu", copy=True)) for c in chunks]
+    thread = BackgroundSave(tag, Path(save_dir), tag, staged, manifest, config_json, group)
+    thread.start()
+    return tag, thread
+
+
+class BackgroundSave(threading.Thread):
+    """A save's writing half, run beside training; :meth:`finish` waits and raises its error."""
+
+    def __init__(self, tag: str, *write_args) -> None:
+        super().__init__(name=f"zero3d-save-{tag}")
+        self.tag, self.write_args, self.error = tag, write_args, None
+
+    def run(self) -> None:
+        try:
+            _write(*self.write_args)
+        except BaseException as exc:  # noqa: BLE001 - raised in the training thread by finish()
+            self.error = exc
+
+    def finish(self) -> None:
+        self.join()
+        if self.error is not None:
+            raise ConfigError(f"the background save of checkpoint {self.tag} failed: {self.error}") from self.error
+
+
+def _write(root: Path, tag: str, chunks: list[Chunk], manifest: dict, config_json: str | None,
+           group: dist.ProcessGroup | None) -> None:
+    """Write the checkpoint into ``.<tag>.tmp`` on every rank; rank 0 then publishes it."""
     tmp, final = root / f".{tag}.tmp", root / tag
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier()
-    save_chunks(tmp, chunks, None)
-    rngs = _gather_to_rank0(_rng_state())
+    _barrier(group)
+    save_chunks(tmp, chunks, group)
     if _rank() == 0:
-        hf_config = getattr(engine.module, "config", None)
-        if hasattr(hf_config, "to_json_file"):
-            hf_config.to_json_file(tmp / "config.json")
-        mesh = engine.mesh
-        _write_json(tmp / MANIFEST, {
-            "format": FORMAT,
-            "global_steps": engine.global_steps,
-            "global_samples": engine.global_samples,
-            "optimizer": encode_value(engine.optimizer.extra_state(), "optimizer"),
-            "lr_scheduler": scheduler,
-            "rng": rngs,
-            "client_state": client,
-            "written_by": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "zero_stage": engine.optimizer.settings.stage,
-                           "train_batch_size": engine.config.train_batch_size},
-        })
+        if config_json is not None:
+            (tmp / "config.json").write_text(config_json)
+        _write_json(tmp / MANIFEST, manifest)
         _publish(root, tmp, final, tag)
-    _barrier()
-    return tag
+    _barrier(group)
 
 
 def _publish(root: Path, tmp: Path, final: Path, tag: str) -> None:

@@ -28,7 +28,7 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from parallel3d.config_sections import (
-    NOT_SET, BF16Config, FP16Config, NonNegFloat, OptimizerConfig, PipelineConfig, PositiveInt,
+    NOT_SET, BF16Config, CheckpointConfig, FP16Config, NonNegFloat, OptimizerConfig, PipelineConfig, PositiveInt,
     SchedulerConfig, Section, TensorParallelConfig, ZeroConfig, describe_validation_error, disabled_block,
     problem)
 from parallel3d.errors import ConfigError
@@ -55,7 +55,7 @@ _DS_TOP_LEVEL_UNIMPLEMENTED: dict[str, Any] = {
     "gradient_allreduce_op": "mean", "disable_allgather": False, "disable_python_gc": False,
     "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
     "dataloader_drop_last": NOT_SET, "use_data_before_expert_parallelism": False, "sequence_parallel_size": 1,
-    "vocabulary_size": None, "data_types": {}, "checkpoint": {}, "aio": {}, "datastates_ckpt": {},
+    "vocabulary_size": None, "data_types": {}, "aio": {}, "datastates_ckpt": {},
     "compile": {}, "activation_checkpointing": NOT_SET, "weight_quantization": NOT_SET,
     "expert_parallel": NOT_SET,
     # feature blocks with an `enabled` switch: accepted while switched off
@@ -103,6 +103,8 @@ class Zero3DConfig(Section):
     """Tensor-parallel size of the mesh."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline stages of the mesh."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """How checkpoints are written (`async_save`)."""
 
     _world_size: Optional[int] = PrivateAttr(default=None)
     _given_batch: Optional[tuple] = PrivateAttr(default=None)

@@ -290,6 +290,25 @@ class PipelineConfig(Section):
     `engine.write_timeline(path)` (a Chrome-trace JSON that `zero3d plot` can draw)."""
 
 
+class CheckpointConfig(Section):
+    """`checkpoint`: how `engine.save_checkpoint` writes (DeepSpeed's section, plus async_save)."""
+
+    ds_unimplemented = {
+        # Zero3D always refuses a tag that could leave save_dir, whatever DeepSpeed's setting says
+        "tag_validation": lambda v: str(v).lower() in ("ignore", "warn", "fail"),
+        # every Zero3D checkpoint is universal: it loads on any layout with either value
+        "load_universal": lambda v: isinstance(v, bool),
+        "use_node_local_storage": False,
+        # DCP writes every rank's chunks in parallel already
+        "parallel_write": lambda v: isinstance(v, dict),
+    }
+
+    async_save: bool = False
+    """Copy the checkpoint to CPU memory and write it in a background thread while training
+    goes on; `latest` moves to it once every rank has written it. The next save or load, and
+    `engine.wait_for_checkpoint()`, wait for it."""
+
+
 # --- optimizer -----------------------------------------------------------------------------
 
 _TORCH_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}

@@ -56,6 +56,8 @@ class Engine:
         self.device = mesh.device
         self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
+        self._pending_save: checkpoint.BackgroundSave | None = None
+        self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
 
     # -- the DeepSpeed loop --------------------------------------------------------------
 
@@ -221,7 +223,19 @@ class Engine:
                 f"{self.micro_steps}, gradient_accumulation_steps {self.gradient_accumulation_steps}): "
                 "accumulated gradients are not saved, so save after engine.step() ends a window"
             )
-        return checkpoint.save(self, save_dir, tag, client_state or {})
+        self.wait_for_checkpoint()
+        background = self.config.checkpoint.async_save
+        if background and self._save_group is None and dist.is_initialized():
+            self._save_group = dist.new_group(backend="gloo")
+        tag, self._pending_save = checkpoint.save(self, save_dir, tag, client_state or {}, self._save_group,
+                                                  in_background=background)
+        return tag
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until a background save (``checkpoint.async_save``) is written and published."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.finish()
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         """Restore the state written by ``save_checkpoint`` on any layout, ZeRO stage and world size.
@@ -229,4 +243,5 @@ class Engine:
         Returns ``(checkpoint_path, client_state)`` like DeepSpeed (``client_state`` as rank 0
         saved it).
         """
+        self.wait_for_checkpoint()
         return checkpoint.load(self, load_dir, tag)

@@ -24,11 +24,9 @@ units, and <= 0.5 x the full fp32 model at 4 ranks.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +34,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from bench_launch import launch as launch_runner, runner_parser  # noqa: E402
 
 MODELS = {
     "254m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2464, num_hidden_layers=16,
@@ -44,20 +45,9 @@ MODELS = {
               num_attention_heads=12, num_key_value_heads=12),
 }
 ALL = ["z3-eager", "z3-meta", "pp2tp2-eager", "pp2tp2-meta", "ds-zinit", "fsdp2-meta", "z3-pretrained", "hf-pretrained"]
-_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
-                "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
-
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="254m", choices=sorted(MODELS))
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--only", default=",".join(ALL), help="comma-separated runners, of: " + ",".join(ALL))
-    ap.add_argument("--timeout", type=int, default=1800)
-    ap.add_argument("--runner", help=argparse.SUPPRESS)
-    ap.add_argument("--dir", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    return ap.parse_args(argv)
+    return runner_parser(__doc__, ALL, "254m", sorted(MODELS), 4).parse_args(argv)
 
 
 def llama_config(name: str):
@@ -187,14 +177,7 @@ def run_runner(name: str, model: str, directory: str | None, out: str) -> None:
 
 
 def launch(name: str, args, directory: str, out: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith("TORCHELASTIC_")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           os.path.abspath(__file__), "--runner", name, "--model", args.model, "--dir", directory, "--out", out]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=ROOT)
-    if proc.returncode != 0:
-        print(f"!! {name} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}", flush=True)
+    launch_runner(__file__, name, args.nproc, ["--model", args.model, "--dir", directory, "--out", out], args.timeout)
 
 
 def main(argv=None) -> None:

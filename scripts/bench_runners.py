@@ -112,7 +112,8 @@ def setup_ddp(model, spec, stage):
     return step, lambda: None
 
 
-def setup_fsdp2(model, spec, stage):
+def fsdp2_model(model):
+    """``fully_shard`` per decoder layer and at the root, over every rank."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -121,6 +122,11 @@ def setup_fsdp2(model, spec, stage):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def setup_fsdp2(model, spec, stage):
+    model = fsdp2_model(model)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
 
     def step(ids):
@@ -132,7 +138,7 @@ def setup_fsdp2(model, spec, stage):
     return step, lambda: None
 
 
-def setup_deepspeed(model, spec, stage):
+def deepspeed_engine(model, spec, stage):
     # Recipe of tests/ds_oracle.py: cpu accelerator (falls back to gloo), LOCAL_RANK set,
     # no JIT shared-memory op, torch.optim.AdamW via "torch_adam". No deepcopy of the model
     # here: it would inflate DeepSpeed's peak RSS.
@@ -145,27 +151,33 @@ def setup_deepspeed(model, spec, stage):
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    engine, _, _, _ = deepspeed.initialize(model=model, config=ds_config(spec, stage))
+    return deepspeed.initialize(model=model, config=ds_config(spec, stage))[0]
+
+
+def engine_step(engine):
+    """One micro-batch through a DeepSpeed-style engine (DeepSpeed's or Zero3D's)."""
 
     def step(ids):
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
 
-    return step, lambda: None
+    return step
+
+
+def setup_deepspeed(model, spec, stage):
+    return engine_step(deepspeed_engine(model, spec, stage)), lambda: None
+
+
+def zero3d_engine(model, spec, stage):
+    import parallel3d
+
+    return parallel3d.initialize(model=model, config=ds_config(spec, stage))[0]
 
 
 def setup_zero3d(model, spec, stage):
-    import parallel3d
-
-    engine, _, _, _ = parallel3d.initialize(model=model, config=ds_config(spec, stage))
-
-    def step(ids):
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-
-    return step, engine.memory_report
+    engine = zero3d_engine(model, spec, stage)
+    return engine_step(engine), engine.memory_report
 
 
 RUNNERS = {

@@ -30,6 +30,7 @@ def _config(stage: int, precision: str) -> dict:
     cfg = ds_config(stage, GAS, DP, clip=0.5, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {}))
     cfg["scheduler"] = SCHEDULER
     cfg["bf16"] = {"enabled": precision == "bf16"}
+    cfg["checkpoint"] = {"async_save": precision == "fp32-async"}
     return cfg
 
 
@@ -57,8 +58,9 @@ def resume(stage: int, precision: str, ckpt_dir: str) -> dict:
     losses_a = [engine.train_batch(data) for _ in range(SAVE_AT)]
     saved = _counters(engine, sched)
     tag = engine.save_checkpoint(ckpt_dir, client_state={"epoch": 7, "note": "hi"})
+    losses_a += [engine.train_batch(data) for _ in range(SAVE_AT, STEPS)]  # beside a background save
+    engine.wait_for_checkpoint()
     latest = Path(ckpt_dir, "latest").read_text()
-    losses_a += [engine.train_batch(data) for _ in range(SAVE_AT, STEPS)]
     params_a, working_a = engine.full_parameters(), {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     final_a = _counters(engine, sched)
     del engine, sched
@@ -81,7 +83,7 @@ def resume(stage: int, precision: str, ckpt_dir: str) -> dict:
     }
 
 
-CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16")]
+CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (3, "bf16"), (3, "fp32-async")]
 
 
 @pytest.mark.parametrize("stage,precision", CASES, ids=[f"stage{s}-{p}" for s, p in CASES])
@@ -102,7 +104,7 @@ def test_resume_is_bit_identical(dist, tmp_path, stage, precision):
         assert r["losses_b"] == r["losses_a"][SAVE_AT:], (rank, r["losses_a"], r["losses_b"])
         assert all(r["params_equal"].values()), [n for n, ok in r["params_equal"].items() if not ok]
         assert all(r["working_equal"].values()), [n for n, ok in r["working_equal"].items() if not ok]
-        assert r["working_dtype"] == {"fp32": "torch.float32", "bf16": "torch.bfloat16"}[precision]
+        assert r["working_dtype"] == {"bf16": "torch.bfloat16"}.get(precision, "torch.float32")
 
 
 # --- errors on loading ------------------------------------------------------------------------

@@ -217,7 +217,10 @@ def test_deepspeed_synonyms_and_harmless_keys_are_accepted():
                                              "stage3_gather_fp16_weights_on_model_save": True,
                                              "offload_param": {"device": "none"}, "zero_hpz_partition_size": 1},
                        "prescale_gradients": False, "tensorboard": {"enabled": False, "output_path": "x"},
-                       "fp16": {"auto_cast": False}}, world_size=4)
+                       "fp16": {"auto_cast": False},
+                       "checkpoint": {"tag_validation": "Warn", "load_universal": True,
+                                      "parallel_write": {"pipeline_stage": True}, "async_save": True}}, world_size=4)
+    assert cfg.checkpoint.async_save
     assert cfg.bf16.enabled and cfg.precision == "bf16" and cfg.tensor_parallel.size == 2
     assert cfg.data_parallel_size == 2 and cfg.zero_optimization.stage3_prefetch_bucket_size == 10
     assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save
@@ -279,7 +282,10 @@ BAD_CONFIGS = [
     ({**MB, "bf16": {"enabled": True}, "bfloat16": {"enabled": False}}, 1,
      "bfloat16 and bf16 are the same setting; give only one"),
     ({**MB, "amp": {"enabled": True}}, 1, "amp is a DeepSpeed key Zero3D does not implement yet"),
-    ({**MB, "seed": 1234}, 1, "unknown config key 'seed'; keys Zero3D implements: bf16, fp16,"),
+    ({**MB, "checkpoint": {"use_node_local_storage": True}}, 1,
+     "checkpoint.use_node_local_storage is a DeepSpeed key Zero3D does not implement yet"),
+    ({**MB, "checkpoint": {"async": True}}, 1, "unknown config key 'checkpoint.async'"),
+    ({**MB, "seed": 1234}, 1, "unknown config key 'seed'; keys Zero3D implements: bf16, checkpoint, fp16,"),
 ]
 
 

@@ -159,8 +159,22 @@ def test_resume_refuses_a_changed_dataset_or_batch():
     state = BlockSampler(50, 2, 2, 0, 1, seed=9).state_dict()
     with pytest.raises(ConfigError, match="the checkpoint's num_blocks is 50 but this run's is 51"):
         BlockSampler(51, 2, 2, 0, 1, seed=9).load_state_dict(state)
-    with pytest.raises(ConfigError, match="global_micro_batch is 4 but this run's is 6"):
+    with pytest.raises(ConfigError, match="train_batch_size is 4 but this run's is 6"):
         BlockSampler(50, 3, 2, 0, 1, seed=9).load_state_dict(state)
+
+
+def test_resume_with_another_data_parallel_size_reads_the_same_blocks_per_step():
+    """dp 2 x micro 2 for 5 steps, then dp 1 x micro 4 (the same 12-block global batch) from the
+    saved position: each step reads the blocks the uninterrupted dp-1 run reads, across an epoch end."""
+    def steps(samplers, n):  # the set of blocks each optimizer step reads over all dp ranks
+        return [sorted(b for s in samplers for _ in range(s.grad_accum) for b in s.next_indices()) for _ in range(n)]
+
+    full = steps([BlockSampler(50, 4, 1, 0, 3, seed=9)], 9)
+    ranks = [BlockSampler(50, 2, 2, r, 3, seed=9) for r in range(2)]
+    head = steps(ranks, 5)
+    resumed = BlockSampler(50, 4, 1, 0, 3, seed=9)
+    resumed.load_state_dict(json.loads(json.dumps(ranks[0].state_dict())))
+    assert head + steps([resumed], 4) == full
 
 
 def test_too_few_blocks_for_one_step():

@@ -116,6 +116,7 @@ def train(prep: Prepared) -> dict:
                 last_saved = step
                 if rank == 0:
                     prune(root, cfg.keep_last)
+        engine.wait_for_checkpoint()  # a background save (checkpoint.async_save) is published before we end
     finally:
         metrics.close()
     if start >= total and rank == 0:
