@@ -35,11 +35,9 @@ What changes, in this order:
    causal LM loss); logits are gathered only on request. A forward that transforms its
    logits in any other way is refused (checked from its source) rather than silently wrong.
 
-Dropout runs where the model puts it, drawing from each rank's own RNG as the caller seeded
-it: with the same seed on every tp rank, replicated activations get the same mask on every
-rank (as they must), but masks on sharded activations (attention probabilities of this
-rank's heads, sequence shards) repeat across ranks instead of being independent. Megatron's
-per-region RNG tracker is not implemented; the equality tests run with dropout off.
+Dropout runs where the model puts it. Replicated activations draw from the default generator,
+the same on every tp rank; inside split regions (and, under sequence parallelism, across the
+blocks) each rank draws from its own stream, which recomputation replays (``rng.py``).
 """
 
 from __future__ import annotations
@@ -66,7 +64,8 @@ from parallel3d.tensor_parallel.layers import (
     VocabParallelLMHead,
     _linear_parts,
 )
-from parallel3d.tensor_parallel.regions import find_left_behind, split_params
+from parallel3d.tensor_parallel.regions import find_left_behind, split_params, split_regions
+from parallel3d.tensor_parallel.rng import SplitRegionRNG
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
 
@@ -96,6 +95,7 @@ class TensorParallelInfo:
     head: VocabParallelLMHead
     plan_source: str
     norm_duplicate_params: set[nn.Parameter] = field(default_factory=set)
+    rng: SplitRegionRNG | None = None
     hooks: list[Any] = field(default_factory=list, repr=False)
 
     def is_sharded(self, param: nn.Parameter) -> bool:
@@ -260,6 +260,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         hooks += _sequence_parallel_hooks(model, tp_group, regions)
         partial |= _sequence_partial_params(model, regions, sharded, rows)
     hooks += [p.register_hook(all_reduce_grad_hook(tp_group)) for p in partial]
+    rng = SplitRegionRNG(rank)
+    hooks += _rng_hooks(model, plan, rng, sequence_parallel)
     replicated = {n: s for n, s in specs.items() if s.replicas > 1 and params[n].requires_grad}
     hooks += [params[n].register_hook(all_reduce_grad_hook(tp_group, *s.pieces(rank, world)))
               for n, s in replicated.items()]
@@ -269,7 +271,27 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         group=tp_group, tp_size=world, tp_rank=rank, sequence_parallel=sequence_parallel, sharded_params=sharded,
         shard_specs=specs, partial_grad_params=partial, vocab_size=head.vocab_size,
         padded_vocab_size=head.padded_vocab_size, head=head, plan_source=plan.source,
-        norm_duplicate_params={params[n] for n, s in replicated.items() if not s.is_first_replica(rank)}, hooks=hooks)
+        norm_duplicate_params={params[n] for n, s in replicated.items() if not s.is_first_replica(rank)}, rng=rng,
+        hooks=hooks)
+
+
+def _rng_hooks(model: nn.Module, plan: ModelTPPlan, rng: SplitRegionRNG, sequence_parallel: bool) -> list[Any]:
+    """Rank streams from each split region's entry to the start of its row layer (or its own exit);
+    under sequence parallelism also from the first block's entry to the last block's exit."""
+    spans = []  # (opener, modules whose start closes it, module whose end closes it)
+    for region in split_regions(plan):
+        rows = [model.get_submodule(n) for n, layer in plan.layers.items()
+                if layer.kind == "row" and n.rpartition(".")[0] == region]
+        spans.append((model.get_submodule(region), rows, model.get_submodule(region)))
+    if sequence_parallel:
+        blocks = fetch_unit_modules(model)
+        spans.append((blocks[0], [], blocks[-1]))
+    handles = []
+    for opener, starts, end in spans:
+        handles.append(opener.register_forward_pre_hook(rng.entry_hook(), with_kwargs=True))
+        handles += [m.register_forward_pre_hook(rng.exit_hook(opener)) for m in starts]
+        handles.append(end.register_forward_hook(rng.exit_hook(opener)))
+    return handles
 
 
 def _localize_attention(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout | None, world: int) -> None:
