@@ -81,6 +81,7 @@ class TensorParallelInfo:
     hook (see the module docstring); informational, nothing to do for the caller.
     ``norm_duplicate_params``: sharded parameters whose shard a lower tp rank also holds
     (replicated kv heads): the gradient norm must leave them out on this rank.
+    ``rng``: the dropout streams of the split regions (``rng.py``), driven by ``hooks``.
     """
 
     group: ProcessGroup
