@@ -63,7 +63,8 @@ HF_STYLES: dict[str, LayerPlan | None] = {
 UNSUPPORTED_HF_STYLES = ("packed_rowwise", "embedding_colwise", "all_reduce", "mla_kv_a_proj", "moe_tp_experts",
                          "moe_identity_expert")
 
-# Attention attributes that hold a head count: divided by T where heads are split.
+# Attention attributes that hold a head count: made per-rank where heads are split
+# (parallel3d/tensor_parallel/heads.py: H/T query heads, K/T or one replicated kv head).
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 

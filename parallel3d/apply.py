@@ -107,10 +107,17 @@ def apply_zero(
         model_parallel_params=tp_info.sharded_params if tp_info else (),
         model_parallel_group=mesh.group("tp") if tp_info else None,
         norm_groups=[mesh.group("pp")] if pipe else (),
-        norm_duplicate_params=[t.param for t in pipe.tied if not t.first] if pipe else (),
+        norm_duplicate_params=_norm_duplicates(pipe, tp_info),
         param_order=list(model.parameters()),
         initial_values=values,
     )
+
+
+def _norm_duplicates(pipe: PipelineModel | None, tp_info: TensorParallelInfo | None) -> list[nn.Parameter]:
+    """Params another rank's gradient norm already counts: a tied copy on a later pipeline stage,
+    a kv-head shard that a lower tp rank also holds."""
+    tied = [t.param for t in pipe.tied if not t.first] if pipe is not None else []
+    return tied + list(tp_info.norm_duplicate_params if tp_info is not None else ())
 
 
 def _model_groups(model: nn.Module, named_groups: list[dict]) -> list[dict]:

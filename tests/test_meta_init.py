@@ -188,13 +188,18 @@ def test_model_partly_on_meta_is_refused():
         parallel3d.initialize(model=model, config=ds_config(0, 1, 1))
 
 
-@pytest.mark.parametrize("size,packed,pad,world", [(12, 3, False, 2), (10, 1, True, 4), (8, 2, False, 4), (9, 1, True, 2)])
-def test_shard_source_runs_rebuild_the_shard(size, packed, pad, world):
-    """The runs a meta start reads from the full tensor give exactly ``ShardSpec.shard``'s piece."""
+@pytest.mark.parametrize("size,packed,pad,world,replicas", [
+    (12, 3, False, 2, 1), (10, 1, True, 4, 1), (8, 2, False, 4, 1), (9, 1, True, 2, 1),
+    (8, 1, False, 4, 2), (4, 1, False, 4, 4),  # kv heads replicated: 2 pieces on 4 ranks, 1 piece on 4
+])
+def test_shard_source_runs_rebuild_the_shard(size, packed, pad, world, replicas):
+    """The runs a meta start reads from the full tensor give exactly ``ShardSpec.shard``'s piece,
+    and ``unshard`` of every rank's piece is the full tensor again."""
     from parallel3d.tensor_parallel.sharding import make_spec
 
     full = torch.arange(size * 3, dtype=torch.float32).reshape(size, 3)
-    spec = make_spec(size, 0, world, packed=packed, pad=pad)
+    spec = make_spec(size, 0, world, packed=packed, pad=pad, replicas=replicas)
+    assert torch.equal(spec.unshard([spec.shard(full, rank, world) for rank in range(world)]), full)
     for rank in range(world):
         want = spec.shard(full, rank, world)
         got = torch.zeros_like(want)

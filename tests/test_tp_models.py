@@ -23,12 +23,13 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
 
 
-def compare_with_full(kind: str, tp: int, sequence_parallel: bool, checkpointing: bool = False) -> dict:
+def compare_with_full(kind: str, tp: int, sequence_parallel: bool, checkpointing: bool = False,
+                      overrides: dict | None = None) -> dict:
     """On every rank: single-process vs tensor-parallel forward/backward of ``kind``."""
     from parallel3d.tensor_parallel import apply_tensor_parallel
 
     group = tp_group(tp)
-    ref = make_tp_model(kind)
+    ref = make_tp_model(kind, **(overrides or {}))
     model = copy.deepcopy(ref)
     batch = tp_batch(ref.config.vocab_size)
     want = ref(**batch)
@@ -64,7 +65,7 @@ def compare_with_full(kind: str, tp: int, sequence_parallel: bool, checkpointing
         "grad_errors": errors,
         "sizes": sizes,
         "replicated": replicated,
-        "specs": {n: (s.dim, s.full_size, s.padded_size) for n, s in info.shard_specs.items()},
+        "specs": {n: (s.dim, s.full_size, s.padded_size, s.replicas) for n, s in info.shard_specs.items()},
         "padded_vocab": info.padded_vocab_size,
         "config_intact": model.config.to_dict() == ref.config.to_dict(),
         "no_split": model._no_split_modules == ref._no_split_modules,
@@ -81,7 +82,30 @@ CASES += [("qwen3", 2, False, False), ("qwen3", 2, True, False), ("llama_tied", 
 
 @pytest.mark.parametrize("kind,tp,sp,ckpt", CASES, ids=lambda v: str(v))
 def test_matches_single_process(dist, kind, tp, sp, ckpt):
-    results = dist.run(tp, compare_with_full, kind, tp, sp, ckpt)
+    check_against_full(dist.run(tp, compare_with_full, kind, tp, sp, ckpt), kind, tp)
+
+
+# Key/value heads replicated (tp > num_key_value_heads), multi-query attention, and parameters
+# inside split regions that no plan entry names (Apertus' xIELU scalars, Cohere's per-head q/k norms).
+REGION_CASES = [
+    ("llama", 4, False, dict(num_key_value_heads=2)),
+    ("llama", 2, True, dict(num_key_value_heads=1)),
+    ("qwen2", 4, False, dict(num_key_value_heads=1)),  # k/v biases replicated too
+    ("apertus", 2, False, {}),
+    ("apertus", 4, True, dict(num_key_value_heads=2)),
+    ("cohere", 2, False, {}),
+    ("cohere", 4, False, dict(num_key_value_heads=2)),  # k_norm [kv, head_dim] replicated with its heads
+    ("olmo2", 2, False, {}),  # q/k norms over all heads, on gathered (replicated) q/k: left alone
+]
+
+
+@pytest.mark.parametrize("kind,tp,sp,overrides", REGION_CASES, ids=lambda v: str(v))
+def test_regions_match_single_process(dist, kind, tp, sp, overrides):
+    check_against_full(dist.run(tp, compare_with_full, kind, tp, sp, False, overrides), kind, tp)
+
+
+def check_against_full(results: list[dict], kind: str, tp: int) -> None:
+    """Every rank: loss, logits and every gradient as the single process; replicated grads agree."""
     for rank, r in enumerate(results):
         assert r["loss"][0] == pytest.approx(r["loss"][1], rel=RTOL), f"rank {rank} loss"
         assert r["logits"] < RTOL, f"rank {rank} logits differ by {r['logits']:.2e}"
@@ -92,8 +116,8 @@ def test_matches_single_process(dist, kind, tp, sp, ckpt):
         assert r["config_intact"] and r["no_split"]
         for name, (local, full) in r["sizes"].items():
             if name in r["specs"]:
-                _, full_size, padded = r["specs"][name]
-                assert local * tp == full * padded // full_size, f"{name}: {local} of {full} is not 1/{tp}"
+                _, full_size, padded, replicas = r["specs"][name]
+                assert local * tp == full * padded // full_size * replicas, f"{name}: {local} of {full} is not 1/{tp}"
             else:
                 assert local == full, name
     # replicated params: the same gradient on every tp rank, bit for bit
@@ -101,7 +125,7 @@ def test_matches_single_process(dist, kind, tp, sp, ckpt):
         for r in results[1:]:
             assert torch.equal(grad, r["replicated"][name]), f"replicated {name} differs across tp ranks"
     specs = results[0]["specs"]
-    if kind in ("gpt2", "qwen2", "llama_tied", "gemma2"):  # tied: one parameter under two names
+    if kind in ("gpt2", "qwen2", "llama_tied", "gemma2", "cohere"):  # tied: one parameter under two names
         assert len(results[0]["tied"]) == 2, results[0]["tied"]
     vocab = make_tp_model(kind).config.vocab_size
     assert results[0]["padded_vocab"] == -(-vocab // tp) * tp
@@ -109,16 +133,20 @@ def test_matches_single_process(dist, kind, tp, sp, ckpt):
                for n in specs)
 
 
-def bad_sizes(kind: str, overrides: dict) -> str:
+def _tp_error(model: torch.nn.Module) -> str:
+    """The ConfigError ``apply_tensor_parallel`` raises for ``model`` at tp 2, or "no error"."""
     from parallel3d.errors import ConfigError
     from parallel3d.tensor_parallel import apply_tensor_parallel
 
-    model = make_tp_model(kind, **overrides)
     try:
         apply_tensor_parallel(model, tp_group(2))
     except ConfigError as exc:
         return str(exc)
     return "no error"
+
+
+def bad_sizes(kind: str, overrides: dict) -> str:
+    return _tp_error(make_tp_model(kind, **overrides))
 
 
 def bad_sequence_length() -> str:
@@ -137,8 +165,9 @@ def bad_sequence_length() -> str:
 @pytest.mark.parametrize("kind,overrides,message", [
     ("llama", dict(num_attention_heads=3, num_key_value_heads=3, head_dim=8, hidden_size=24),
      "tensor_parallel.size=2 must divide num_attention_heads=3 of LlamaForCausalLM"),
-    ("llama", dict(num_key_value_heads=1),
-     "tensor_parallel.size=2 must divide num_key_value_heads=1 of LlamaForCausalLM (num_attention_heads=8"),
+    ("llama", dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=24),
+     "tensor_parallel.size=2 must divide num_key_value_heads=3 of LlamaForCausalLM or be a multiple of it "
+     "(num_attention_heads=6"),
     ("qwen2", dict(intermediate_size=63), "tensor_parallel.size=2 must divide intermediate_size=63 of Qwen2ForCausalLM"),
     ("gpt2", dict(n_head=1), "tensor_parallel.size=2 must divide num_attention_heads=1 of GPT2LMHeadModel"),
     ("gpt_neox", dict(num_attention_heads=1), "must divide num_attention_heads=1 of GPTNeoXForCausalLM"),
@@ -146,6 +175,20 @@ def bad_sequence_length() -> str:
 def test_bad_sizes(dist, kind, overrides, message):
     for msg in dist.run(2, bad_sizes, kind, overrides):
         assert message in msg, msg
+
+
+def unhandled_region_param() -> str:
+    """A per-feature scale between up_proj and down_proj: neither a scalar nor per head."""
+    model = make_tp_model("llama")
+    model.model.layers[1].mlp.scale = torch.nn.Parameter(torch.ones(64))
+    return _tp_error(model)
+
+
+def test_unhandled_region_param_is_refused(dist):
+    for msg in dist.run(2, unhandled_region_param):
+        assert msg.startswith("LlamaForCausalLM: parameter model.layers.1.mlp.scale (shape [64], in LlamaMLP) acts on "
+                              "the activations that tensor parallelism splits between ['model.layers.1.mlp.gate_proj', "
+                              "'model.layers.1.mlp.up_proj'] and the row layer of model.layers.1.mlp"), msg
 
 
 def test_bad_sequence_length(dist):
@@ -156,15 +199,7 @@ def test_bad_sequence_length(dist):
 def unsupported(name: str, config: dict) -> str:
     import transformers
 
-    from parallel3d.errors import ConfigError
-    from parallel3d.tensor_parallel import apply_tensor_parallel
-
-    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config))
-    try:
-        apply_tensor_parallel(model, tp_group(2))
-    except ConfigError as exc:
-        return str(exc)
-    return "no error"
+    return _tp_error(getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config)))
 
 
 def test_unsupported_models(dist):

@@ -10,7 +10,13 @@ from __future__ import annotations
 import torch
 import transformers
 from transformers import (
+    ApertusConfig,
+    ApertusForCausalLM,
+    CohereConfig,
+    CohereForCausalLM,
     GPT2Config,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     GPT2LMHeadModel,
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
@@ -38,7 +44,12 @@ _LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, nu
 
 
 def make_tp_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A tiny causal LM of family ``kind``; the same seed gives the same weights on every rank."""
+    """A tiny causal LM of family ``kind``; the same seed gives the same weights on every rank.
+
+    Built under ``torch.device("meta")`` it has shapes only, and nothing is randomized: a meta
+    start replays the model's own init, which equals this eager model where no parameter of
+    the family starts at zero.
+    """
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**{**_LLAMA_LIKE, "vocab_size": 127, **overrides}))
@@ -56,6 +67,14 @@ def make_tp_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
         cfg = {**_LLAMA_LIKE, "vocab_size": 127, "pad_token_id": 0}
         cfg.pop("head_dim")
         model = Phi3ForCausalLM(Phi3Config(**{**cfg, **overrides}))
+    elif kind == "apertus":  # learnable xIELU activation scalars between up_proj and down_proj
+        model = ApertusForCausalLM(ApertusConfig(**{**_LLAMA_LIKE, "vocab_size": 127, **overrides}))
+    elif kind == "cohere":  # q/k LayerNorms of shape [heads, head_dim], no plan entry for them
+        model = CohereForCausalLM(CohereConfig(**{**_LLAMA_LIKE, "vocab_size": 127, "use_qk_norm": True,
+                                                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+                                                 **overrides}))
+    elif kind == "olmo2":  # q/k projections gathered: its full-width q/k norms see replicated features
+        model = Olmo2ForCausalLM(Olmo2Config(**{**_LLAMA_LIKE, "vocab_size": 127, "pad_token_id": 0, **overrides}))
     elif kind == "gpt_neox":
         cfg = dict(vocab_size=127, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0, tie_word_embeddings=False)
@@ -66,7 +85,7 @@ def make_tp_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
         model = GPT2LMHeadModel(GPT2Config(**{**cfg, **overrides}))
     else:
         raise ValueError(f"unknown tiny tp model {kind!r}")
-    return _randomize_zero_init(model)
+    return model if next(model.parameters()).is_meta else _randomize_zero_init(model)
 
 
 def tp_batch(vocab: int, seed: int = 3) -> dict[str, torch.Tensor]:

@@ -102,8 +102,9 @@ class ZeroOptimizer:
             rank holds a different piece, so their squared grad norms are also summed over
             ``model_parallel_group``; all other params are replicated there and counted once.
         model_parallel_group: the tensor-parallel group of ``model_parallel_params``.
-        norm_duplicate_params: params whose gradient another rank of ``norm_groups`` also
-            holds (a tied embedding's copy on the last pipeline stage): left out of the norm.
+        norm_duplicate_params: params whose gradient another rank of ``norm_groups`` or of
+            ``model_parallel_group`` also holds and counts (a tied embedding's copy on the last
+            pipeline stage, a model-parallel piece held by several ranks): left out of the norm.
         norm_groups: groups over which the whole squared norm is also summed (pipeline
             stages hold disjoint params).
         param_order: the model's parameters in registration order (default: as grouped);

@@ -3,7 +3,10 @@
 What changes, in this order:
 
 1. Plan (``models.tp_plans``): the config's ``base_model_tp_plan`` or a zero3d family plan;
-   head counts, intermediate sizes and every split dim are checked against T first.
+   head counts, intermediate sizes and every split dim are checked against T first. When T
+   exceeds the kv-head count the kv projections are replicated (``heads.py``), and every
+   parameter of a split region that no planned layer owns is summed, split or refused
+   (``regions.py``) before anything is changed.
 2. Projections become ``ColumnParallelLinear`` / ``RowParallelLinear`` (same names, same
    weight layout, 1/T of the weight). The module that owns a row-parallel layer (attention,
    MLP) is a *region*: one forward pre-hook on it enters tensor parallelism once for all of
@@ -20,20 +23,21 @@ What changes, in this order:
    boundaries because HF attention reads the sequence length from its input.
 5. Replicated parameters whose gradient is a per-rank partial sum get a gradient hook that
    all-reduces (sums) it over tp before it is accumulated into ``.grad``: Qwen3/Gemma3-style
-   per-head norms (``replicated_with_grad_allreduce``) always; under sequence parallelism
+   per-head norms (``replicated_with_grad_allreduce``) and the other parameters
+   ``regions.py`` finds (Apertus' activation scalars) always; under sequence parallelism
    also every replicated parameter in a block outside the regions (norms) and every
    row-parallel bias. Afterwards every replicated parameter has the same, whole gradient on
-   every tp rank, so ZeRO (or DDP) can treat it as an ordinary replicated parameter.
+   every tp rank, so ZeRO (or DDP) can treat it as an ordinary replicated parameter. Shards
+   held by several ranks (replicated kv heads) are summed over their holders the same way;
+   every holder but the first is listed in ``norm_duplicate_params``.
 6. ``model.forward`` is replaced: base model -> vocab-parallel head -> the family's
    elementwise logit scaling/softcapping -> vocab-parallel cross entropy (HF's shifted
    causal LM loss); logits are gathered only on request. A forward that transforms its
    logits in any other way is refused (checked from its source) rather than silently wrong.
 
-Dropout runs where the model puts it, drawing from each rank's own RNG as the caller seeded
-it: with the same seed on every tp rank, replicated activations get the same mask on every
-rank (as they must), but masks on sharded activations (attention probabilities of this
-rank's heads, sequence shards) repeat across ranks instead of being independent. Megatron's
-per-region RNG tracker is not implemented; the equality tests run with dropout off.
+Dropout runs where the model puts it. Replicated activations draw from the default generator,
+the same on every tp rank; inside split regions (and, under sequence parallelism, across the
+blocks) each rank draws from its own stream, which recomputation replays (``rng.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from models.tp_plans import ModelTPPlan, TPPlanError, base_model_prefix, resolve
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp, gather_from_tp, gather_seq, split_to_tp
 from parallel3d.tensor_parallel.forward import causal_lm_forward, check_logit_transforms
+from parallel3d.tensor_parallel.heads import HeadLayout, head_layout, kv_projections, localize_head_counts
 from parallel3d.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -59,6 +64,8 @@ from parallel3d.tensor_parallel.layers import (
     VocabParallelLMHead,
     _linear_parts,
 )
+from parallel3d.tensor_parallel.regions import find_left_behind, split_params, split_regions
+from parallel3d.tensor_parallel.rng import SplitRegionRNG
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
 
@@ -72,6 +79,9 @@ class TensorParallelInfo:
     it is cut from the full tensor (``ShardSpec.unshard`` rebuilds it from all ranks).
     ``partial_grad_params``: replicated parameters whose gradients are summed over tp by a
     hook (see the module docstring); informational, nothing to do for the caller.
+    ``norm_duplicate_params``: sharded parameters whose shard a lower tp rank also holds
+    (replicated kv heads): the gradient norm must leave them out on this rank.
+    ``rng``: the dropout streams of the split regions (``rng.py``), driven by ``hooks``.
     """
 
     group: ProcessGroup
@@ -85,6 +95,8 @@ class TensorParallelInfo:
     padded_vocab_size: int
     head: VocabParallelLMHead
     plan_source: str
+    norm_duplicate_params: set[nn.Parameter] = field(default_factory=set)
+    rng: SplitRegionRNG | None = None
     hooks: list[Any] = field(default_factory=list, repr=False)
 
     def is_sharded(self, param: nn.Parameter) -> bool:
@@ -96,22 +108,11 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _check_sizes(model: nn.Module, plan: ModelTPPlan, world: int) -> None:
-    """Head counts and intermediate sizes must split evenly: one clear ConfigError each."""
+def _check_intermediate(model: nn.Module, world: int) -> None:
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cls = type(model).__name__
-    heads = getattr(cfg, "num_attention_heads", None)
-    if plan.heads_sharded and isinstance(heads, int):
-        kv = getattr(cfg, "num_key_value_heads", None) or heads
-        if heads % world:
-            raise ConfigError(f"tensor_parallel.size={world} must divide num_attention_heads={heads} of {cls} "
-                              f"(each rank holds whole heads)")
-        if kv % world:
-            raise ConfigError(f"tensor_parallel.size={world} must divide num_key_value_heads={kv} of {cls} "
-                              f"(num_attention_heads={heads}; each rank holds whole key/value heads)")
     inter = getattr(cfg, "intermediate_size", None) or getattr(cfg, "n_inner", None)
     if isinstance(inter, int) and inter % world:
-        raise ConfigError(f"tensor_parallel.size={world} must divide intermediate_size={inter} of {cls}")
+        raise ConfigError(f"tensor_parallel.size={world} must divide intermediate_size={inter} of {type(model).__name__}")
 
 
 def _hidden_states_hook(enter: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
@@ -137,9 +138,12 @@ def _first_output_hook(leave: Callable[[torch.Tensor], torch.Tensor]) -> Callabl
     return hook
 
 
-def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: bool,
-                  specs: dict[str, ShardSpec], partial: set[nn.Parameter], regions: set[str]) -> list[RowParallelLinear]:
-    """Swap every planned module for its parallel layer; returns the row layers."""
+def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: bool, specs: dict[str, ShardSpec],
+                  partial: set[nn.Parameter], regions: set[str], kv_layers: dict[str, int]) -> list[RowParallelLinear]:
+    """Swap every planned module for its parallel layer; returns the row layers.
+
+    ``kv_layers``: column layers whose slices are replicated, with their replica count.
+    """
     world = dist.get_world_size(group)
     rows = []
     for name, layer in plan.layers.items():
@@ -158,7 +162,7 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
                                       "in a row-parallel layer, so its input cannot be gathered at a region entry")
                 new: nn.Module = ColumnParallelLinear(
                     module, group, input_comm="none" if parent in regions else "copy",
-                    gather_output=layer.gather_output, packed=layer.packed)
+                    gather_output=layer.gather_output, packed=layer.packed, replicas=kv_layers.get(name, 1))
             else:
                 new = RowParallelLinear(module, group, split_input=layer.split_input,
                                         output_comm="reduce_scatter_seq" if sp else "all_reduce")
@@ -232,21 +236,24 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         base_model_prefix(model)
     except TPPlanError as exc:
         raise ConfigError(str(exc)) from None
-    _check_sizes(model, plan, world)
+    layout = head_layout(model, plan, world)
+    _check_intermediate(model, world)
     check_logit_transforms(model)
+    kv_layers = dict.fromkeys(kv_projections(model, plan, layout), layout.kv_replicas) if layout else {}
+    left_behind = find_left_behind(model, plan, layout, world)
 
     regions = {name.rpartition(".")[0] for name, layer in plan.layers.items() if layer.kind == "row"}
     specs: dict[str, ShardSpec] = {}
     partial: set[nn.Parameter] = set()
-    rows = _shard_layers(model, plan, tp_group, sequence_parallel, specs, partial, regions)
-    for name, attrs in plan.divide_attrs.items():
-        module = model.get_submodule(name)
-        for attr in attrs:
-            setattr(module, attr, getattr(module, attr) // world)
+    rows = _shard_layers(model, plan, tp_group, sequence_parallel, specs, partial, regions, kv_layers)
+    split_params(model, left_behind.split, rank, world)
+    specs.update(left_behind.split)
+    _localize_attention(model, plan, layout, world)
     head = _shard_vocab(model, tp_group, specs)
 
     params = dict(model.named_parameters(remove_duplicate=False))
     sharded = {params[n] for n in specs}
+    partial |= {params[n] for n in left_behind.summed if params[n].requires_grad}
     hooks = [model.get_submodule(name).register_forward_pre_hook(
         _hidden_states_hook(lambda x: copy_to_tp(x, tp_group)), with_kwargs=True)
         for name in regions if not sequence_parallel]
@@ -254,9 +261,41 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         hooks += _sequence_parallel_hooks(model, tp_group, regions)
         partial |= _sequence_partial_params(model, regions, sharded, rows)
     hooks += [p.register_hook(all_reduce_grad_hook(tp_group)) for p in partial]
+    rng = SplitRegionRNG(rank)
+    hooks += _rng_hooks(model, plan, rng, sequence_parallel)
+    replicated = {n: s for n, s in specs.items() if s.replicas > 1 and params[n].requires_grad}
+    hooks += [params[n].register_hook(all_reduce_grad_hook(tp_group, *s.pieces(rank, world)))
+              for n, s in replicated.items()]
 
     model.forward = types.MethodType(causal_lm_forward, model)
     return TensorParallelInfo(
         group=tp_group, tp_size=world, tp_rank=rank, sequence_parallel=sequence_parallel, sharded_params=sharded,
         shard_specs=specs, partial_grad_params=partial, vocab_size=head.vocab_size,
-        padded_vocab_size=head.padded_vocab_size, head=head, plan_source=plan.source, hooks=hooks)
+        padded_vocab_size=head.padded_vocab_size, head=head, plan_source=plan.source,
+        norm_duplicate_params={params[n] for n, s in replicated.items() if not s.is_first_replica(rank)}, rng=rng,
+        hooks=hooks)
+
+
+def _rng_hooks(model: nn.Module, plan: ModelTPPlan, rng: SplitRegionRNG, sequence_parallel: bool) -> list[Any]:
+    """Rank streams from each split region's entry to the start of its row layer (or its own exit);
+    under sequence parallelism also from the first block's entry to the last block's exit."""
+    spans = []  # (opener, modules whose start closes it, module whose end closes it)
+    for region in split_regions(plan):
+        rows = [model.get_submodule(n) for n, layer in plan.layers.items()
+                if layer.kind == "row" and n.rpartition(".")[0] == region]
+        spans.append((model.get_submodule(region), rows, model.get_submodule(region)))
+    if sequence_parallel:
+        blocks = fetch_unit_modules(model)
+        spans.append((blocks[0], [], blocks[-1]))
+    handles = []
+    for opener, starts, end in spans:
+        handles.append(opener.register_forward_pre_hook(rng.entry_hook(), with_kwargs=True))
+        handles += [m.register_forward_pre_hook(rng.exit_hook(opener)) for m in starts]
+        handles.append(end.register_forward_hook(rng.exit_hook(opener)))
+    return handles
+
+
+def _localize_attention(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout | None, world: int) -> None:
+    """Per-rank head counts on every attention module whose heads are split."""
+    for name in plan.attention_modules:
+        localize_head_counts(model.get_submodule(name), plan.divide_attrs.get(name, ()), layout, world)

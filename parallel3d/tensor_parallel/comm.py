@@ -151,10 +151,23 @@ def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> to
     return _ReduceScatterSeq.apply(x, group, dim)
 
 
-def all_reduce_grad_hook(group: ProcessGroup):
-    """A tensor hook that sums a gradient over ``group`` (for replicated params with partial grads)."""
+def all_reduce_grad_hook(group: ProcessGroup, piece: int = 0, pieces: int = 1):
+    """A tensor hook that sums a gradient over the ranks of ``group`` holding the same piece.
+
+    ``pieces == 1``: a plain all-reduce (replicated params with partial grads). Otherwise the
+    ranks hold ``pieces`` different tensors, each replicated on several ranks (key/value
+    heads when tp exceeds their count), and each is summed over its own holders: one
+    all-reduce over the whole group of a [pieces, ...] buffer in which every rank fills its
+    row. Why not a sub-group per piece: creating groups is a collective over the whole world,
+    and these tensors are small (kv projections).
+    """
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(grad, group)
+        if pieces == 1:
+            return _all_reduce(grad, group)
+        rows = grad.new_zeros((pieces, *grad.shape))
+        rows[piece] = grad
+        dist.all_reduce(rows, group=group)
+        return rows[piece]
 
     return hook

@@ -71,21 +71,27 @@ class ColumnParallelLinear(nn.Module):
     all-gather along dim 1, reduce-scatter backward) or ``"none"`` (done by the caller).
     ``gather_output`` all-gathers the features afterwards (HF's ``colwise_gather_output``).
     ``packed`` > 1 splits each of that many equal output blocks separately (GPT-2 q|k|v).
+    ``replicas`` > 1: that many consecutive ranks hold the same slice (key/value heads when
+    the tp size exceeds their count); their weight gradients are partial sums that
+    ``apply_tensor_parallel`` adds up over the replicas.
     """
 
     def __init__(self, full: nn.Module, group: ProcessGroup, *, input_comm: InputComm = "copy",
-                 gather_output: bool = False, packed: int = 1) -> None:
+                 gather_output: bool = False, packed: int = 1, replicas: int = 1) -> None:
         super().__init__()
         weight, bias, out_dim = _linear_parts(full)
         self.group, self.input_comm, self.gather_output, self.out_dim = group, input_comm, gather_output, out_dim
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.full_out_features = weight.shape[out_dim]
         self.in_features = weight.shape[1 - out_dim]
-        self.specs: dict[str, ShardSpec] = {"weight": make_spec(self.full_out_features, out_dim, world, packed=packed)}
+        if gather_output and replicas > 1:
+            raise ValueError("a column layer whose output is gathered cannot hold replicated slices")
+        self.specs: dict[str, ShardSpec] = {
+            "weight": make_spec(self.full_out_features, out_dim, world, packed=packed, replicas=replicas)}
         self.weight = _param(self.specs["weight"].shard(weight.detach(), rank, world), weight)
         self.out_features = self.weight.shape[out_dim]
         if bias is not None:
-            self.specs["bias"] = make_spec(self.full_out_features, 0, world, packed=packed)
+            self.specs["bias"] = make_spec(self.full_out_features, 0, world, packed=packed, replicas=replicas)
             self.bias = _param(self.specs["bias"].shard(bias.detach(), rank, world), bias)
         else:
             self.register_parameter("bias", None)

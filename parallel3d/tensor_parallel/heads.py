@@ -1,0 +1,119 @@
+"""Attention heads under tensor parallelism: how many each rank holds, and key/value replication.
+
+Each of the T ranks holds H/T query heads. Key/value heads: K/T per rank when T divides K.
+When T exceeds K (T a multiple of K) the kv heads are *replicated*, as Megatron and vLLM do:
+rank r holds kv head r // (T/K), the one its query heads use (query head h reads kv head
+h // (H/K), and rank r's H/T heads all fall into one such group). The key/value projections
+are then column layers whose slices are held by T/K consecutive ranks (``ShardSpec.replicas``);
+each rank's weight gradient comes from its own query heads only, so the gradient of a slice
+is the sum over the ranks that hold it, which ``apply_tensor_parallel`` adds with a hook.
+Multi-query attention (K = 1) is the case where every rank holds the one kv head.
+
+HF attention modules reshape with ``-1`` heads, so only the attributes that hold head counts
+or the query-per-kv group size (``num_key_value_groups``, read by transformers' sdpa/eager
+attention to repeat kv heads) have to become per-rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from models.tp_plans import ModelTPPlan
+from parallel3d.errors import ConfigError
+from parallel3d.tensor_parallel.layers import _linear_parts
+
+KV_COUNT_ATTRS = ("num_key_value_heads", "num_kv_heads")
+Q_COUNT_ATTRS = ("num_heads", "num_attention_heads")
+
+
+@dataclass(frozen=True)
+class HeadLayout:
+    """Head counts of the full model and how T ranks share them."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    world: int
+
+    @property
+    def kv_replicas(self) -> int:
+        """How many consecutive ranks hold each kv head (1 when T divides K)."""
+        return self.world // self.kv_heads if self.kv_heads < self.world else 1
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.world
+
+    @property
+    def local_kv_heads(self) -> int:
+        return self.kv_heads // self.world if self.kv_heads >= self.world else 1
+
+
+def head_layout(model: nn.Module, plan: ModelTPPlan, world: int) -> HeadLayout | None:
+    """The model's head layout over ``world`` ranks (None when the plan splits no heads).
+
+    Raises ``ConfigError`` when the heads do not split: T must divide H, and T must divide K
+    or be a multiple of it.
+    """
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cls = type(model).__name__
+    heads = getattr(cfg, "num_attention_heads", None)
+    if not plan.heads_sharded or not isinstance(heads, int):
+        return None
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % world:
+        raise ConfigError(f"tensor_parallel.size={world} must divide num_attention_heads={heads} of {cls} "
+                          f"(each rank holds whole heads)")
+    if kv % world and world % kv:
+        raise ConfigError(f"tensor_parallel.size={world} must divide num_key_value_heads={kv} of {cls} or be a "
+                          f"multiple of it (num_attention_heads={heads}; each rank holds whole key/value heads, "
+                          f"replicated when the tp size exceeds their count)")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return HeadLayout(heads=heads, kv_heads=kv, head_dim=head_dim, world=world)
+
+
+def kv_projections(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout) -> set[str]:
+    """The column layers to replicate: those of attention modules that output K * head_dim features.
+
+    Empty unless T exceeds K. An attention module that splits heads but has no such layer
+    (a fused q|k|v projection) cannot replicate its kv heads: ``ConfigError``.
+    """
+    if layout.kv_replicas == 1:
+        return set()
+    found = set()
+    for attention in sorted(plan.attention_modules):
+        columns = [n for n, layer in plan.layers.items()
+                   if layer.kind == "column" and not layer.gather_output and n.rpartition(".")[0] == attention]
+        kv = []
+        for name in columns:
+            weight, _, out_dim = _linear_parts(model.get_submodule(name))
+            if weight.shape[out_dim] == layout.kv_heads * layout.head_dim and plan.layers[name].packed == 1:
+                kv.append(name)
+        if not kv:
+            raise ConfigError(
+                f"{type(model).__name__}: tensor_parallel.size={layout.world} exceeds num_key_value_heads="
+                f"{layout.kv_heads}, so key/value heads must be replicated, but {attention} has no separate key/value "
+                f"projection with {layout.kv_heads} x {layout.head_dim} outputs among its column layers {columns}")
+        found.update(kv)
+    return found
+
+
+def localize_head_counts(module: nn.Module, attrs: tuple[str, ...], layout: HeadLayout | None, world: int) -> None:
+    """Make an attention module's head-count attributes per-rank (``attrs``: those it has).
+
+    Query-head counts become H/T, kv-head counts K/T (1 when replicated), the group size
+    ``num_key_value_groups`` their ratio; any other listed attribute (GPT-2's ``split_size``,
+    ``embed_dim``) is divided by T.
+    """
+    for attr in attrs:
+        if layout is not None and attr in Q_COUNT_ATTRS:
+            value = layout.local_heads
+        elif layout is not None and attr in KV_COUNT_ATTRS:
+            value = layout.local_kv_heads
+        else:
+            value = getattr(module, attr) // world
+        setattr(module, attr, value)
+    if layout is not None and isinstance(getattr(module, "num_key_value_groups", None), int):
+        module.num_key_value_groups = layout.local_heads // layout.local_kv_heads
