@@ -103,6 +103,8 @@ CASES = {
                                              {"stage": 0, "pp": 2, "tp": 2, "schedule": "interleaved_1f1b",
                                               "virtual": 2}),
     "dp4-z3 -> dp2-z3": ("llama", 4, {"stage": 3}, 2, {"stage": 3}),
+    # 2 kv heads on 4 tp ranks: each kv head held by two ranks, written once
+    "tp4 (kv heads replicated)-z1 -> dp2-z2": ("llama", 4, {"stage": 1, "tp": 4}, 2, {"stage": 2}),
 }
 
 
