@@ -77,6 +77,8 @@ def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
         if not p.requires_grad:
             continue
         spec, save = specs.get(name), True
+        if spec is not None and not spec.is_first_replica(engine.mesh.local_rank("tp")):
+            save = False  # a replicated kv head: its first holder writes it (ZeRO may cut the copies differently)
         if p in tied and not tied[p].first:
             name, save = next(n for n in tied[p].names if n != name), False
         out[p] = ParamEntry(name, spec, save)
@@ -426,11 +428,10 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[s
     engine.global_steps = int(manifest["global_steps"])
     engine.global_samples = int(manifest["global_samples"])
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
-    rngs = manifest["rng"]
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if len(rngs) == world:
+    rngs, mesh = manifest["rng"], engine.mesh
+    written = manifest["written_by"]
+    if [written["pp"], written["dp"], written["tp"]] == [mesh.pp, mesh.dp, mesh.tp] and len(rngs) == mesh.world_size:
         _set_rng_state(rngs[_rank()])
     else:
-        logger.info("checkpoint %s was written by %d processes, this run has %d: RNG states not restored",
-                    path, len(rngs), world)
+        logger.info("checkpoint %s was written on another pp x dp x tp layout: RNG states not restored", path)
     return str(path), decode_value(manifest["client_state"]) or {}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint import MANIFEST, read_manifest
+from parallel3d.checkpoint import MANIFEST, check_tag, read_manifest
 from parallel3d.checkpoint_storage import read_chunk, read_metadata
 from parallel3d.errors import ConfigError
 
@@ -44,12 +44,12 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     (its newest tag) or a run dir containing ``checkpoints/``."""
     p = Path(path)
     if p.is_file() and p.name == "latest":
-        p = p.parent / p.read_text().strip()
+        p = p.parent / check_tag(p.read_text().strip())
     elif p.is_dir() and not (p / MANIFEST).is_file():
         if (p / "checkpoints" / "latest").is_file():
             p = p / "checkpoints"
         if (p / "latest").is_file():
-            p = p / (p / "latest").read_text().strip()
+            p = p / check_tag((p / "latest").read_text().strip())
     if not p.exists():
         raise ConfigError(f"checkpoint {path} does not exist" + (f" (resolved to {p})" if str(p) != str(path) else ""))
     if not p.is_dir():

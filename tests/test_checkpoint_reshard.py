@@ -25,6 +25,8 @@ SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_l
 
 
 def _model(kind: str, seed: int):
+    if kind == "llama-mqa":  # one key/value head: every tp rank holds a replica of it
+        return make_model("llama", seed=seed, num_hidden_layers=LAYERS, num_key_value_heads=1)
     return make_model(kind, seed=seed, **({"num_hidden_layers": LAYERS} if kind == "llama" else {"n_layer": LAYERS}))
 
 
@@ -105,6 +107,8 @@ CASES = {
     "dp4-z3 -> dp2-z3": ("llama", 4, {"stage": 3}, 2, {"stage": 3}),
     # 2 kv heads on 4 tp ranks: each kv head held by two ranks, written once
     "tp4 (kv heads replicated)-z1 -> dp2-z2": ("llama", 4, {"stage": 1, "tp": 4}, 2, {"stage": 2}),
+    # ZeRO cuts the replicas of the one kv head differently on the two tp ranks: one writes it
+    "tp2xdp2 (one kv head)-z2 -> 1 process": ("llama-mqa", 4, {"stage": 2, "tp": 2}, 1, {"stage": 2}),
 }
 
 

@@ -30,6 +30,7 @@ from zero.stage3 import ParamFetcher
 
 logger = logging.getLogger(__name__)
 
+_IMPLEMENTATION_OPTIONS = frozenset({"fused", "capturable", "foreach", "differentiable"})
 OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
 ValueProvider = Callable[[dict[nn.Parameter, tuple[int, int, torch.Tensor]]], None]
 
@@ -417,6 +418,8 @@ class ZeroOptimizer:
                              f"{len(self.inner.param_groups)}")
         for group, saved in zip(self.inner.param_groups, groups):
             for key, value in saved.items():
+                if key in _IMPLEMENTATION_OPTIONS:
+                    continue  # how this run computes the step, not training state
                 group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         self.loss_scaler.load_state_dict(state["loss_scaler"])
         self.skipped_steps = int(state["skipped_steps"])
