@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d.checkpoint_chunks import Chunk, piece_chunks
-from parallel3d.checkpoint_storage import load_chunks, read_metadata, save_chunks
+from parallel3d.checkpoint_storage import DTYPES_BY_NAME, load_chunks, read_metadata, save_chunks, write_json_atomically
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
@@ -96,31 +96,42 @@ def _state_index(metadata) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, 
     return out
 
 
-def _state_chunks(engine, *, saving: bool, metadata=None) -> tuple[list[Chunk], list[dict]]:
-    """Chunks of masters and optimizer states for this rank; on load also the fresh state tensors."""
-    zero = engine.optimizer
+def _pieces(engine):
+    """``(entry, master piece, chunks_of)`` per piece of this rank; ``chunks_of(name, flat)`` maps a
+    1-D tensor laid out like the piece to its chunks of the global tensor ``name``."""
     entries = param_entries(engine)
     tp_rank, tp = engine.mesh.local_rank("tp"), engine.mesh.tp
-    chunks: list[Chunk] = []
-    states = zero.piece_states() if saving else []
-    saved_states = _state_index(metadata) if not saving else {}
-    for i, (param, first, master, shape) in enumerate(zero.piece_params()):
+    for param, first, master, shape in engine.optimizer.piece_params():
         e = entries[param]
 
-        def chunks_of(name: str, flat: torch.Tensor) -> list[Chunk]:
+        def chunks_of(name: str, flat: torch.Tensor, e=e, first=first, shape=shape) -> list[Chunk]:
             return piece_chunks(name, flat, first, shape, e.global_shape(shape), e.spec, tp_rank, tp)
 
-        if saving:
-            if e.save:
-                chunks += chunks_of(f"model/{e.name}", master.detach())
-                for key, value in states[i].items():
-                    chunks += _state_value_chunks(key, value, e, master, chunks_of)
-            continue
+        yield e, master, chunks_of
+
+
+def _chunks_to_save(engine) -> list[Chunk]:
+    """This rank's chunks of masters and optimizer states (each written by one holder)."""
+    chunks: list[Chunk] = []
+    for (e, master, chunks_of), state in zip(_pieces(engine), engine.optimizer.piece_states(), strict=True):
+        if e.save:
+            chunks += chunks_of(f"model/{e.name}", master.detach())
+            for key, value in state.items():
+                chunks += _state_value_chunks(key, value, e, master, chunks_of)
+    return chunks
+
+
+def _chunks_to_load(engine, metadata) -> tuple[list[Chunk], list[dict]]:
+    """Chunks that load into the masters in place and into fresh optimizer states (returned per piece)."""
+    saved_states = _state_index(metadata)
+    chunks: list[Chunk] = []
+    states = []
+    for e, master, chunks_of in _pieces(engine):
         chunks += chunks_of(f"model/{e.name}", master.data)
         state = {}
         for key, (dtype, size) in saved_states.get(e.name, {}).items():
             if size == ():
-                value = torch.zeros((), dtype=dtype, device=_scalar_device(zero, master))
+                value = torch.zeros((), dtype=dtype, device=_scalar_device(engine.optimizer, master))
                 chunks.append(Chunk(f"optim/{key}/{e.name}", (), (), (), value))
             else:
                 value = torch.zeros(master.shape, dtype=dtype, device=master.device)
@@ -174,6 +185,9 @@ def encode_value(value, where: str):
         return {k: encode_value(v, f"{where}[{k!r}]") for k, v in value.items()}
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu().contiguous()
+        if str(t.dtype).removeprefix("torch.") not in DTYPES_BY_NAME:
+            raise ConfigError(f"{where} is a tensor of dtype {t.dtype}; a checkpoint stores tensors of "
+                              f"{', '.join(sorted(DTYPES_BY_NAME))}")
         return {"__tensor__": base64.b64encode(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").decode(),
                 "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
     raise ConfigError(f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which a checkpoint cannot "
@@ -185,7 +199,7 @@ def decode_value(value):
         return [decode_value(v) for v in value]
     if isinstance(value, dict):
         if "__tensor__" in value:
-            dtype = getattr(torch, value["dtype"])
+            dtype = DTYPES_BY_NAME[value["dtype"]]
             raw = bytearray(base64.b64decode(value["__tensor__"]))
             flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
             return flat.view(dtype).reshape(value["shape"]).clone()
@@ -233,15 +247,6 @@ def _gather_to_rank0(value, group: dist.ProcessGroup | None = None) -> list | No
     return out
 
 
-def _write_json(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-
-
 def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict,
          group: dist.ProcessGroup | None = None, in_background: bool = False) -> tuple[str, BackgroundSave | None]:
     """Save ``engine``'s state and ``client_state`` (rank 0's is kept); returns the tag written.
@@ -265,7 +270,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dic
         "written_by": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "zero_stage": engine.optimizer.settings.stage,
                        "train_batch_size": engine.config.train_batch_size},
     }
-    chunks, _ = _state_chunks(engine, saving=True)  # refuses unstorable optimizer state before any collective
+    chunks = _chunks_to_save(engine)  # refuses unstorable optimizer state before any collective
     hf_config = getattr(engine.module, "config", None)
     config_json = hf_config.to_json_string() if hasattr(hf_config, "to_json_string") else None
     manifest["rng"] = _gather_to_rank0(_rng_state(), group)
@@ -309,7 +314,7 @@ def _write(root: Path, tag: str, chunks: list[Chunk], manifest: dict, config_jso
     if _rank() == 0:
         if config_json is not None:
             (tmp / "config.json").write_text(config_json)
-        _write_json(tmp / MANIFEST, manifest)
+        write_json_atomically(tmp / MANIFEST, manifest)
         _publish(root, tmp, final, tag)
     _barrier(group)
 
@@ -416,7 +421,7 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[s
     if extra := sorted(saved - _names_everywhere(engine)):
         raise ConfigError(f"checkpoint {path} holds parameters this model lacks ({', '.join(extra[:5])}"
                           f"{', ...' if len(extra) > 5 else ''}): it was written for another model")
-    chunks, states = _state_chunks(engine, saving=False, metadata=metadata)
+    chunks, states = _chunks_to_load(engine, metadata)
     with torch.no_grad():
         load_chunks(path, chunks, None)
     zero = engine.optimizer

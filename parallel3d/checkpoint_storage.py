@@ -47,7 +47,7 @@ from parallel3d.errors import ConfigError
 
 METADATA_FILE = "dcp.json"
 FORMAT = "zero3d-dcp-json/1"
-_DTYPES = {str(t).removeprefix("torch."): t for t in (
+DTYPES_BY_NAME = {str(t).removeprefix("torch."): t for t in (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
     torch.int8, torch.uint8, torch.bool)}
 
@@ -59,6 +59,16 @@ class CorruptCheckpointError(ConfigError):
 @dataclasses.dataclass
 class _CheckedStorageInfo(_StorageInfo):
     crc32: int = 0
+
+
+def write_json_atomically(path: Path, doc: dict) -> None:
+    """Write ``doc`` to a temporary sibling, fsync it, and rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
 
 
 def _crc(path: Path, offset: int, length: int) -> int:
@@ -109,7 +119,7 @@ def metadata_from_json(doc: dict, where: Path) -> Metadata:
                 chunks.append(ChunkStorageMetadata(offsets, sizes))
                 storage[MetadataIndex(fqn, offsets)] = _CheckedStorageInfo(
                     file, int(c["offset"]), int(c["length"]), None, int(c["crc32"]))
-            state[fqn] = TensorStorageMetadata(TensorProperties(dtype=_DTYPES[t["dtype"]]),
+            state[fqn] = TensorStorageMetadata(TensorProperties(dtype=DTYPES_BY_NAME[t["dtype"]]),
                                                torch.Size(map(int, t["size"])), chunks)
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"{where} is not a valid zero3d checkpoint metadata file: {exc!r}") from None
@@ -158,12 +168,7 @@ class _Writer(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        tmp = Path(self.path) / f".{METADATA_FILE}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(metadata_to_json(metadata), f)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(Path(self.path) / METADATA_FILE)
+        write_json_atomically(Path(self.path) / METADATA_FILE, metadata_to_json(metadata))
 
 
 class _Reader(FileSystemReader):
