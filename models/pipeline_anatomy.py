@@ -1,158 +1,185 @@
-"""Pipeline anatomy of Hugging Face causal LMs: where each part lives and how to call it.
+"""Pipeline anatomy of Hugging Face causal LMs, read from the model's own metadata.
 
-A pipeline stage runs a slice of the model outside HF's own ``forward``, so it needs, per
-family: the input embedding(s), the repeated block list, the final norm, the head, the rotary
-embedding module (``None`` where positions are learned), and how a block is called. Masks and
-positions are rebuilt on every stage from the micro-batch (never sent between stages):
+A pipeline stage runs a slice of the model outside HF's ``forward``. What it needs:
 
-* position ids: ``arange(seq)`` unless the batch brings its own (HF's default without a cache);
-* causal mask: ``transformers.masking_utils.create_causal_mask`` with the stage's hidden
-  states as ``inputs_embeds`` (shape, dtype and device are all it reads). With sdpa and no
-  padding it returns ``None`` (= "use is_causal"), with eager an additive float mask; the
-  attention code consumes whichever it gets, so eager and sdpa both stay right. Models with
-  ``config.layer_types`` (Qwen2's optional sliding window) get one mask per layer type;
-* rotary embeddings: the base model's rotary module, called once per stage forward.
+* **where the parts live**: the config's ``base_model_pp_plan`` (transformers ships it on most
+  decoder-only families) lists the base model's top-level modules in order with their
+  inputs and outputs; the entry whose module is the block list (input ``hidden_states``,
+  output ``hidden_states`` only) splits it into the first stage's modules (embedding, its
+  dropout) and the last stage's (final norm). The head is ``model.get_output_embeddings()``.
+  Parameter-free modules of the base model outside the plan (the rotary table) are kept by
+  every stage. Models without a plan get a declared one here (:data:`DECLARED_PLANS`);
+* **how to call them**: the model's own ``forward`` code, cut into pieces
+  (:mod:`models.stage_program`), so masks per layer type, rotary tables, embedding scales,
+  logit soft-capping and logit scales are computed by HF's code, not by a copy of it.
 
-This module only describes and adapts; it imports no parallel code (``models`` sits below
-``parallel3d``). Problems are :class:`AnatomyError`; callers turn them into ``ConfigError``.
+Refused, with the reason (:class:`AnatomyError`): no plan and no declared one; a base model
+with parameters outside the plan (they belong to no stage); blocks whose class is not named
+in ``_no_split_modules``; and whatever :mod:`models.stage_program` cannot cut. This module only
+describes and adapts; it imports no parallel code. Callers turn the error into ``ConfigError``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = [
-    "SUPPORTED_FAMILIES", "AnatomyError", "PipelineAnatomy", "build_masks", "call_block", "default_position_ids",
-    "embed", "pipeline_anatomy",
-]
+from models.forward_source import SourceError
+from models.stage_program import BaseProgram, HeadProgram
+
+__all__ = ["DECLARED_PLANS", "AnatomyError", "PipelineAnatomy", "causal_lm_class_name", "pipeline_anatomy"]
 
 
 class AnatomyError(ValueError):
-    """The model cannot be split: an unsupported family or an unexpected layout."""
+    """The model cannot be split: no plan, an unexpected layout, or a forward the pipeline
+    cannot reproduce."""
 
 
-@dataclass(frozen=True)
+_Plan = dict[str, tuple[list[str], list[str]]]
+
+# base_model_pp_plan for families whose config has none (same format as HF's)
+DECLARED_PLANS: dict[str, _Plan] = {
+    "gpt2": {
+        "wte": (["input_ids"], ["inputs_embeds"]),
+        "wpe": (["position_ids"], ["position_embeds"]),
+        "drop": (["hidden_states"], ["hidden_states"]),
+        "h": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "ln_f": (["hidden_states"], ["hidden_states"]),
+    },
+    "stablelm": {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    },
+}
+
+
+@dataclass(frozen=True, eq=False)
 class PipelineAnatomy:
-    """Dotted paths (from the ``*ForCausalLM`` root) of the parts a pipeline splits.
+    """Dotted paths (from the ``*ForCausalLM`` root) of the parts a pipeline splits, and the
+    programs that run them.
 
-    ``embeddings`` maps a short role name to a module path (``tokens``; GPT-2 also
-    ``positions``), ``embed_dropout`` is applied after the embedding sum (``None`` if the
-    family has none), ``rotary`` is ``None`` for learned positions, ``head`` is the output
-    projection whose weight may be tied to ``embeddings["tokens"]``.
+    ``first`` and ``last`` map plan names to paths (``{"embed_tokens": "model.embed_tokens"}``,
+    ``{"norm": "model.norm"}``; ``last`` also holds ``"head"``), ``shared`` the parameter-free
+    modules every stage keeps. ``base`` is the base model's path.
     """
 
     family: str
-    embeddings: dict[str, str]
+    base: str
+    first: dict[str, str]
     blocks: str
-    final_norm: str
-    head: str
-    rotary: str | None
-    embed_dropout: str | None = None
+    last: dict[str, str]
+    shared: dict[str, str]
+    base_program: BaseProgram
+    head_program: HeadProgram
 
-    def module_paths(self) -> dict[str, str | None]:
-        return {**{f"embed_{k}": v for k, v in self.embeddings.items()}, "blocks": self.blocks,
-                "final_norm": self.final_norm, "head": self.head, "rotary": self.rotary,
-                "embed_dropout": self.embed_dropout}
+    @property
+    def head(self) -> str:
+        return self.last["head"]
 
 
-_ANATOMIES: dict[str, PipelineAnatomy] = {
-    "llama": PipelineAnatomy("llama", {"tokens": "model.embed_tokens"}, "model.layers", "model.norm", "lm_head",
-                             "model.rotary_emb"),
-    "qwen2": PipelineAnatomy("qwen2", {"tokens": "model.embed_tokens"}, "model.layers", "model.norm", "lm_head",
-                             "model.rotary_emb"),
-    "gpt_neox": PipelineAnatomy("gpt_neox", {"tokens": "gpt_neox.embed_in"}, "gpt_neox.layers",
-                                "gpt_neox.final_layer_norm", "lm_head", "gpt_neox.rotary_emb",
-                                embed_dropout="gpt_neox.emb_dropout"),
-    "gpt2": PipelineAnatomy("gpt2", {"tokens": "transformer.wte", "positions": "transformer.wpe"}, "transformer.h",
-                            "transformer.ln_f", "lm_head", None, embed_dropout="transformer.drop"),
-}
-_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gpt_neox": "GPTNeoXForCausalLM",
-            "gpt2": "GPT2LMHeadModel"}
-SUPPORTED_FAMILIES = tuple(_ANATOMIES)
+def causal_lm_class_name(model_type: str) -> str | None:
+    """The class transformers maps ``model_type`` to for causal language modelling."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+def _describe(model: nn.Module) -> str:
+    return f"{type(model).__name__} (model_type={getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str | None:
+    return next((name for name, m in model.named_modules() if m is module), None)
+
+
+def _base_model(model: nn.Module, what: str) -> tuple[str, nn.Module]:
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(base, nn.Module) or head is None:
+        wanted = causal_lm_class_name(getattr(model.config, "model_type", ""))
+        raise AnatomyError(f"{what} is not a causal LM with a head; pipeline parallelism splits the "
+                           f"*ForCausalLM class{f' ({wanted})' if wanted else ''}")
+    return prefix, base
+
+
+def _split_plan(plan: _Plan, base: nn.Module, what: str) -> tuple[list[str], str, list[str]]:
+    """(first-stage names, the block list's name, last-stage names) of a plan."""
+    names = list(plan)
+    blocks = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+    if len(blocks) != 1:
+        raise AnatomyError(f"{what}: its pipeline plan {names} names {len(blocks)} block lists; expected one")
+    name = blocks[0]
+    inputs, outputs = plan[name]
+    if list(outputs) != ["hidden_states"] or not inputs or inputs[0] != "hidden_states":
+        raise AnatomyError(f"{what}: its blocks ({name}) take {list(inputs)} and give {list(outputs)}; the pipeline "
+                           "passes only hidden_states between stages")
+    for n in names:
+        if not isinstance(getattr(base, n, None), nn.Module):
+            raise AnatomyError(f"{what}: its pipeline plan names {n!r}, which is not a module of "
+                               f"{type(base).__name__}")
+    k = names.index(name)
+    return names[:k], name, names[k + 1:]
+
+
+def _check_blocks(model: nn.Module, blocks: nn.ModuleList, what: str) -> None:
+    allowed = set(getattr(model, "_no_split_modules", None) or ())
+    kinds = sorted({type(b).__name__ for b in blocks})
+    if allowed and not set(kinds) <= allowed:
+        raise AnatomyError(f"{what}: its blocks are {kinds}, not the block classes it names in _no_split_modules "
+                           f"({sorted(allowed)})")
+
+
+def _outside(model: nn.Module, owned: list[str]) -> list[str]:
+    return [n for n, _ in model.named_parameters(remove_duplicate=False)
+            if not any(n.startswith(p + ".") for p in owned)]
 
 
 def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
-    """The anatomy of ``model`` (a ``*ForCausalLM``); :class:`AnatomyError` if unsupported."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    supported = ", ".join(f"{f} ({c})" for f, c in _CLASSES.items())
-    anatomy = _ANATOMIES.get(model_type)
-    if anatomy is None:
-        raise AnatomyError(f"pipeline parallelism does not support {type(model).__name__} "
-                           f"(model_type={model_type!r}); supported families: {supported}")
-    if anatomy.family == "gpt_neox" and not hasattr(model, "lm_head") and hasattr(model, "embed_out"):
-        anatomy = replace(anatomy, head="embed_out")  # transformers 4.x name
-    for role, path in anatomy.module_paths().items():
-        if path is None:
-            continue
-        try:
-            model.get_submodule(path)
-        except AttributeError:
-            raise AnatomyError(f"{type(model).__name__} (model_type={model_type!r}) has no {role} module at "
-                               f"{path!r}; pipeline parallelism needs the causal-LM class: {supported}") from None
-    if not isinstance(model.get_submodule(anatomy.blocks), nn.ModuleList):
-        raise AnatomyError(f"{type(model).__name__}: {anatomy.blocks!r} is not a ModuleList of blocks")
-    config = model.config
-    if anatomy.family == "gpt2" and getattr(config, "add_cross_attention", False):
-        raise AnatomyError("GPT-2 with cross attention (add_cross_attention=True) cannot be pipelined")
-    return anatomy
+    """The anatomy of ``model`` (a ``*ForCausalLM``); :class:`AnatomyError` if it cannot be split."""
+    what = _describe(model)
+    config = getattr(model, "config", None)
+    family = getattr(config, "model_type", None)
+    plan = getattr(config, "base_model_pp_plan", None) or DECLARED_PLANS.get(family)
+    if not plan:
+        raise AnatomyError(
+            f"pipeline parallelism does not support {what}: its config has no base_model_pp_plan and zero3d declares "
+            f"none; supported: every family whose config ships base_model_pp_plan, and {', '.join(DECLARED_PLANS)}")
+    prefix, base = _base_model(model, what)
+    first, blocks_name, last = _split_plan(plan, base, what)
+    blocks = getattr(base, blocks_name)
+    _check_blocks(model, blocks, what)
+    head_path = _path_of(model, model.get_output_embeddings())
+    paths = {n: f"{prefix}.{n}" for n in (*first, blocks_name, *last)}
+    shared = {n: f"{prefix}.{n}" for n, m in base.named_children()
+              if n not in paths and m is not None and not any(True for _ in m.parameters())}
+    outside = _outside(model, [*paths.values(), head_path])
+    if outside:
+        raise AnatomyError(f"{what}: parameters {outside[:3]}{' ...' if len(outside) > 3 else ''} lie outside its "
+                           "pipeline plan and head, so no stage would hold them")
+    try:
+        base_program = BaseProgram(type(base), blocks_name, set(first))
+        head_program = HeadProgram(type(model), prefix)
+        head_program.check(model)
+        base_program.check(base, blocks, config.hidden_size, _dtype(base), _device(model))
+    except SourceError as exc:
+        raise AnatomyError(f"pipeline parallelism does not support {what}: {exc}") from None
+    return PipelineAnatomy(
+        family=family, base=prefix, first={n: paths[n] for n in first}, blocks=paths[blocks_name],
+        last={**{n: paths[n] for n in last}, "head": head_path}, shared=shared, base_program=base_program,
+        head_program=head_program)
 
 
-def default_position_ids(batch: int, seq: int, device: torch.device) -> torch.Tensor:
-    """HF's default without a cache: ``arange(seq)`` with a batch dimension of 1."""
-    return torch.arange(seq, device=device).unsqueeze(0)
+def _dtype(base: nn.Module) -> torch.dtype:
+    return next((p.dtype for p in base.parameters() if p.is_floating_point()), torch.get_default_dtype())
 
 
-def embed(anatomy: PipelineAnatomy, modules: dict[str, nn.Module], input_ids: torch.Tensor,
-          position_ids: torch.Tensor) -> torch.Tensor:
-    """The hidden states entering the first block (``modules`` maps role names of
-    ``anatomy.embeddings`` plus ``embed_dropout`` to the stage's modules)."""
-    hidden = modules["tokens"](input_ids)
-    if "positions" in modules:  # GPT-2: learned absolute positions
-        hidden = hidden + modules["positions"](position_ids).to(hidden.device)
-    if modules.get("embed_dropout") is not None:
-        hidden = modules["embed_dropout"](hidden)
-    return hidden
-
-
-def build_masks(config: Any, hidden: torch.Tensor, attention_mask: torch.Tensor | None,
-                position_ids: torch.Tensor) -> dict[str, Any]:
-    """Causal masks by layer type, built as the HF base model does (no cache).
-
-    Returns ``{"full_attention": mask}`` plus ``"sliding_attention"`` when the config lists
-    sliding layers. A mask may be ``None``: sdpa then runs with ``is_causal``.
-    """
-    from transformers.masking_utils import create_causal_mask
-
-    if attention_mask is not None and attention_mask.ndim < 4:
-        attention_mask = attention_mask.view(hidden.shape[0], -1)
-    kwargs = dict(config=config, inputs_embeds=hidden, attention_mask=attention_mask, past_key_values=None,
-                  position_ids=position_ids)
-    masks = {"full_attention": create_causal_mask(**kwargs)}
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        from transformers.masking_utils import create_sliding_window_causal_mask
-
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-    return masks
-
-
-def layer_type(config: Any, layer_index: int) -> str:
-    types = getattr(config, "layer_types", None)
-    return types[layer_index] if types else "full_attention"
-
-
-def call_block(anatomy: PipelineAnatomy, block: nn.Module, hidden: torch.Tensor, mask: Any,
-               position_embeddings: Any, position_ids: torch.Tensor) -> torch.Tensor:
-    """Run one block as its base model does (no cache); returns the hidden states."""
-    if anatomy.family == "gpt2":
-        out = block(hidden, None, mask, None, encoder_attention_mask=None, use_cache=False, position_ids=position_ids)
-    elif anatomy.family == "gpt_neox":
-        out = block(hidden, attention_mask=mask, position_ids=position_ids, layer_past=None, use_cache=False,
-                    position_embeddings=position_embeddings)
-    else:  # llama, qwen2
-        out = block(hidden, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
-                    past_key_values=None, use_cache=False)
-    return out[0] if isinstance(out, tuple) else out
+def _device(model: nn.Module) -> torch.device:
+    tensor: Any = next(model.buffers(), None)
+    if tensor is None:
+        tensor = next(model.parameters(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")

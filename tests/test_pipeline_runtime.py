@@ -15,23 +15,11 @@ import pytest
 import torch
 
 from parallel3d.errors import ConfigError
-from tests.tiny_pp import FAMILIES, LAYERS, make_pp_model, micro_batches, oracle
+from tests.tiny_pp import FAMILIES, LAYERS, make_pp_model, micro_batches, oracle, pp_group, rel_error
 
 RTOL = 1e-5
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
 M = 4  # micro-batches: a multiple of P for interleaving, >= P for 1f1b / zb_h1
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
-
-
-def _pp_group(pp: int):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dp = dist.get_world_size() // pp
-    return init_device_mesh("cpu", (pp, dp, 1), mesh_dim_names=("pp", "dp", "tp"))["pp"].get_group()
 
 
 def parity(kind: str, pp: int, attn: str, schedules: tuple[str, ...]) -> dict:
@@ -41,7 +29,7 @@ def parity(kind: str, pp: int, attn: str, schedules: tuple[str, ...]) -> dict:
     from parallel3d.pipeline.executor import PipelineExecutor
     from parallel3d.pipeline.stage import split_model
 
-    group = _pp_group(pp)
+    group = pp_group(pp)
     rank = dist.get_rank(group)
     ref = make_pp_model(kind, attn=attn)
     batches = micro_batches(M)
@@ -56,8 +44,8 @@ def parity(kind: str, pp: int, attn: str, schedules: tuple[str, ...]) -> dict:
             if p.grad is None:
                 missing.append(name)
             else:
-                errors[name] = _rel(p.grad, want[name])
-        tied = {t.name: _rel(t.param.grad, want[t.name]) for t in pipe.tied}
+                errors[name] = rel_error(p.grad, want[name])
+        tied = {t.name: rel_error(t.param.grad, want[t.name]) for t in pipe.tied}
         out[schedule] = {"loss": loss.item(), "want": want_loss, "errors": errors, "missing": missing,
                          "tied": tied, "names": sorted(errors) + missing}
     return out
@@ -100,7 +88,7 @@ def extras(tmp: str) -> dict:
     from parallel3d.pipeline.stage import split_model
 
     out: dict = {}
-    group = _pp_group(2)
+    group = pp_group(2)
     rank = dist.get_rank(group)
     ref = make_pp_model("gpt2")
     batches = micro_batches(M)
@@ -123,15 +111,15 @@ def extras(tmp: str) -> dict:
         # a second step accumulates into .grad; the tied copies stay bitwise equal
         ex.run(batches)
         out[schedule]["tied_grad"] = [t.param.grad.clone() for t in pipe.tied]
-        out[schedule]["grad2"] = max(_rel(p.grad, 2 * want[n]) for n, p in pipe.hf_named_parameters())
+        out[schedule]["grad2"] = max(rel_error(p.grad, 2 * want[n]) for n, p in pipe.hf_named_parameters())
         out[schedule]["eval"] = ex.evaluate(batches).item()
 
     # P = 1 (pp groups of one rank): interleaved chunks hand over locally, the tie stays one tensor
-    solo = _pp_group(1)
+    solo = pp_group(1)
     pipe = split_model(copy.deepcopy(ref), 1, 0, virtual_stages=2)
     loss = PipelineExecutor(pipe, solo, "interleaved_1f1b").run(batches)
     out["solo"] = {"loss": loss.item(), "tied": len(pipe.tied),
-                   "err": max(_rel(p.grad, want[n]) for n, p in pipe.hf_named_parameters())}
+                   "err": max(rel_error(p.grad, want[n]) for n, p in pipe.hf_named_parameters())}
     out["want"] = want_loss
 
     # bad input to the executor, before any communication
@@ -285,10 +273,12 @@ def test_bad_split_input():
         (lambda: split_model(make_pp_model("llama"), 2, 2), "pipeline rank must be in [0, 2), got 2"),
         (lambda: split_model(OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=2,
                                                       num_attention_heads=2, word_embed_proj_dim=16)), 2, 0),
-         "pipeline parallelism does not support OPTForCausalLM (model_type='opt'); supported families: llama "
-         "(LlamaForCausalLM), qwen2 (Qwen2ForCausalLM), gpt_neox (GPTNeoXForCausalLM), gpt2 (GPT2LMHeadModel)"),
+         "pipeline parallelism does not support OPTForCausalLM (model_type='opt'): its config has no "
+         "base_model_pp_plan and zero3d declares none; supported: every family whose config ships "
+         "base_model_pp_plan, and gpt2, stablelm"),
         (lambda: split_model(make_pp_model("llama").model, 2, 0),
-         "LlamaModel (model_type='llama') has no embed_tokens module at 'model.embed_tokens'"),
+         "LlamaModel (model_type='llama') is not a causal LM with a head; pipeline parallelism splits the "
+         "*ForCausalLM class (LlamaForCausalLM)"),
     ]
     for make, message in cases:
         with pytest.raises(ConfigError) as info:
@@ -319,4 +309,4 @@ def test_stages_chained_by_hand_match_hf_with_sliding_window_layers():
         for pipe in pipes:
             for name, p in pipe.hf_named_parameters():
                 if not any(t.param is p for t in pipe.tied):  # the tie is summed by the executor
-                    assert _rel(p.grad, want[name]) < RTOL, name
+                    assert rel_error(p.grad, want[name]) < RTOL, name

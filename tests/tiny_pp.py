@@ -79,11 +79,30 @@ def oracle(model: torch.nn.Module, batches: list[dict]) -> tuple[float, dict[str
     """Single process: mean micro-batch loss and the gradient of it, by HF parameter name
     (every alias of a tied tensor listed)."""
     model.zero_grad(set_to_none=True)
+    loss = accumulate(model, batches)
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    model.zero_grad(set_to_none=True)
+    return loss, grads
+
+
+def accumulate(model: torch.nn.Module, batches: list[dict]) -> float:
+    """Backward of the mean micro-batch loss (into ``.grad``); returns that mean."""
     total = 0.0
     for mb in batches:
         loss = model(**mb).loss
         (loss / len(batches)).backward()
         total += loss.item()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    model.zero_grad(set_to_none=True)
-    return total / len(batches), grads
+    return total / len(batches)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def pp_group(pp: int):
+    """The pp group of a (pp, world / pp, 1) mesh over the harness's default group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = dist.get_world_size() // pp
+    return init_device_mesh("cpu", (pp, dp, 1), mesh_dim_names=("pp", "dp", "tp"))["pp"].get_group()

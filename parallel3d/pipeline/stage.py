@@ -3,7 +3,8 @@
 Layout: P pipeline ranks, V model chunks per rank (``virtual_stages``, > 1 only for
 ``interleaved_1f1b``), S = P * V global stages; chunk c of rank r is global stage ``c * P + r``
 (Megatron's layout, the one ``schedule_table`` uses). Global stage 0 owns the embedding(s)
-(GPT-2: ``wte`` and ``wpe``), the last global stage owns the final norm, the head and the loss,
+(GPT-2: ``wte`` and ``wpe``) and the modules its plan puts before the blocks, the last global
+stage owns the final norm, the head and the loss,
 and every stage owns a contiguous run of blocks:
 
 * ``balance="parameters"`` (default): contiguous runs that minimise the largest stage's
@@ -15,8 +16,9 @@ and every stage owns a contiguous run of blocks:
 Rules (each a :class:`ConfigError`): at least one block per global stage; with V > 1 and no
 explicit ``partition`` the block count must be a multiple of P * V (Megatron's rule for
 interleaving; every chunk then holds n / (P * V) blocks); a ``partition`` has S positive
-entries that sum to the block count; the family must be one of
-``models.pipeline_anatomy.SUPPORTED_FAMILIES``.
+entries that sum to the block count; the model must have a pipeline anatomy
+(:mod:`models.pipeline_anatomy`: read from ``base_model_pp_plan``, run by the model's own
+forward code).
 
 Memory: :func:`split_model` consumes the HF model. The modules of other ranks' stages are
 removed from it (set to ``None``), so the rank keeps 1/P of the blocks; the stage modules
@@ -45,16 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from models.pipeline_anatomy import (
-    AnatomyError,
-    PipelineAnatomy,
-    build_masks,
-    call_block,
-    default_position_ids,
-    embed,
-    layer_type,
-    pipeline_anatomy,
-)
+from models.pipeline_anatomy import AnatomyError, PipelineAnatomy, pipeline_anatomy
 from parallel3d.errors import ConfigError
 
 __all__ = [
@@ -174,9 +167,8 @@ def make_layout(model: nn.Module, anatomy: PipelineAnatomy, num_stages: int, vir
         return StageLayout(p, v, (n // s,) * s)
     if balance == "layers":
         return StageLayout(p, v, tuple(n // s + (1 if i < n % s else 0) for i in range(s)))
-    first = sum(_numel(model.get_submodule(path)) for path in anatomy.embeddings.values())
-    head = model.get_submodule(anatomy.head)
-    last = _numel(model.get_submodule(anatomy.final_norm)) + sum(p.numel() for p in head.parameters())
+    first = sum(_numel(model.get_submodule(path)) for path in anatomy.first.values())
+    last = sum(_numel(model.get_submodule(path)) for path in anatomy.last.values())
     return StageLayout(p, v, tuple(partition_blocks([_numel(b) for b in blocks], s, first, last)))
 
 
@@ -208,23 +200,20 @@ class PipelineStage(nn.Module):
         self.layers = nn.ModuleList(blocks[i] for i in self.block_indices)
         self.hf_prefix: dict[str, str] = {f"layers.{k}": f"{anatomy.blocks}.{i}"
                                           for k, i in enumerate(self.block_indices)}
-        self.embed = None
+        # the HF shells the forward code runs on (not registered: they hold other ranks' parts)
+        self.__dict__["hf_model"] = model
+        self.__dict__["hf_base"] = model.get_submodule(anatomy.base)
+        self.embed = self.tail = None
         if self.is_first:
-            roles = dict(anatomy.embeddings)
-            if anatomy.embed_dropout is not None:
-                roles["embed_dropout"] = anatomy.embed_dropout
-            self.embed = nn.ModuleDict({role: model.get_submodule(path) for role, path in roles.items()})
-            self.hf_prefix.update({f"embed.{role}": path for role, path in roles.items()})
-        # the rotary module holds buffers only; every stage computes cos/sin for its own blocks
-        self.rotary = model.get_submodule(anatomy.rotary) if anatomy.rotary else None
-        if self.rotary is not None:
-            self.hf_prefix["rotary"] = anatomy.rotary
-        self.norm = self.head = None
+            self.embed = nn.ModuleDict({name: model.get_submodule(path) for name, path in anatomy.first.items()})
+            self.hf_prefix.update({f"embed.{name}": path for name, path in anatomy.first.items()})
+        # parameter-free modules (the rotary table): every stage computes them for its own blocks
+        self.shared = nn.ModuleDict({name: model.get_submodule(path) for name, path in anatomy.shared.items()})
+        self.hf_prefix.update({f"shared.{name}": path for name, path in anatomy.shared.items()})
         self.loss_fn: LossFn | None = None
         if self.is_last:
-            self.norm = model.get_submodule(anatomy.final_norm)
-            self.head = model.get_submodule(anatomy.head)
-            self.hf_prefix.update({"norm": anatomy.final_norm, "head": anatomy.head})
+            self.tail = nn.ModuleDict({name: model.get_submodule(path) for name, path in anatomy.last.items()})
+            self.hf_prefix.update({f"tail.{name}": path for name, path in anatomy.last.items()})
             if loss_fn is None:
                 hf_loss, vocab = model.loss_function, model.config.vocab_size
 
@@ -245,25 +234,16 @@ class PipelineStage(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        batch, seq = x.shape[:2]
-        if position_ids is None:
-            position_ids = default_position_ids(batch, seq, x.device)
-        if self.is_first:
-            hidden = embed(self.anatomy, dict(self.embed.items()), x, position_ids)
-        else:
-            hidden = x
-        masks = build_masks(self.config, hidden, attention_mask, position_ids)
-        rotary = self.rotary(hidden, position_ids) if self.rotary is not None else None
+        program = self.anatomy.base_program
+        ns, hidden = program.prepare(self.hf_base, self.is_first, x, attention_mask, position_ids)
         for index, layer in zip(self.block_indices, self.layers):
-            mask = masks[layer_type(self.config, index)]
             if self.activation_checkpointing and torch.is_grad_enabled():
-                hidden = checkpoint(call_block, self.anatomy, layer, hidden, mask, rotary, position_ids,
-                                    use_reentrant=False)
+                hidden = checkpoint(program.block, ns, index, layer, hidden, use_reentrant=False)
             else:
-                hidden = call_block(self.anatomy, layer, hidden, mask, rotary, position_ids)
+                hidden = program.block(ns, index, layer, hidden)
         if not self.is_last:
             return hidden
-        logits = self.head(self.norm(hidden))
+        logits = self.anatomy.head_program.logits(self.hf_model, program.finish(ns, hidden))
         if labels is None:
             return logits
         return self.loss_fn(logits, labels)
@@ -335,10 +315,10 @@ def _module_of(model: nn.Module, anatomy: PipelineAnatomy, layout: StageLayout, 
     if param_name.startswith(blocks):
         index = int(param_name[len(blocks):].split(".")[0])
         return next(s for s in range(layout.total_stages) if index in layout.block_range(s))
-    for path in list(anatomy.embeddings.values()) + ([anatomy.embed_dropout] if anatomy.embed_dropout else []):
+    for path in anatomy.first.values():
         if param_name.startswith(path + "."):
             return 0
-    for path in (anatomy.final_norm, anatomy.head):
+    for path in anatomy.last.values():
         if param_name.startswith(path + "."):
             return layout.total_stages - 1
     return None
@@ -393,9 +373,9 @@ def split_model(model: nn.Module, num_stages: int, rank: int, *, virtual_stages:
         if stage not in mine:
             for i in layout.block_range(stage):
                 blocks[i] = None
-    drop = [] if 0 in mine else list(anatomy.embeddings.values())
+    drop = [] if 0 in mine else list(anatomy.first.values())
     if layout.total_stages - 1 not in mine:
-        drop += [anatomy.final_norm, anatomy.head]
+        drop += list(anatomy.last.values())
     for path in drop:
         parent, _, attr = path.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, None)

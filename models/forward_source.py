@@ -1,0 +1,147 @@
+"""Reading a Hugging Face ``forward`` as code: its statements, the names they read and write,
+and new functions compiled from some of its statements.
+
+The pipeline does not retype what a model's ``forward`` does around its blocks (masks per
+layer type, rotary tables, embedding scales, logit soft-capping, ...); it cuts HF's own
+``forward`` into pieces and runs each piece where it belongs (:mod:`models.stage_program`).
+This module holds the generic tools for that. A compiled piece keeps the source file and line
+numbers of the original, so a traceback points into the HF file, and runs with the globals of
+the module that defines the method.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import copy
+import inspect
+import textwrap
+from typing import Any, Callable, Iterable
+
+__all__ = [
+    "MethodSource", "SourceError", "compile_function", "free_names", "is_validator", "loads", "mentions_self_attr",
+    "method_source", "parse_statement", "stores",
+]
+
+
+class SourceError(Exception):
+    """A forward the pipeline cannot cut; the message says why (the caller adds the family)."""
+
+
+class MethodSource:
+    """The parsed source of one method (decorators and annotations dropped)."""
+
+    def __init__(self, cls: type, name: str) -> None:
+        func = inspect.unwrap(getattr(cls, name))
+        self.owner = f"{cls.__name__}.{name}"
+        if func.__code__.co_freevars:
+            raise SourceError(f"{self.owner} uses closure variables {func.__code__.co_freevars}")
+        try:
+            source = textwrap.dedent(inspect.getsource(func))
+        except (OSError, TypeError) as exc:
+            raise SourceError(f"the source of {self.owner} is not available ({exc})") from None
+        tree = ast.parse(source)
+        ast.increment_lineno(tree, func.__code__.co_firstlineno - 1)
+        node = tree.body[0]
+        if not isinstance(node, ast.FunctionDef):
+            raise SourceError(f"{self.owner} is not a plain function")
+        node.decorator_list = []
+        node.returns = None
+        for arg in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg):
+            if arg is not None:
+                arg.annotation = None
+        self.node = node
+        self.globals: dict[str, Any] = func.__globals__
+        self.filename = func.__code__.co_filename
+        self.params = [a.arg for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)]
+        self.params += [a.arg for a in (node.args.vararg, node.args.kwarg) if a is not None]
+        self.body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        # Python's rule: a name bound anywhere in the function is local to all of it
+        self.local_names = set(self.params) | stores(self.body)
+
+    def is_global(self, name: str) -> bool:
+        return name not in self.local_names and (name in self.globals or hasattr(builtins, name))
+
+
+def method_source(cls: type, name: str = "forward") -> MethodSource:
+    """The parsed ``cls.<name>`` (the function under any decorators)."""
+    return MethodSource(cls, name)
+
+
+def _names(nodes: Iterable[ast.AST], ctx: type) -> set[str]:
+    out: set[str] = set()
+    for node in nodes:
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Name) and isinstance(sub.ctx, ctx):
+                out.add(sub.id)
+    return out
+
+
+def loads(nodes: ast.AST | Iterable[ast.AST]) -> set[str]:
+    """Every name read anywhere in ``nodes``."""
+    return _names([nodes] if isinstance(nodes, ast.AST) else nodes, ast.Load)
+
+
+def stores(nodes: ast.AST | Iterable[ast.AST]) -> set[str]:
+    """Every name bound anywhere in ``nodes`` (assignments, ``for`` targets, ``:=``)."""
+    return _names([nodes] if isinstance(nodes, ast.AST) else nodes, ast.Store)
+
+
+def free_names(stmts: list[ast.stmt]) -> list[str]:
+    """Names the statements read before binding them (statement by statement, in order)."""
+    bound: set[str] = set()
+    free: list[str] = []
+    for stmt in stmts:
+        free += sorted(loads(stmt) - bound - set(free))
+        bound |= stores(stmt)
+    return free
+
+
+def is_validator(stmt: ast.stmt) -> bool:
+    """``if <check>: raise ...`` with nothing else: input validation."""
+    return (isinstance(stmt, ast.If) and not stmt.orelse
+            and all(isinstance(s, ast.Raise) for s in stmt.body))
+
+
+def mentions_self_attr(stmt: ast.AST, attrs: set[str]) -> bool:
+    """Whether ``stmt`` reads ``self.<a>`` for any ``a`` in ``attrs``."""
+    return any(isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+               and n.attr in attrs for n in ast.walk(stmt))
+
+
+def _arguments(names: list[str]) -> ast.arguments:
+    return ast.arguments(posonlyargs=[], args=[ast.arg(arg=n) for n in names], vararg=None, kwonlyargs=[],
+                         kw_defaults=[], kwarg=None, defaults=[])
+
+
+def compile_function(source: MethodSource, name: str, body: list[ast.stmt], params: list[str] | None = None,
+                     extra_params: list[str] = ()) -> Callable:
+    """A function made of ``body`` (statements of ``source``, or new ones).
+
+    ``params=None`` keeps the method's own signature (defaults included) and adds
+    ``extra_params`` as keyword-only parameters; otherwise the function takes ``params``.
+    """
+    if params is None:
+        args = copy.deepcopy(source.node.args)
+        args.kwonlyargs += [ast.arg(arg=n) for n in extra_params]
+        args.kw_defaults += [None] * len(extra_params)
+    else:
+        args = _arguments(list(params))
+    body = copy.deepcopy(body) or [ast.Pass()]
+    line = source.node.lineno
+    for stmt in body:  # statements written here take the line of the one before
+        if getattr(stmt, "lineno", 0) < line:
+            ast.increment_lineno(stmt, line - getattr(stmt, "lineno", line))
+        line = getattr(stmt, "end_lineno", None) or line
+    fn = ast.FunctionDef(name=name, args=args, body=body, decorator_list=[], returns=None, type_params=[],
+                         lineno=source.node.lineno, col_offset=0, end_lineno=line, end_col_offset=0)
+    module = ast.Module(body=[fn], type_ignores=[])
+    ast.fix_missing_locations(module)
+    namespace: dict[str, Any] = {}
+    exec(compile(module, source.filename, "exec"), source.globals, namespace)  # noqa: S102 - HF's own code
+    return namespace[name]
+
+
+def parse_statement(text: str) -> ast.stmt:
+    """One statement written here (e.g. the ``return locals()`` that ends a piece)."""
+    return ast.parse(text).body[0]

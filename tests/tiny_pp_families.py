@@ -1,0 +1,63 @@
+"""Tiny random-init causal LMs of many families for the pipeline parity tests.
+
+Four blocks (pp = 2 with two virtual stages still gets a block per chunk, and interleaving puts
+blocks 0 and 2 on rank 0, so per-layer-type masks are looked up by global index), hidden 32,
+the vocabulary of :mod:`tests.tiny_pp`'s micro-batches. Each family sets what makes it
+different to a value that shows when it is lost: Granite's four multipliers away from 1,
+Gemma 2's soft-capping low enough to bend the logits, sliding windows shorter than the
+sequence, partial rotary for Phi and StableLM. Dropout is off and zero-initialized params are
+randomized, so every gradient is generic.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.tiny import _randomize_zero_init
+from tests.tiny_pp import VOCAB
+
+_DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_WINDOW = 4  # < the 8 tokens of a micro-batch, > its 3 padded ones (no query without a key)
+
+# model_type -> (config overrides, attention implementation)
+SPECS: dict[str, tuple[dict, str]] = {
+    "gemma": (dict(head_dim=8), "sdpa"),  # sqrt(hidden) normalizer inside the embedding
+    "gemma2": (dict(head_dim=8, final_logit_softcapping=0.5, attn_logit_softcapping=2.0, sliding_window=_WINDOW,
+                    query_pre_attn_scalar=8), "eager"),  # soft-capping is eager-only in HF
+    "gemma3_text": (dict(head_dim=8, sliding_window=_WINDOW, layer_types=["sliding_attention", "full_attention"] * 2,
+                         final_logit_softcapping=0.5), "sdpa"),
+    "phi": (dict(partial_rotary_factor=0.5, resid_pdrop=0.0, embd_pdrop=0.0), "sdpa"),  # parallel block
+    "mistral": (dict(sliding_window=_WINDOW), "sdpa"),
+    "qwen3": (dict(head_dim=8), "sdpa"),
+    "olmo2": (dict(), "sdpa"),
+    "granite": (dict(embedding_multiplier=3.0, logits_scaling=2.5, residual_multiplier=0.5,
+                     attention_multiplier=0.2), "sdpa"),
+    "cohere": (dict(logit_scale=0.5, use_qk_norm=True), "sdpa"),  # tied head, parallel block
+    "cohere2": (dict(logit_scale=0.5, sliding_window=_WINDOW,
+                     layer_types=["sliding_attention", "full_attention"] * 2), "sdpa"),
+    "stablelm": (dict(partial_rotary_factor=0.5), "sdpa"),  # declared plan: its config has none
+    "phi3": (dict(pad_token_id=0, sliding_window=_WINDOW), "sdpa"),
+    "starcoder2": (dict(sliding_window=_WINDOW, residual_dropout=0.0, embedding_dropout=0.0), "sdpa"),
+    "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), "sdpa"),
+    "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=24, decoder_sparse_step=1), "sdpa"),
+}
+
+_MOE = {"mixtral", "qwen2_moe"}
+
+
+def make_family_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny ``model_type`` causal LM; the same seed gives the same weights on every rank."""
+    extra, attn = SPECS[model_type]
+    config = AutoConfig.for_model(model_type, **{**_DENSE, **extra, **overrides})
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
+                "embedding_dropout", "residual_dropout"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(seed)
+    # the experts' loop instead of grouped_mm, which has no float64 kernel
+    experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, **experts)
+    return _randomize_zero_init(model)
