@@ -153,7 +153,12 @@ def _tp_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, group, voc
 
 
 def _stage_groups(pipe: PipelineModel, named_groups: list[dict]) -> list[dict]:
-    """The user's param groups restricted to this stage's params (a tied copy joins its original's group)."""
+    """The user's param groups restricted to this stage's params (a tied copy joins its original's group).
+
+    A group with no parameter on this stage stays, empty: every rank then has the user's
+    groups in the user's order, so an LR schedule's per-group values and a checkpoint's
+    per-group options mean the same group on every stage.
+    """
     group_of = {n: gi for gi, g in enumerate(named_groups) for n in g["params"]}
     for tied in pipe.tied:
         owner = next((group_of[n] for n in tied.names if n in group_of), None)
@@ -164,7 +169,7 @@ def _stage_groups(pipe: PipelineModel, named_groups: list[dict]) -> list[dict]:
     for name, param in pipe.hf_named_parameters():
         if name in group_of and param.requires_grad:
             staged[group_of[name]].append(param)
-    return [dict(g, params=ps) for g, ps in zip(named_groups, staged) if ps]
+    return [dict(g, params=ps) for g, ps in zip(named_groups, staged)]
 
 
 def _meta_values(source, model: nn.Module, tp_info, trainable: set[int], dtype: torch.dtype):

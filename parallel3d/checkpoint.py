@@ -5,8 +5,9 @@ A checkpoint directory ``save_dir/<tag>/`` holds
 * the tensors, through torch.distributed.checkpoint (parallel3d/checkpoint_storage.py), each
   under a name and in the shape the unmodified model gives it: ``model/<HF name>`` (fp32
   master weights) and ``optim/<state>/<HF name>`` for every tensor the optimizer keeps per
-  parameter (Adam's moments and step, SGD's momentum: whatever ``torch.optim`` stores, in the
-  parameter's shape or as a scalar);
+  parameter in the parameter's shape (Adam's moments, SGD's momentum: whatever ``torch.optim``
+  stores), ``optim_scalar/<state>/<HF name>`` for its per-parameter scalars (Adam's ``step``;
+  kept apart because a 0-dim parameter's moments are 0-dim too);
 * ``checkpoint.json``: the rest, as JSON: engine counters, optimizer group options, loss
   scaler, LR scheduler, every rank's RNG state, the user's ``client_state`` and the layout
   that wrote it (for information only). It is written last: a directory without it is not a
@@ -45,7 +46,8 @@ from parallel3d.tensor_parallel.sharding import ShardSpec
 logger = logging.getLogger(__name__)
 
 MANIFEST = "checkpoint.json"
-FORMAT = "zero3d-checkpoint/2"
+FORMAT = "zero3d-checkpoint/3"
+_FORMAT_2 = "zero3d-checkpoint/2"  # read too: its scalar states were named optim/ (0-dim params had none)
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 
 
@@ -85,14 +87,16 @@ def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
     return out
 
 
-def _state_index(metadata) -> dict[str, dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
-    """``{param name: {state key: (dtype, shape)}}`` of the optimizer states in a checkpoint."""
+def _state_index(metadata, manifest: dict) -> dict[str, dict[str, tuple[str, torch.dtype]]]:
+    """``{param name: {state key: (checkpoint name, dtype)}}``; a scalar's name starts with ``optim_scalar/``."""
     out: dict[str, dict] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         kind, _, rest = fqn.partition("/")
         key, _, name = rest.partition("/")
-        if kind == "optim" and name:
-            out.setdefault(name, {})[key] = (md.properties.dtype, tuple(md.size))
+        if kind in ("optim", "optim_scalar") and name:
+            if manifest["format"] == _FORMAT_2 and kind == "optim" and tuple(md.size) == ():
+                kind = "optim_scalar"
+            out.setdefault(name, {})[key] = (f"{kind}/{key}/{name}", md.properties.dtype)
     return out
 
 
@@ -121,21 +125,21 @@ def _chunks_to_save(engine) -> list[Chunk]:
     return chunks
 
 
-def _chunks_to_load(engine, metadata) -> tuple[list[Chunk], list[dict]]:
+def _chunks_to_load(engine, metadata, manifest: dict) -> tuple[list[Chunk], list[dict]]:
     """Chunks that load into the masters in place and into fresh optimizer states (returned per piece)."""
-    saved_states = _state_index(metadata)
+    saved_states = _state_index(metadata, manifest)
     chunks: list[Chunk] = []
     states = []
     for e, master, chunks_of in _pieces(engine):
         chunks += chunks_of(f"model/{e.name}", master.data)
         state = {}
-        for key, (dtype, size) in saved_states.get(e.name, {}).items():
-            if size == ():
+        for key, (fqn, dtype) in saved_states.get(e.name, {}).items():
+            if fqn.startswith("optim_scalar/"):
                 value = torch.zeros((), dtype=dtype, device=_scalar_device(engine.optimizer, master))
-                chunks.append(Chunk(f"optim/{key}/{e.name}", (), (), (), value))
+                chunks.append(Chunk(fqn, (), (), (), value))
             else:
                 value = torch.zeros(master.shape, dtype=dtype, device=master.device)
-                chunks += chunks_of(f"optim/{key}/{e.name}", value)
+                chunks += chunks_of(fqn, value)
             state[key] = value
         states.append(state)
     return chunks, states
@@ -144,8 +148,8 @@ def _chunks_to_load(engine, metadata) -> tuple[list[Chunk], list[dict]]:
 def _state_value_chunks(key, value, e: ParamEntry, master, chunks_of) -> list[Chunk]:
     if "/" in str(key) or not isinstance(key, str):
         raise ConfigError(f"optimizer state key {key!r} cannot be stored (state keys must be strings without '/')")
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
-        return [Chunk(f"optim/{key}/{e.name}", (), (), (), value.detach())]
+    if isinstance(value, torch.Tensor) and value.dim() == 0:  # a piece's own states are 1-D
+        return [Chunk(f"optim_scalar/{key}/{e.name}", (), (), (), value.detach())]
     if isinstance(value, torch.Tensor) and value.numel() == master.numel():
         return chunks_of(f"optim/{key}/{e.name}", value.detach().reshape(-1))
     what = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
@@ -361,8 +365,8 @@ def read_manifest(path: Path) -> dict:
         doc = json.loads(file.read_text())
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{file} is unreadable: {exc}") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise ConfigError(f"{file} is not a zero3d checkpoint manifest of format {FORMAT!r}")
+    if not isinstance(doc, dict) or doc.get("format") not in (FORMAT, _FORMAT_2):
+        raise ConfigError(f"{file} is not a zero3d checkpoint manifest of format {FORMAT!r} or {_FORMAT_2!r}")
     return doc
 
 
@@ -377,6 +381,15 @@ def _check_model(engine, metadata, path: Path) -> None:
         if tuple(md.size) != e.global_shape(shape):
             raise ConfigError(f"checkpoint {path} holds {e.name} with shape {list(md.size)}, this model "
                               f"{list(e.global_shape(shape))}: it was written for another model")
+
+
+def _check_optimizer(engine, manifest: dict, path: Path) -> None:
+    """The checkpoint has as many optimizer param groups as this engine (they are matched by position)."""
+    saved = len(manifest["optimizer"]["param_groups"])
+    mine = len(engine.optimizer.param_groups)
+    if saved != mine:
+        raise ConfigError(f"checkpoint {path} was written with {saved} optimizer param group(s), this engine has "
+                          f"{mine}: give initialize() the param groups of the run that wrote it")
 
 
 def _agree(error: ConfigError | None, device, path) -> None:
@@ -414,6 +427,7 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[s
         manifest = read_manifest(path)
         metadata = read_metadata(path)
         _check_model(engine, metadata, path)
+        _check_optimizer(engine, manifest, path)
     except ConfigError as exc:
         error = exc
     _agree(error, engine.device, path)
@@ -421,7 +435,7 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[s
     if extra := sorted(saved - _names_everywhere(engine)):
         raise ConfigError(f"checkpoint {path} holds parameters this model lacks ({', '.join(extra[:5])}"
                           f"{', ...' if len(extra) > 5 else ''}): it was written for another model")
-    chunks, states = _chunks_to_load(engine, metadata)
+    chunks, states = _chunks_to_load(engine, metadata, manifest)
     with torch.no_grad():
         load_chunks(path, chunks, None)
     zero = engine.optimizer

@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
-from typing import Annotated, Any, ClassVar, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic import field_validator, model_validator
@@ -396,12 +396,24 @@ def _warmup_type(value: Any) -> Any:
 WarmupType = Annotated[str, BeforeValidator(_warmup_type)]
 
 
+def _lr_value(value: Any) -> Any:
+    """A learning rate for every param group, or a list with one per group (as DeepSpeed reads it)."""
+    values = value if isinstance(value, list) else [value]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise rule("must be a number >= 0 or a list of them, one per param group")
+    return [float(v) for v in value] if isinstance(value, list) else float(value)
+
+
+LrValue = Annotated[Union[float, list[float]], BeforeValidator(_lr_value)]
+
+
 class WarmupLRParams(Section):
     """`scheduler.params` of WarmupLR: warm up from min to max lr, then stay."""
 
-    warmup_min_lr: NonNegFloat = 0.0
+    warmup_min_lr: LrValue = 0.0
     """Learning rate at step 0."""
-    warmup_max_lr: Optional[NonNegFloat] = None
+    warmup_max_lr: Optional[LrValue] = None
     """Learning rate reached after warmup; unset means the optimizer's lr (DeepSpeed's default)."""
     warmup_num_steps: PositiveInt = 1000
     """Steps of warmup (DeepSpeed uses at least 2)."""
@@ -414,7 +426,7 @@ class WarmupDecayLRParams(WarmupLRParams):
 
     total_num_steps: PositiveInt
     """Step at which the learning rate reaches 0."""
-    warmup_max_lr: NonNegFloat = 0.001
+    warmup_max_lr: LrValue = 0.001
     """Learning rate reached after warmup."""
 
 

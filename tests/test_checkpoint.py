@@ -34,10 +34,19 @@ def _config(stage: int, precision: str) -> dict:
     return cfg
 
 
+def _with_scalar_param(model):
+    """A learnable 0-dim scale on the final norm's output: its Adam moments are 0-dim like its step."""
+    norm = model.model.norm
+    norm.register_parameter("scale", torch.nn.Parameter(torch.tensor(1.0)))
+    norm.register_forward_hook(lambda module, args, out: out * module.scale)
+    return model
+
+
 def _engine(stage: int, precision: str, seed: int):
     import parallel3d
 
-    engine, _, _, sched = parallel3d.initialize(model=make_model("llama", seed=seed), config=_config(stage, precision))
+    model = _with_scalar_param(make_model("llama", seed=seed))
+    engine, _, _, sched = parallel3d.initialize(model=model, config=_config(stage, precision))
     return engine, sched
 
 
@@ -137,6 +146,11 @@ def load_errors(root: str) -> dict:
     engine.save_checkpoint(f"{root}/ckpt")
     wider, _, _, _ = parallel3d.initialize(model=make_model("llama", hidden_size=48), config=_config(1, "fp32"))
     fewer, _, _, _ = parallel3d.initialize(model=make_model("llama", num_hidden_layers=1), config=_config(1, "fp32"))
+    model = _with_scalar_param(make_model("llama"))
+    halves = [[p for n, p in model.named_parameters() if "layers" in n],
+              [p for n, p in model.named_parameters() if "layers" not in n]]
+    grouped, _, _, _ = parallel3d.initialize(model=model, config=_config(1, "fp32"),
+                                             model_parameters=[{"params": ps} for ps in halves])
     old = Path(root, "old", "global_step1")
     torch.distributed.barrier()
     if rank == 0:
@@ -151,6 +165,7 @@ def load_errors(root: str) -> dict:
     return {
         "other_model": _error(lambda: wider.load_checkpoint(f"{root}/ckpt")),
         "fewer_layers": _error(lambda: fewer.load_checkpoint(f"{root}/ckpt")),
+        "other_groups": _error(lambda: grouped.load_checkpoint(f"{root}/ckpt")),
         "missing_dir": _error(lambda: engine.load_checkpoint(f"{root}/nowhere")),
         "missing_tag": _error(lambda: engine.load_checkpoint(f"{root}/ckpt", tag="global_step9")),
         "old_format": _error(lambda: engine.load_checkpoint(f"{root}/old", tag="global_step1")),
@@ -170,6 +185,8 @@ def test_load_and_save_errors(dist, tmp_path):
                             r"\[\d+, 48\]: it was written for another model", msg["other_model"]), msg["other_model"]
         assert msg["fewer_layers"].startswith(f"ConfigError: checkpoint {ckpt} holds parameters this model lacks "
                                               "(model.layers.1."), msg["fewer_layers"]
+        assert msg["other_groups"] == (f"ConfigError: checkpoint {ckpt} was written with 1 optimizer param group(s), "
+                                       "this engine has 2: give initialize() the param groups of the run that wrote it")
         assert msg["missing_dir"] == f"ConfigError: no checkpoint in {tmp_path}/nowhere: {tmp_path}/nowhere/latest does not exist"
         assert msg["missing_tag"] == f"ConfigError: checkpoint {tmp_path}/ckpt/global_step9 does not exist"
         assert msg["old_format"].startswith(f"ConfigError: checkpoint {tmp_path}/old/global_step1 was written by "

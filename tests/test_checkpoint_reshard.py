@@ -22,6 +22,18 @@ MICRO_PER_STEP, STEPS, SAVE_AT, LAYERS = 4, 6, 3, 4
 RTOL = 1e-5
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 3e-3,
                                             "warmup_num_steps": 5, "warmup_type": "linear"}}
+# Two param groups, the first held by the first pipeline stage only: per-group options (its
+# own peak lr, no weight decay) must reach the same group on every stage and every layout.
+EMBEDDING_GROUP = {"weight_decay": 0.0}
+GROUP_PEAK_LRS = [1e-3, 3e-3]
+
+
+def _param_groups(model, two_groups: bool) -> list[dict]:
+    if not two_groups:
+        return [{"params": list(model.parameters())}]
+    first = [p for n, p in model.named_parameters() if "embed_tokens" in n]
+    rest = [p for n, p in model.named_parameters() if "embed_tokens" not in n]
+    return [{"params": first, **EMBEDDING_GROUP}, {"params": rest}]
 
 
 def _model(kind: str, seed: int):
@@ -39,12 +51,17 @@ def _engine(kind: str, layout: dict, seed: int):
     gas = MICRO_PER_STEP // dp
     config = ds_config(layout["stage"], gas, dp, stage3_param_persistence_threshold=0, reduce_bucket_size=3000)
     config["scheduler"] = SCHEDULER
+    two_groups = layout.get("groups", False)
+    if two_groups:
+        config["scheduler"] = {**SCHEDULER, "params": {**SCHEDULER["params"], "warmup_max_lr": GROUP_PEAK_LRS}}
     if pp > 1:
         config["pipeline"] = {"stages": pp, "schedule": layout.get("schedule", "1f1b"),
                               **({"virtual_stages": layout["virtual"]} if "virtual" in layout else {})}
     if tp > 1:
         config["tensor_parallel"] = {"size": tp}
-    engine, _, _, _ = parallel3d.initialize(model=_model(kind, seed), config=config)
+    model = _model(kind, seed)
+    engine, _, _, _ = parallel3d.initialize(model=model, config=config,
+                                            model_parameters=_param_groups(model, two_groups))
     return engine
 
 
@@ -58,7 +75,7 @@ def _data(engine, first_step: int):
 def _train(engine, data, steps: int) -> tuple[list[float], list[float]]:
     losses, lrs = [], []
     for _ in range(steps):
-        lrs.append(engine.get_lr()[0])
+        lrs.append(list(engine.get_lr()))
         losses.append(engine.train_batch(data))
     return losses, lrs
 
@@ -79,14 +96,14 @@ def run_b(kind: str, layout: dict, root: str) -> dict:
             "gas": engine.gradient_accumulation_steps}
 
 
-def oracle(kind: str, lrs: list[float]) -> tuple[list[float], dict]:
-    """One process, AdamW with the given per-step learning rates, clipping at 0.5."""
+def oracle(kind: str, lrs: list[list[float]], two_groups: bool) -> tuple[list[float], dict]:
+    """One process, AdamW with the given per-step, per-group learning rates, clipping at 0.5."""
     model = _model(kind, seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=lrs[0], weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(_param_groups(model, two_groups), lr=1.0, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     data, losses = token_batches(STEPS, MICRO_PER_STEP, 1), []
     for s in range(STEPS):
-        for g in opt.param_groups:
-            g["lr"] = lrs[s]
+        for g, lr in zip(opt.param_groups, lrs[s], strict=True):
+            g["lr"] = lr
         loss = sum(model(input_ids=data[s, a, 0], labels=data[s, a, 0]).loss for a in range(MICRO_PER_STEP))
         (loss / MICRO_PER_STEP).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
@@ -109,6 +126,11 @@ CASES = {
     "tp4 (kv heads replicated)-z1 -> dp2-z2": ("llama", 4, {"stage": 1, "tp": 4}, 2, {"stage": 2}),
     # ZeRO cuts the replicas of the one kv head differently on the two tp ranks: one writes it
     "tp2xdp2 (one kv head)-z2 -> 1 process": ("llama-mqa", 4, {"stage": 2, "tp": 2}, 1, {"stage": 2}),
+    # the embedding's group lives on stage 0 only; the other stage still has it, empty
+    "pp2-z1 (two param groups) -> pp2-z1": ("llama", 2, {"stage": 1, "pp": 2, "groups": True}, 2,
+                                            {"stage": 1, "pp": 2, "groups": True}),
+    "pp2-z1 (two param groups) -> dp2-z3": ("llama", 2, {"stage": 1, "pp": 2, "groups": True}, 2,
+                                            {"stage": 3, "groups": True}),
 }
 
 
@@ -119,8 +141,8 @@ def test_resume_on_another_layout_matches_one_process(dist, tmp_path, case):
     b = dist.run(world_b, run_b, kind, layout_b, str(tmp_path))
     lrs = a[0]["lrs"] + b[0]["lrs"]
     # WarmupLR holds its minimum for one extra first step (as DeepSpeed's), then moves every step
-    assert len(set(lrs[1:])) == STEPS - 1, "the learning rate must move across the save"
-    want_losses, want_params = oracle(kind, lrs)
+    assert len({tuple(lr) for lr in lrs[1:]}) == STEPS - 1, "the learning rate must move across the save"
+    want_losses, want_params = oracle(kind, lrs, layout_a.get("groups", False))
     for r in a:
         assert r["losses"] == pytest.approx(want_losses[:SAVE_AT], rel=RTOL)
     seen = set()
