@@ -238,11 +238,6 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier(group: dist.ProcessGroup | None = None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=group)
-
-
 def _gather_to_rank0(value, group: dist.ProcessGroup | None = None) -> list | None:
     if not dist.is_initialized():
         return [value]
@@ -310,29 +305,45 @@ def _write(root: Path, tag: str, chunks: list[Chunk], manifest: dict, config_jso
            group: dist.ProcessGroup | None) -> None:
     """Write the checkpoint into ``.<tag>.tmp`` on every rank; rank 0 then publishes it."""
     tmp, final = root / f".{tag}.tmp", root / tag
-    if _rank() == 0:
+
+    def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier(group)
-    save_chunks(tmp, chunks, group)
-    if _rank() == 0:
+
+    def finish() -> None:
         if config_json is not None:
             (tmp / "config.json").write_text(config_json)
         write_json_atomically(tmp / MANIFEST, manifest)
         _publish(root, tmp, final, tag)
-    _barrier(group)
+
+    _on_rank0(prepare, f"cannot create {tmp}", group)
+    save_chunks(tmp, chunks, group)
+    _on_rank0(finish, f"cannot publish checkpoint {final}", group)
+
+
+def _on_rank0(action, what: str, group: dist.ProcessGroup | None) -> None:
+    """Run ``action`` on rank 0 and have every rank of ``group`` raise if it failed (instead of
+    the others waiting at a barrier for a rank that has given up)."""
+    outcome: list = [None]
+    if _rank() == 0:
+        try:
+            action()
+        except OSError as exc:
+            outcome[0] = f"{what}: {exc}"
+    if dist.is_initialized():
+        dist.broadcast_object_list(outcome, src=0, group=group)
+    if outcome[0] is not None:
+        raise ConfigError(outcome[0])
 
 
 def _publish(root: Path, tmp: Path, final: Path, tag: str) -> None:
     """Make ``tmp`` the checkpoint ``tag`` and point ``latest`` at it (rank 0, after every rank wrote)."""
+    old = root / f".{tag}.old"  # the copy being replaced (left by a kill between the renames, if any)
+    shutil.rmtree(old, ignore_errors=True)
     if final.exists():
-        old = root / f".{tag}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+        final.rename(old)  # from here until the next rename, resolve_tag falls back to tmp
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
     latest_tmp = root / ".latest.tmp"
     latest_tmp.write_text(tag)
     latest_tmp.replace(root / "latest")
@@ -348,6 +359,12 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
         tag = latest.read_text().strip()
     path = root / check_tag(tag)
     if not path.is_dir():
+        staged = root / f".{tag}.tmp"
+        if (staged / MANIFEST).is_file():
+            # killed between _publish's two renames while re-saving ``tag``: the staged copy is
+            # complete (its manifest is written after every rank's tensors) and the newest
+            logger.warning("checkpoint %s is being replaced; loading its complete new copy %s", path, staged)
+            return staged
         raise ConfigError(f"checkpoint {path} does not exist")
     return path
 

@@ -108,6 +108,7 @@ class Engine:
                 self.lr_scheduler.step()
             self.global_steps += 1
             self.global_samples += self.config.train_batch_size
+            self._surface_finished_save()
         self.micro_steps += 1
 
     def train_batch(self, data_iter: Iterator) -> float:
@@ -119,6 +120,7 @@ class Engine:
         """
         batches = [self._to_device(self._next_micro_batch(data_iter, i)) for i in range(self.gradient_accumulation_steps)]
         value = self._dp_mean(self.loop.train(batches))
+        self._surface_finished_save()
         if self.global_steps % self.config.steps_per_print == 0 and self._is_rank0():
             logger.info("step %d loss %.6f lr %s", self.global_steps, value, self.get_lr())
         return value
@@ -236,6 +238,18 @@ class Engine:
         pending, self._pending_save = self._pending_save, None
         if pending is not None:
             pending.finish()
+
+    def _surface_finished_save(self) -> None:
+        """Finish a background save whose thread has ended on every rank, raising its error now
+        rather than at the next save. The ranks agree first (one one-element all-reduce per step,
+        only while a save is in flight), so all of them raise at the same step."""
+        if self._pending_save is None:
+            return
+        done = torch.tensor([float(not self._pending_save.is_alive())], device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            self.wait_for_checkpoint()
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
         """Restore the state written by ``save_checkpoint`` on any layout, ZeRO stage and world size.

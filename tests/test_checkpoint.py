@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,33 @@ def test_resume_is_bit_identical(dist, tmp_path, stage, precision):
         assert r["working_dtype"] == {"bf16": "torch.bfloat16"}.get(precision, "torch.float32")
 
 
+def failed_background_save(root: str) -> dict:
+    """An async save that cannot be written raises at a step soon after, on every rank at the same step."""
+    rank = torch.distributed.get_rank()
+    engine, _ = _engine(1, "fp32-async", seed=0)
+    data = iter(rank_micro_batches(token_batches(6, GAS, DP), rank))
+    engine.train_batch(data)
+    if rank == 0:
+        Path(root, "a_file").write_text("not a directory")
+    torch.distributed.barrier()
+    engine.save_checkpoint(f"{root}/a_file")
+    for step in range(2, 7):
+        try:
+            engine.train_batch(data)
+            time.sleep(0.2)  # give the writer thread time to fail
+        except Exception as exc:  # noqa: BLE001 - the test asserts on type and message
+            return {"step": step, "error": f"{type(exc).__name__}: {exc}"}
+    return {"step": None, "error": "no error"}
+
+
+def test_a_failed_background_save_is_raised_at_a_step_on_every_rank(dist, tmp_path):
+    results = dist.run(DP, failed_background_save, str(tmp_path))
+    assert results[0]["step"] is not None and results[0]["step"] == results[1]["step"], results
+    for r in results:
+        assert r["error"].startswith("ConfigError: the background save of checkpoint global_step1 failed: "
+                                     f"cannot create {tmp_path}/a_file/.global_step1.tmp"), r["error"]
+
+
 # --- errors on loading ------------------------------------------------------------------------
 
 
@@ -161,6 +189,7 @@ def load_errors(root: str) -> dict:
         for f in Path(root, "ckpt", "global_step1").iterdir():
             (evil / f.name).write_bytes(f.read_bytes())
         (evil / "dcp.json").write_bytes(b"\x80\x04crafted pickle")
+        Path(root, "a_file").write_text("not a directory")
     torch.distributed.barrier()
     return {
         "other_model": _error(lambda: wider.load_checkpoint(f"{root}/ckpt")),
@@ -173,6 +202,7 @@ def load_errors(root: str) -> dict:
         "bad_tag": _error(lambda: engine.save_checkpoint(f"{root}/ckpt", tag="../../x")),
         "latest_tag": _error(lambda: engine.save_checkpoint(f"{root}/ckpt", tag="latest")),
         "client_path": _error(lambda: engine.save_checkpoint(f"{root}/ckpt", client_state={"out": Path("/tmp")})),
+        "into_a_file": _error(lambda: engine.save_checkpoint(f"{root}/a_file")),
         "still_loadable": json.loads(Path(root, "ckpt", "global_step1", "checkpoint.json").read_text())["global_steps"],
         "after_refusals": engine.load_checkpoint(f"{root}/ckpt")[0],
     }
@@ -196,6 +226,8 @@ def test_load_and_save_errors(dist, tmp_path):
             assert msg[key].startswith(f"ConfigError: checkpoint tag {tag!r} is not allowed"), msg[key]
         assert msg["client_path"].startswith("ConfigError: client_state['out'] is a pathlib"), msg["client_path"]
         assert "use None, bool, int, float, str" in msg["client_path"]
+        assert msg["into_a_file"].startswith(f"ConfigError: cannot create {tmp_path}/a_file/.global_step1.tmp: "), \
+            msg["into_a_file"]  # on every rank: rank 0 could not, and the others do not wait for it
         assert msg["still_loadable"] == 1 and msg["after_refusals"] == str(ckpt)
     assert not (tmp_path / "x").exists() and (tmp_path / "ckpt" / "latest").read_text() == "global_step1"
 

@@ -9,6 +9,7 @@ complete-looking tag than those written before.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ CHILD = textwrap.dedent("""
     ids = torch.arange(16)[None]
     for i in range(1000):
         engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
-        engine.save_checkpoint(sys.argv[1])
+        engine.save_checkpoint(sys.argv[1], tag=sys.argv[2] if len(sys.argv) > 2 else None)
         print("saved", engine.global_steps, flush=True)
 """)
 
@@ -42,11 +43,10 @@ def _complete(tag_dir: Path) -> None:
             read_chunk(tag_dir, md, fqn, chunk.offsets)  # raises on a bad checksum
 
 
-@pytest.mark.parametrize("delay", [0.0, 0.13, 0.37])
-def test_kill_during_save_keeps_latest_whole(tmp_path, delay):
+def _run_and_kill(tmp_path: Path, delay: float, *tag: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=env,
-                             cwd=Path(__file__).resolve().parents[1])
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), *tag], stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=Path(__file__).resolve().parents[1])
     try:
         for _ in range(2):  # two saves done: the next one is under way
             line = child.stdout.readline()
@@ -56,6 +56,28 @@ def test_kill_during_save_keeps_latest_whole(tmp_path, delay):
         child.wait(30)
     finally:
         child.kill()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.13, 0.37])
+def test_kill_during_save_keeps_latest_whole(tmp_path, delay):
+    _run_and_kill(tmp_path, delay)
     latest = (tmp_path / "latest").read_text()
     assert int(latest.removeprefix("global_step")) >= 2
     _complete(tmp_path / latest)
+
+
+def test_kill_while_replacing_a_tag_loads_its_new_copy(tmp_path):
+    """Saving a tag that exists moves the old copy aside, then renames the new one in: a kill
+    between the two renames leaves no ``rolling/``, and loading takes the complete new copy."""
+    from parallel3d.checkpoint import resolve_tag
+
+    _run_and_kill(tmp_path, 0.0, "rolling")
+    assert resolve_tag(tmp_path, None) == tmp_path / "rolling"
+    (tmp_path / "rolling").rename(tmp_path / ".rolling.old")  # the state between the renames
+    shutil.copytree(tmp_path / ".rolling.old", tmp_path / ".rolling.tmp", dirs_exist_ok=True)
+    path = resolve_tag(tmp_path, None)
+    assert path == tmp_path / ".rolling.tmp"
+    _complete(path)
+    (tmp_path / ".rolling.tmp" / "checkpoint.json").unlink()  # a copy still being written is not taken
+    with pytest.raises(Exception, match="checkpoint .*/rolling does not exist"):
+        resolve_tag(tmp_path, None)
