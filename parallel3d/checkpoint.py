@@ -130,16 +130,18 @@ def _chunks_to_load(engine, metadata, manifest: dict) -> tuple[list[Chunk], list
     saved_states = _state_index(metadata, manifest)
     chunks: list[Chunk] = []
     states = []
-    for e, master, chunks_of in _pieces(engine):
+    current = engine.optimizer.piece_states()
+    for (e, master, chunks_of), now in zip(_pieces(engine), current, strict=True):
         chunks += chunks_of(f"model/{e.name}", master.data)
         state = {}
         for key, (fqn, dtype) in saved_states.get(e.name, {}).items():
-            if fqn.startswith("optim_scalar/"):
-                value = torch.zeros((), dtype=dtype, device=_scalar_device(engine.optimizer, master))
-                chunks.append(Chunk(fqn, (), (), (), value))
-            else:
-                value = torch.zeros(master.shape, dtype=dtype, device=master.device)
-                chunks += chunks_of(fqn, value)
+            scalar = fqn.startswith("optim_scalar/")
+            shape, device = ((), _scalar_device(engine.optimizer, master)) if scalar else (master.shape, master.device)
+            value = now.get(key)  # a state of the same kind is overwritten in place (no new pages)
+            if not (isinstance(value, torch.Tensor) and value.shape == shape and value.dtype == dtype
+                    and value.device == device):
+                value = torch.empty(shape, dtype=dtype, device=device)  # every element is read below
+            chunks += [Chunk(fqn, (), (), (), value)] if scalar else chunks_of(fqn, value)
             state[key] = value
         states.append(state)
     return chunks, states
@@ -246,14 +248,45 @@ def _gather_to_rank0(value, group: dist.ProcessGroup | None = None) -> list | No
     return out
 
 
+class StagingBuffer:
+    """CPU memory a background save copies its chunks into, kept from one save to the next.
+
+    Most of a copy into fresh memory is the first touch of each page, so reusing the pages
+    makes every save after the first one cost about a memcpy. The price is that the buffer
+    (this rank's share of the checkpoint) stays allocated between saves, as DCP's caching
+    stager does.
+    """
+
+    _ALIGN = 64
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.uint8)
+
+    def stage(self, chunks: list[Chunk]) -> list[Chunk]:
+        sizes = [c.view.numel() * c.view.element_size() for c in chunks]
+        spans = [-(-n // self._ALIGN) * self._ALIGN for n in sizes]
+        if self.buffer.numel() < sum(spans):
+            self.buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one comes
+            self.buffer = torch.empty(sum(spans), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        staged, offset = [], 0
+        for c, n, span in zip(chunks, sizes, spans):
+            view = self.buffer[offset : offset + n].view(c.view.dtype).view(c.view.shape)
+            view.copy_(c.view.detach())
+            staged.append(replace(c, view=view))
+            offset += span
+        return staged
+
+
 def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dict,
-         group: dist.ProcessGroup | None = None, in_background: bool = False) -> tuple[str, BackgroundSave | None]:
+         group: dist.ProcessGroup | None = None, staging: StagingBuffer | None = None
+         ) -> tuple[str, BackgroundSave | None]:
     """Save ``engine``'s state and ``client_state`` (rank 0's is kept); returns the tag written.
 
-    With ``in_background`` the chunks are first copied to CPU memory (the only part training
-    waits for) and a thread writes them over ``group`` (a process group of its own, so its
-    collectives never interleave with training's) and publishes the checkpoint; the thread is
-    returned, and its ``finish()`` waits for it and raises its error, if any.
+    With ``staging`` the save runs in the background: the chunks are first copied into that
+    CPU buffer (the only part training waits for) and a thread writes them over ``group`` (a
+    process group of its own, so its collectives never interleave with training's) and
+    publishes the checkpoint; the thread is returned, and its ``finish()`` waits for it and
+    raises its error, if any.
     """
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     client = encode_value(client_state, "client_state")
@@ -273,11 +306,10 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dic
     hf_config = getattr(engine.module, "config", None)
     config_json = hf_config.to_json_string() if hasattr(hf_config, "to_json_string") else None
     manifest["rng"] = _gather_to_rank0(_rng_state(), group)
-    if not in_background:
+    if staging is None:
         _write(Path(save_dir), tag, chunks, manifest, config_json, group)
         return tag, None
-    staged = [replace(c, view=c.view.detach().to("cpu", copy=True)) for c in chunks]
-    thread = BackgroundSave(tag, Path(save_dir), tag, staged, manifest, config_json, group)
+    thread = BackgroundSave(tag, Path(save_dir), tag, staging.stage(chunks), manifest, config_json, group)
     thread.start()
     return tag, thread
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import mmap
 import os
 import zlib
+from contextlib import contextmanager
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -31,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -72,17 +74,62 @@ def write_json_atomically(path: Path, doc: dict) -> None:
 
 
 def _crc(path: Path, offset: int, length: int) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        f.seek(offset)
-        left = length
-        while left:
-            block = f.read(min(left, 1 << 24))
-            if not block:
-                break
-            crc = zlib.crc32(block, crc)
-            left -= len(block)
-    return crc
+    """CRC-32 of ``length`` bytes of ``path`` at ``offset``, through a memory map (no copy)."""
+    if length == 0:
+        return 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with memoryview(mapped) as view:
+            return zlib.crc32(view[offset : offset + length])
+
+
+class _ChecksummingStream(io.RawIOBase):
+    """A file being written that keeps the CRC-32 of the bytes between consecutive ``tell()`` calls.
+
+    DCP's writer calls ``tell()`` just before and just after it writes each chunk, so the
+    segment between those two calls is the chunk: its checksum is known without reading the
+    file back. A chunk whose bounds are not such a segment is read back instead (see _Writer).
+    """
+
+    def __init__(self, raw, segments: dict[tuple[str, int, int], int], name: str) -> None:
+        super().__init__()
+        self.raw, self.segments, self.name = raw, segments, name
+        self.start, self.crc = raw.tell(), 0
+
+    def write(self, data) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        return self.raw.write(data)
+
+    def tell(self) -> int:
+        position = self.raw.tell()
+        self.segments[(self.name, self.start, position)] = self.crc
+        self.start, self.crc = position, 0
+        return position
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def close(self) -> None:
+        super().close()  # flushes through to the file first
+        self.raw.close()
+
+
+class _ChecksummingFileSystem(FileSystem):
+    """DCP's local file system, with every file it writes wrapped in a :class:`_ChecksummingStream`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.segments: dict[tuple[str, int, int], int] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode: str):
+        with super().create_stream(path, mode) as raw:
+            yield _ChecksummingStream(raw, self.segments, Path(path).name) if "w" in mode else raw
 
 
 # ---- metadata as JSON -------------------------------------------------------------------
@@ -151,7 +198,11 @@ def read_chunk(directory: Path, md: Metadata, fqn: str, offsets: Sequence[int]) 
 
 
 class _Writer(FileSystemWriter):
-    """DCP's file writer, with a checksum per chunk and the metadata as JSON."""
+    """DCP's file writer, with a checksum per chunk (computed as it writes) and the metadata as JSON."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = _ChecksummingFileSystem()
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
@@ -159,7 +210,9 @@ class _Writer(FileSystemWriter):
         checked = []
         for r in results:
             info = r.storage_data
-            crc = _crc(Path(self.path) / info.relative_path, info.offset, info.length)
+            crc = self.fs.segments.get((info.relative_path, info.offset, info.offset + info.length))
+            if crc is None:
+                crc = _crc(Path(self.path) / info.relative_path, info.offset, info.length)
             checked.append(dataclasses.replace(r, storage_data=_CheckedStorageInfo(
                 info.relative_path, info.offset, info.length, info.transform_descriptors, crc)))
         future = torch.futures.Future()

@@ -58,6 +58,7 @@ class Engine:
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
+        self._staging: checkpoint.StagingBuffer | None = None  # async saves' CPU copy, reused
 
     # -- the DeepSpeed loop --------------------------------------------------------------
 
@@ -229,8 +230,10 @@ class Engine:
         background = self.config.checkpoint.async_save
         if background and self._save_group is None and dist.is_initialized():
             self._save_group = dist.new_group(backend="gloo")
+        if background and self._staging is None:
+            self._staging = checkpoint.StagingBuffer()
         tag, self._pending_save = checkpoint.save(self, save_dir, tag, client_state or {}, self._save_group,
-                                                  in_background=background)
+                                                  staging=self._staging if background else None)
         return tag
 
     def wait_for_checkpoint(self) -> None:
