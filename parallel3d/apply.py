@@ -94,7 +94,8 @@ def apply_zero(
         param_persistence_threshold=z.stage3_param_persistence_threshold,
         max_live_parameters=z.stage3_max_live_parameters,
         gradient_clipping=cfg.gradient_clipping,
-        defer_reduction=pipe is not None,
+        pipelined=pipe is not None,
+        keep_full_gradients=cfg.pipeline.keep_full_gradients,
     )
     return ZeroOptimizer(
         groups,
@@ -110,6 +111,8 @@ def apply_zero(
         norm_duplicate_params=_norm_duplicates(pipe, tp_info),
         param_order=list(model.parameters()),
         initial_values=values,
+        chunk_of={p: ci for ci, chunk in enumerate(pipe.chunks) for p in chunk.parameters()} if pipe else None,
+        isolated_params=[t.param for t in pipe.tied] if pipe else (),
     )
 
 

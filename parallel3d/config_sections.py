@@ -289,6 +289,11 @@ class PipelineConfig(Section):
     """Record every pipeline action's start and end on every rank, for
     `engine.write_timeline(path)` (a Chrome-trace JSON that `zero3d plot` can draw)."""
 
+    keep_full_gradients: bool = False
+    """ZeRO stages 2-3: accumulate full gradients through the step and reduce-scatter each
+    chunk's once, after its last backward, instead of after every micro-batch's backward
+    (stage 2's memory saving given up for one reduction per step). Stages 0-1 always do."""
+
 
 class CheckpointConfig(Section):
     """`checkpoint`: how `engine.save_checkpoint` writes (DeepSpeed's section, plus async_save)."""

@@ -8,12 +8,17 @@ and ``eval_batch`` hand the micro-batches of one window to a step loop chosen at
   the window's end. The engine's own per-micro-batch calls are available too.
 * ``PipelineLoop`` (pipeline.stages > 1): the window's micro-batches go through the
   schedule at once, so there is no per-micro-batch ``forward``/``backward``/``step``. One
-  step, in order: stage 3 gathers this stage's parameters once (``defer_reduction``); the
-  executor runs the schedule, its forwards, backwards (and zero-bubble weight passes)
-  accumulating full gradients into ZeRO's flat buffers with every hook a no-op, and sums the
-  tied embedding/head gradients over the first and last stage; ZeRO then reduces every unit
-  over dp once, unscales, clips (the norm summed over pp, the tied copy counted once) and
-  steps the fp32 master shards; stage 3 releases its parameters.
+  step follows ZeRO's pipeline protocol (zero/optimizer.py, ``begin_window`` and after):
+  stage 3 gathers this stage's parameters for the step; the executor runs the schedule, and
+  around each backward pass that accumulates weight gradients (every ``B``, or ``W`` in
+  zero-bubble schedules) ZeRO is told which chunk it touches and whether it is the chunk's
+  last of the step: stages 2-3 reduce-scatter the chunk's gradients after every pass and keep
+  only the shard, stages 0-1 (and ``pipeline.keep_full_gradients``) accumulate full gradients
+  and reduce the chunk's after its last pass, while the schedule goes on. The tied
+  embedding/head gradients are then summed over the first and last stage (full gradients
+  before their reduction, shards after it), ZeRO waits for every reduction, unscales, clips
+  (the norm summed over pp, the tied copy counted once) and steps the fp32 master shards;
+  stage 3 releases its parameters.
 
 Both return losses that are local to this rank; the engine takes their dp mean.
 """
@@ -26,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from parallel3d.errors import ConfigError
-from parallel3d.pipeline.executor import PipelineExecutor
-from parallel3d.pipeline.stage import PipelineModel
+from parallel3d.pipeline.executor import BackwardPass, PipelineExecutor
+from parallel3d.pipeline.stage import PipelineModel, sum_tied_grads
 
 if TYPE_CHECKING:
     from parallel3d.engine import Engine
@@ -93,8 +98,19 @@ class PipelineLoop:
             mesh.group("pp"),
             config.pipeline.schedule,
             device=mesh.device,
+            before_backward=self._begin_pass,
+            after_backward=self._end_pass,
+            sum_tied_grads=False,  # done in train(), on what ZeRO holds
             record=config.pipeline.record_timeline,
         )
+
+    def _begin_pass(self, pass_: BackwardPass) -> None:
+        if pass_.accumulates_weights:
+            self.engine.optimizer.begin_pass(pass_.chunk, last=pass_.is_last)
+
+    def _end_pass(self, pass_: BackwardPass) -> None:
+        if pass_.accumulates_weights:
+            self.engine.optimizer.end_pass()
 
     @staticmethod
     def _dicts(batches: list) -> list[dict]:
@@ -106,12 +122,12 @@ class PipelineLoop:
         """One optimizer step over the window's micro-batches; the mean loss (same on every pp rank)."""
         engine, zero = self.engine, self.engine.optimizer
         batches = self._dicts(batches)
-        zero.gather_for_step()
-        zero.start_backward(boundary=False)
+        zero.begin_window()
         loss = self.executor.run(batches, loss_scale=zero.loss_scale)
-        zero.reduce_gradients()
+        sum_tied_grads(self.pipe, self.executor.group, grads=zero.tied_gradients([t.param for t in self.pipe.tied]))
+        zero.finish_window()
         stepped = zero.step()
-        zero.release_after_forward()
+        zero.end_window()
         if stepped and engine.lr_scheduler is not None:
             engine.lr_scheduler.step()
         engine.global_steps += 1
@@ -123,10 +139,10 @@ class PipelineLoop:
         """Forward only through the stages (GPipe order); the mean loss on every pp rank."""
         zero = self.engine.optimizer
         batches = self._dicts(batches)
-        zero.gather_for_step()
+        zero.begin_window()
         with torch.no_grad():
             loss = self.executor.evaluate(batches)
-        zero.release_after_forward()
+        zero.end_window()
         return loss
 
     def named_parameters(self):

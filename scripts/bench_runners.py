@@ -11,6 +11,7 @@ returns the bytes of model state this rank holds (Zero3D only; None elsewhere).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -180,11 +181,32 @@ def setup_zero3d(model, spec, stage):
     return engine_step(engine), engine.memory_report
 
 
+PIPELINE_MICRO_BATCHES = 4  # per step and dp rank: 1F1B's steady state needs m >= pp
+
+
+def setup_zero3d_pipeline(model, spec, stage, keep_full_gradients=False):
+    """pp 2 (1F1B) x dp world/2: each step is ``PIPELINE_MICRO_BATCHES`` copies of the batch."""
+    import parallel3d
+
+    config = ds_config(spec, stage)
+    config["gradient_accumulation_steps"] = PIPELINE_MICRO_BATCHES
+    config["pipeline"] = {"stages": 2, "schedule": "1f1b", "keep_full_gradients": keep_full_gradients}
+    engine = parallel3d.initialize(model=model, config=config)[0]
+
+    def step(ids):
+        engine.train_batch(iter([{"input_ids": ids, "labels": ids}] * PIPELINE_MICRO_BATCHES))
+
+    return step, engine.memory_report
+
+
 RUNNERS = {
     "ddp": (setup_ddp, None),
     "fsdp2": (setup_fsdp2, 3),
     **{f"ds{s}": (setup_deepspeed, s) for s in (1, 2, 3)},
     **{f"z{s}": (setup_zero3d, s) for s in (0, 1, 2, 3)},
+    **{f"z{s}-pp2": (setup_zero3d_pipeline, s) for s in (0, 1, 2, 3)},
+    # stages 2-3 as before per-pass reduction: full gradients through the step
+    **{f"z{s}-pp2-full": (functools.partial(setup_zero3d_pipeline, keep_full_gradients=True), s) for s in (2, 3)},
 }
 
 

@@ -28,8 +28,12 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "z0", "z1", "z2", "z3"]
+# pp 2 x dp world/2, 1F1B (run with --nproc 4): ZeRO inside pipelines, and with full gradients kept
+PIPELINE = [f"z{s}-pp2" for s in range(4)] + ["z2-pp2-full", "z3-pp2-full"]
 LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "ds1": "DeepSpeed Z1", "ds2": "DeepSpeed Z2", "ds3": "DeepSpeed Z3",
-         **{f"z{s}": f"Zero3D Z{s}" for s in range(4)}}
+         **{f"z{s}": f"Zero3D Z{s}" for s in range(4)},
+         **{f"z{s}-pp2": f"Zero3D Z{s} pp2" for s in range(4)},
+         **{f"z{s}-pp2-full": f"Zero3D Z{s} pp2 full grads" for s in (2, 3)}}
 # Set by torchrun in the driver's own environment; a child job must not inherit them.
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
@@ -41,7 +45,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, help="timed steps per run (default: model's)")
     ap.add_argument("--warmup", type=int, help="untimed steps before them (default: model's)")
     ap.add_argument("--rounds", type=int, default=2, help="times every runner is run, interleaved")
-    ap.add_argument("--only", default=",".join(ALL), help="comma-separated runners, of: " + ",".join(ALL))
+    ap.add_argument("--only", default=",".join(ALL), help="comma-separated runners, of: " + ",".join(ALL + PIPELINE))
     ap.add_argument("--interleave", action="store_true",
                     help="time all runners in one job, taking steps in turn (same load for all; no memory)")
     ap.add_argument("--nproc", type=int, help="ranks per runner (default: torchrun's world size, else 2)")
@@ -112,7 +116,10 @@ def ratios(stats: dict, a: str, b: str) -> list[float] | None:
 
 
 def peers(name: str) -> list[str]:
-    """What a runner is compared with: DDP; FSDP2 at stage 3; DeepSpeed at the same stage."""
+    """What a runner is compared with: DDP; FSDP2 at stage 3; DeepSpeed at the same stage
+    (pipeline runners: with each other, by memory, in docs/benchmarks.md)."""
+    if "-pp" in name:
+        return []
     stage = name[-1] if name[-1].isdigit() else ""
     return ["ddp"] + (["fsdp2"] if stage == "3" or name == "fsdp2" else []) + (
         [f"ds{stage}"] if name.startswith("z") and stage in "123" else [])
@@ -120,14 +127,14 @@ def peers(name: str) -> list[str]:
 
 def print_tables(stats: dict) -> None:
     mib = lambda v: f"{v:.0f}" if v is not None else "-"  # noqa: E731
-    fmt = "{:<14} {:>8} {:>20} {:>7} {:>7}   {:>9} {:>9} {:>9}"
+    fmt = "{:<26} {:>8} {:>20} {:>7} {:>7}   {:>9} {:>9} {:>9}"
     print(fmt.format("runner", "median s", "round medians", "min s", "cpu s", "peak MiB", "train MiB", "state MiB"))
     for name, s in stats.items():
         print(fmt.format(LABEL[name], f"{s['median_s']:.3f}", " ".join(f"{m:.3f}" for m in s["round_medians"]),
                          f"{s['min_s']:.3f}", f"{s['cpu_s']:.3f}", mib(s["peak_mib"]), mib(s["train_peak_mib"]),
                          mib(s["state_mib"])))
     print("\nratios of step time, each as median / min / cpu (lower is better):")
-    fmt = "{:<14} {:>21} {:>21} {:>21}"
+    fmt = "{:<26} {:>21} {:>21} {:>21}"
     print(fmt.format("runner", "vs DDP", "vs FSDP2", "vs DeepSpeed (same Z)"))
     for name in stats:
         cells = {p: ratios(stats, name, p) for p in peers(name)}
@@ -174,9 +181,9 @@ def print_header(args, r0: dict, wall_s: float, load0: float) -> None:
 def drive(args) -> None:
     nproc = args.nproc or int(os.environ.get("WORLD_SIZE", 2))
     names = [n for n in args.only.split(",") if n]
-    unknown = set(names) - set(ALL)
+    unknown = set(names) - set(ALL + PIPELINE)
     if unknown:
-        sys.exit(f"unknown runners {sorted(unknown)}; choose from {ALL}")
+        sys.exit(f"unknown runners {sorted(unknown)}; choose from {ALL + PIPELINE}")
     load0 = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="bench_zero_")
     out = os.path.join(tmp, "results.jsonl")

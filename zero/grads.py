@@ -79,7 +79,8 @@ class GradientReducer:
         self._pending: list[tuple[dist.Work | None, Callable[[], None] | None]] = []
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
-        self._next = 0  # position in launch_order of the next unit to launch
+        self._order = self.launch_order  # the units this backward reduces, in launch order
+        self._next = 0  # position in _order of the next unit to launch
         self._staging: list[torch.Tensor | None] = [None] * len(self.units)
         self._shard_fresh = [True] * len(self.units)
         self._arrived: set[nn.Parameter] = set()  # stages 2-3: params whose grad is staged
@@ -141,14 +142,26 @@ class GradientReducer:
                 view.copy_(grad)
             p.grad = view
 
-    def start_backward(self, boundary: bool) -> None:
-        """Called before each backward: ``boundary`` marks the last micro-batch of a window."""
+    def has(self, p: nn.Parameter) -> bool:
+        return p in self._unit_index
+
+    def unit_of(self, p: nn.Parameter) -> int:
+        return self._unit_index[p][0]
+
+    def start_backward(self, boundary: bool, units: Sequence[int] | None = None) -> None:
+        """Called before each backward: ``boundary`` marks the last micro-batch of a window.
+
+        ``units`` limits what this backward reduces (a pipeline pass: one chunk's units; the
+        others' gradients do not change in it); default every unit.
+        """
         self.boundary = boundary
         self.ensure_buffers()
         if self.accumulate_full:
             self._repair_grad_views()
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
+        wanted = None if units is None else set(units)
+        self._order = self.launch_order if wanted is None else [ui for ui in self.launch_order if ui in wanted]
         self._next = 0
         self._arrived.clear()
 
@@ -169,8 +182,8 @@ class GradientReducer:
         self._launch_in_order()
 
     def _launch_in_order(self, everything: bool = False) -> None:
-        """Launch units in ``launch_order`` while the next one is complete (or all, at the end)."""
-        order = self.launch_order
+        """Launch this backward's units in launch order while the next one is complete (or all, at the end)."""
+        order = self._order
         while self._next < len(order):
             ui = order[self._next]
             if not everything and self._ready[ui] < len(self.units[ui].params):
@@ -236,17 +249,17 @@ class GradientReducer:
             if finish is not None:
                 finish()
 
-    def finish_backward(self) -> None:
-        """After backward: reduce units whose params got no gradient, then wait for all."""
+    def finish_backward(self, wait: bool = True) -> None:
+        """After backward: reduce units whose params got no gradient, then (``wait``) wait for all."""
         if self.accumulate_full and not self.boundary:
             return
         self._launch_in_order(everything=True)
-        self._drain()
+        if wait:
+            self._drain()
 
-    def reduce_all(self) -> None:
-        """Reduce every unit now (the end of a step whose backward passes deferred it)."""
-        self.start_backward(boundary=True)
-        self.finish_backward()
+    def wait(self) -> None:
+        """Wait for every reduction launched so far."""
+        self._drain()
 
     def zero_grad(self) -> None:
         if not self._allocated:

@@ -14,7 +14,7 @@ step count), and per-parameter step counts stay per parameter.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,11 +46,16 @@ class ZeroSettings:
     param_persistence_threshold: int = 100_000
     max_live_parameters: int = 1_000_000_000
     gradient_clipping: float = 0.0
-    defer_reduction: bool = False
-    """Accumulate full gradients through the whole step and reduce them once, when the caller
-    says (``reduce_gradients``); stage 3 then holds its params gathered for the step. For
-    pipeline schedules, whose backward passes interleave and whose tied-embedding gradients
-    must be summed across stages before ZeRO reduces them."""
+    pipelined: bool = False
+    """A pipeline schedule drives the backward passes: the caller brackets a step with
+    :meth:`ZeroOptimizer.begin_window` / :meth:`~ZeroOptimizer.finish_window` and each backward
+    pass of a chunk with :meth:`~ZeroOptimizer.begin_pass` / :meth:`~ZeroOptimizer.end_pass`
+    instead of ``start_backward`` / ``finish_backward``; stage 3 holds its params gathered
+    for the step."""
+    keep_full_gradients: bool = False
+    """Under ``pipelined``, stages 2-3: accumulate full gradients through the step and reduce
+    each chunk's once, after its last pass (one reduction per step instead of one per pass, at
+    a full gradient buffer's memory). Stages 0-1 always do."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,14 @@ def launch_order(units: Sequence[FlatUnit], param_order: Sequence[nn.Parameter])
     return sorted(range(len(units)), key=lambda ui: (-earliest[ui], ui))
 
 
+def _partition(params: Sequence[nn.Parameter], key: Callable[[nn.Parameter], Hashable]) -> list[list[nn.Parameter]]:
+    """``params`` split by ``key``, parts in order of first appearance, order kept within each."""
+    parts: dict[Hashable, list[nn.Parameter]] = {}
+    for p in params:
+        parts.setdefault(key(p), []).append(p)
+    return list(parts.values())
+
+
 class ZeroOptimizer:
     """Shards master weights and optimizer states (1), gradients (2) and parameters (3).
 
@@ -110,7 +123,12 @@ class ZeroOptimizer:
             stages hold disjoint params).
         param_order: the model's parameters in registration order (default: as grouped);
             it decides the order in which units are reduced.
-        initial_values: for params that have no values yet (built on the meta device): a
+chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds each
+            param; a unit never mixes chunks, so each chunk's units can be reduced after its
+            own backward passes (``settings.pipelined``).
+        isolated_params: params that get a unit of their own (a tied copy: its gradient is
+            summed across pipeline stages, shard by shard, so both copies need one layout).
+                initial_values: for params that have no values yet (built on the meta device): a
             callable given ``{param: (start, stop, flat)}`` that writes elements [start, stop)
             of each param (its flat layout) into ``flat``, a view of this rank's buffers, with
             values that are the same on every rank (computed or read identically everywhere,
@@ -133,6 +151,8 @@ class ZeroOptimizer:
         norm_duplicate_params: Iterable[nn.Parameter] = (),
         param_order: Sequence[nn.Parameter] | None = None,
         initial_values: ValueProvider | None = None,
+        chunk_of: Mapping[nn.Parameter, int] | None = None,
+        isolated_params: Iterable[nn.Parameter] = (),
     ) -> None:
         self.settings = settings
         self.group = group
@@ -143,14 +163,19 @@ class ZeroOptimizer:
         self.dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.model_parallel_group = model_parallel_group
         # Units never mix params the norm treats differently, so it can weigh whole units.
+        # Nor params of different pipeline chunks (each chunk's are reduced after its own
+        # backward passes), nor an isolated param (a tied copy, summed across stages) with others.
         split = {id(p) for p in model_parallel_params}
         duplicate = {id(p) for p in norm_duplicate_params}
+        chunk_of = dict(chunk_of or {})
+        isolated_params = list(isolated_params)
+        isolated = {id(p) for p in isolated_params}
         params, origin = [], []
         for gi, g in enumerate(param_groups):
             for kind in ((False, False), (True, False), (False, True), (True, True)):
                 ps = [p for p in g["params"] if (id(p) in split, id(p) in duplicate) == kind]
-                if ps:
-                    params.append(ps)
+                for part in _partition(ps, lambda p: (chunk_of.get(p, 0), id(p) if id(p) in isolated else None)):
+                    params.append(part)
                     origin.append((gi, *kind))
         if any(p.is_meta for ps in params for p in ps):
             raise ValueError("parameters on the meta device: give them storage-less tensors on the device first "
@@ -158,7 +183,9 @@ class ZeroOptimizer:
         device = params[0][0].device
         self.layout = self._layout(params, list(fetch_modules), device)
         self.units = self.layout.units
-        for unit in self.units:
+        self._chunk_units: dict[int, list[int]] = {}  # pipeline chunk -> its units
+        for ui, unit in enumerate(self.units):
+            self._chunk_units.setdefault(chunk_of.get(params[unit.group_index][0], 0), []).append(ui)
             unit.group_index, unit.model_parallel, duplicated = origin[unit.group_index]
             unit.count_in_norm = not duplicated
         # [units, 2]: which squared unit norms count as [replicated, model-parallel] (step-invariant)
@@ -177,17 +204,22 @@ class ZeroOptimizer:
                 group,
                 prefetch_numel=settings.prefetch_bucket_size,
                 max_live_numel=settings.max_live_parameters,
-                module_hooks=not settings.defer_reduction,
+                module_hooks=not settings.pipelined,
             )
+        full = settings.stage <= 1 or (settings.pipelined and settings.keep_full_gradients)
         self.reducer = GradientReducer(
             self.units,
             group,
             settings.stage,
             overlap_comm=settings.overlap_comm,
-            on_unit_reduced=self._release_after_reduce if self.fetcher and not settings.defer_reduction else None,
-            accumulate_full=True if settings.defer_reduction else None,
+            on_unit_reduced=self._release_after_reduce if self.fetcher and not settings.pipelined else None,
+            accumulate_full=full,
             launch_order=launch_order(self.units, param_order or [p for ps in params for p in ps]),
         )
+        # Full gradients of a tied copy are summed across stages before they are reduced, so
+        # their units wait for finish_window; reduced shards are summed after (same layout).
+        isolated_units = {self.reducer.unit_of(p) for p in isolated_params if self.reducer.has(p)}
+        self._held_units = sorted(isolated_units) if full else []
         self.masters = [u.master for u in self.units]
         self.pieces = shard_pieces(self.units)
         self.master_pieces = [nn.Parameter(self.masters[pc.unit][pc.start : pc.stop]) for pc in self.pieces]
@@ -269,15 +301,58 @@ class ZeroOptimizer:
             self.fetcher.end_step_recording()
             self.fetcher.release_all()
 
-    def gather_for_step(self) -> None:
-        """``defer_reduction``: materialize every stage-3 unit for the step and point ``.grad`` at the buffers."""
+    # -- pipelines (``settings.pipelined``): the schedule's passes, in this order ----------
+    #   begin_window()                                   once per step (or per evaluation)
+    #   begin_pass(chunk, last) / end_pass()             around every weight-accumulating backward pass
+    #   tied_gradients(params) -> summed across stages    after the schedule's last pass
+    #   finish_window()                                  every reduction done; then step()
+    #   end_window()                                     stage 3 releases its params
+
+    def begin_window(self) -> None:
+        """A pipelined step (or evaluation) begins: stage 3 gathers this stage's params for it."""
         if self.fetcher is not None:
             self.fetcher.gather_all()
             self.reducer.install_grad_views()
 
-    def reduce_gradients(self) -> None:
-        """``defer_reduction``: reduce every unit's accumulated gradients over dp, now."""
-        self.reducer.reduce_all()
+    def begin_pass(self, chunk: int, last: bool) -> None:
+        """A backward pass that accumulates gradients into ``chunk``'s params begins.
+
+        Stages 2-3 reduce-scatter the chunk's units during and after every pass and keep the
+        shard; with full gradients (stages 0-1, ``keep_full_gradients``) the chunk's units are
+        reduced during and after its ``last`` pass of the step only.
+        """
+        units = [ui for ui in self._chunk_units.get(chunk, ()) if ui not in self._held_units]
+        self.reducer.start_backward(boundary=last, units=units)
+
+    def end_pass(self) -> None:
+        """The pass has ended: launch the chunk's units that got no gradient (zeros), without waiting."""
+        self.reducer.finish_backward(wait=False)
+
+    def tied_gradients(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+        """What to sum across a tied param's stages: its full gradient while it is still held for
+        that sum (full gradients), else its reduced shard (its unit holds it alone, laid out the
+        same on both stages). An empty tensor for a param ZeRO does not train."""
+        self.reducer.wait()
+        out = []
+        for p in params:
+            if not self.reducer.has(p):
+                out.append(torch.zeros(0, device=self.units[0].device if self.units else None))
+                continue
+            unit = self.units[self.reducer.unit_of(p)]
+            out.append(unit.grad_full if self.reducer.accumulate_full else unit.grad_shard)
+        return out
+
+    def finish_window(self) -> None:
+        """Reduce the held units (after the tied sum) and wait for every reduction of the step."""
+        if self._held_units:
+            self.reducer.start_backward(boundary=True, units=self._held_units)
+            self.reducer.finish_backward()
+        self.reducer.wait()
+
+    def end_window(self) -> None:
+        """Stage 3: release the params gathered by :meth:`begin_window`."""
+        if self.fetcher is not None:
+            self.fetcher.release_all()
 
     def gather_for_forward(self) -> None:
         """Stage 3: materialize the root units before the model's forward."""
