@@ -89,7 +89,7 @@ def launch(name: str, args, nproc: int, out: str, log: str) -> bool:
 def collect(results: list[dict]) -> dict[str, dict]:
     """Per runner: pooled median step time, round medians, peak RSS (max over ranks, median over rounds)."""
     out: dict[str, dict] = {}
-    for name in ALL:
+    for name in ALL + PIPELINE:
         runs = [r for r in results if r["runner"] == name]
         if not runs:
             continue
