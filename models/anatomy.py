@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from torch import nn
 
+from models.families import family_record
+
 
 def fetch_unit_modules(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks of ``model`` (outermost first, in registration order).
 
     HF models name their block class in ``_no_split_modules`` (``LlamaDecoderLayer``,
-    ``GPT2Block``...); those are the ZeRO-3 fetch units. A model without the attribute gets
-    no blocks, and ZeRO-3 then gathers all of its parameters as one root unit.
+    ``GPT2Block``...), unless their family record names it (:mod:`models.families`); those are
+    the ZeRO-3 fetch units. A model without either gets no blocks, and ZeRO-3 then gathers all
+    of its parameters as one root unit.
     """
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    names = family_record(getattr(model, "config", None)).block_names(model)
     blocks: list[nn.Module] = []
     inside: set[int] = set()
     for module in model.modules():
