@@ -9,7 +9,8 @@ head are not part of a plan: every causal LM has them and ``apply_tensor_paralle
 
 Entries of HF's ``moe_tp_experts`` style name a module that stores every expert's weights as
 stacked parameters; the entries naming those parameters (``experts.gate_up_proj``:
-``packed_colwise``, ``experts.down_proj``: ``rowwise``) say how each is split.
+``packed_colwise``, ``experts.down_proj``: ``rowwise``, or ``packed_rowwise`` / ``colwise`` for
+the transposed layout) say that they are split; how follows from their role (``experts.py``).
 
 This module only describes; it imports no parallel code (``models`` sits below
 ``parallel3d``). Problems are ``TPPlanError``; the caller turns them into ``ConfigError``.
@@ -29,6 +30,10 @@ from models.tp_styles import LayerPlan, TPPlanError, style
 
 __all__ = ["HEAD_COUNT_ATTRS", "LayerPlan", "ModelTPPlan", "TPPlanError", "base_model_prefix", "resolve_tp_plan"]
 
+# Styles HF gives the stacked weights of a moe_tp_experts module (the names follow the tensor's
+# dims, which a transposed layout swaps; the split itself follows the weight's role)
+EXPERT_WEIGHT_STYLES = ("colwise", "rowwise", "packed_colwise", "packed_rowwise")
+
 # Attention attributes that hold a head count: made per-rank where heads are split
 # (parallel3d/tensor_parallel/heads.py: H/T query heads, K/T or one replicated kv head).
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
@@ -39,7 +44,7 @@ class ModelTPPlan:
     """A plan resolved against one model instance (concrete paths from the model root).
 
     ``layers``: planned modules; ``experts``: each ``experts`` module's planned parameters
-    (local name -> how it is split); ``regions``: the modules that own a row layer (attention,
+    (local names); ``regions``: the modules that own a row layer (attention,
     MLP), entered once for all of their column layers, except a repeated block itself (OPT keeps
     fc1 and fc2 in its decoder layer: such a pair's column enters tensor parallelism on its own);
     ``attention_modules``: parents of head-splitting columns,
@@ -48,7 +53,7 @@ class ModelTPPlan:
     """
 
     layers: dict[str, LayerPlan]
-    experts: dict[str, dict[str, LayerPlan]] = field(default_factory=dict)
+    experts: dict[str, set[str]] = field(default_factory=dict)
     regions: set[str] = field(default_factory=set)
     divide_attrs: dict[str, tuple[str, ...]] = field(default_factory=dict)
     attention_modules: set[str] = field(default_factory=set)
@@ -68,7 +73,7 @@ def base_model_prefix(model: nn.Module) -> str:
     raise TPPlanError(f"{type(model).__name__} has no base model at `base_model_prefix` ({prefix!r})")
 
 
-def _entries(model: nn.Module, tp_size: int) -> tuple[dict[str, LayerPlan], str]:
+def _entries(model: nn.Module, tp_size: int) -> tuple[dict[str, str | LayerPlan], str]:
     """The plan's entries (HF's, with the family record's laid over them) and where they come from."""
     owner = type(model).__name__
     record = family_record(model.config)
@@ -79,11 +84,7 @@ def _entries(model: nn.Module, tp_size: int) -> tuple[dict[str, LayerPlan], str]
         own = sorted(r.name for r in RECORDS if r.tp_plan is not None)
         raise TPPlanError(f"{owner} (model_type {model_type!r}) has no base_model_tp_plan in its config and zero3d "
                           f"declares no plan for its family (declared: {', '.join(own)})")
-    plan: dict[str, LayerPlan] = {}
-    for key, value in {**hf, **declared}.items():
-        layer = style(value, key, owner) if value is not None else None
-        if layer is not None:
-            plan[key] = layer
+    plan = {key: value for key, value in {**hf, **declared}.items() if value is not None}
     if not declared:
         return plan, "config.base_model_tp_plan"
     return plan, f"zero3d {record.name} plan" + (" over config.base_model_tp_plan" if hf else "")
@@ -102,28 +103,31 @@ def resolve_tp_plan(model: nn.Module, tp_size: int) -> ModelTPPlan:
     modules = dict(base.named_modules())
     params = dict(base.named_parameters())
     result = ModelTPPlan(layers={}, source=source)
-    param_entries: list[tuple[str, LayerPlan, re.Pattern]] = []
-    for key, layer in entries.items():
+    param_entries: list[tuple[str, str | LayerPlan, re.Pattern]] = []
+    for key, value in entries.items():
         pattern = _pattern(key)
         hits = [name for name in modules if pattern.match(name)]
         if not hits and any(pattern.match(name) for name in params):
-            param_entries.append((key, layer, pattern))
-        for name in hits:
+            param_entries.append((key, value, pattern))
+            continue
+        layer = style(value, key, owner) if hits else None  # an entry for modules this config lacks is moot
+        for name in hits if layer is not None else ():
             result.layers[f"{prefix}.{name}"] = layer
             if layer.kind == "experts":
-                result.experts[f"{prefix}.{name}"] = {}
-    for key, layer, pattern in param_entries:
+                result.experts[f"{prefix}.{name}"] = set()
+    for key, value, pattern in param_entries:
         for name in (n for n in params if pattern.match(n)):
             module, _, leaf = f"{prefix}.{name}".rpartition(".")
             if module not in result.experts:
-                if layer.kind in ("column", "row"):
-                    raise TPPlanError(f"{owner}: plan entry {key!r} names a parameter outside a moe_tp_experts module; "
-                                      "zero3d splits nn.Linear / Conv1D modules and stacked expert weights only")
+                # a bare parameter of an attention or MLP module (Beam's per-head gate_bias): the
+                # split-region analysis (parallel3d/tensor_parallel/regions.py) splits it by heads,
+                # sums its gradient or refuses the model, from its shape
                 continue
-            if layer.kind not in ("column", "row"):
-                raise TPPlanError(f"{owner}: plan entry {key!r} gives an expert weight the style {layer.kind!r}; "
-                                  "expected colwise, packed_colwise or rowwise")
-            result.experts[module][leaf] = layer
+            declared = isinstance(value, LayerPlan) and value.kind in ("column", "row")
+            if value not in EXPERT_WEIGHT_STYLES and not declared:
+                raise TPPlanError(f"{owner}: plan entry {key!r} gives an expert weight the style {value!r}; "
+                                  f"expected one of {', '.join(EXPERT_WEIGHT_STYLES)}")
+            result.experts[module].add(leaf)
 
     record = family_record(model.config)
     blocks = record.block_names(model)

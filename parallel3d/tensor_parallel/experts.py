@@ -1,10 +1,12 @@
 """Mixture-of-experts weights under tensor parallelism: each rank a slice of every expert.
 
 HF's MoE families keep all experts of a layer in one module with stacked weights
-(``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]; transposed layouts swap
-the last two dims) and plan it as ``moe_tp_experts``: the gate|up weight is split along its
-output features (each of the two packed blocks on its own, so every rank keeps matching gate
-and up rows), the down weight along its input features. Each rank then runs every routed token
+(``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]; transposed layouts,
+``is_transposed``, swap the last two dims) and plan it as ``moe_tp_experts``: the gate|up (or
+up) weight and its bias are split along their output features (a concatenated gate|up as two
+packed blocks, so every rank keeps matching gate and up rows), the down weight along its input
+features. The plan's style names for them follow the tensor's dims (Aria's transposed
+``gate_up_proj`` is ``packed_rowwise``), so the split is taken from the weight's role. Each rank then runs every routed token
 through its slice of the chosen experts, and the experts' outputs are partial sums, as a row
 layer's are. The router stays replicated.
 
@@ -29,21 +31,21 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from models.tp_styles import LayerPlan
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.comm import copy_to_tp, reduce_from_tp
 from parallel3d.tensor_parallel.sharding import ShardSpec, make_spec
 
 
-def _split_dim(param: nn.Parameter, layer: LayerPlan, transposed: bool) -> int:
-    """The dim of a stacked expert weight ([E, out, in], or [E, in, out] when transposed) that ``layer`` splits."""
-    if param.dim() == 2:  # a bias [E, out]
+def _split_dim(param: nn.Parameter, down: bool, transposed: bool) -> int:
+    """The dim of a stacked expert weight ([E, out, in], or [E, in, out] when transposed) to split:
+    the input features of the down projection, the output features of the others."""
+    if param.dim() == 2:  # an up or gate|up bias [E, out]
         return 1
     out_dim, in_dim = (2, 1) if transposed else (1, 2)
-    return out_dim if layer.kind == "column" else in_dim
+    return in_dim if down else out_dim
 
 
-def expert_specs(model: nn.Module, path: str, planned: dict[str, LayerPlan], world: int) -> dict[str, ShardSpec]:
+def expert_specs(model: nn.Module, path: str, planned: set[str], world: int) -> dict[str, ShardSpec]:
     """How each weight of the experts module ``path`` is split (full names); ConfigError if it cannot be."""
     module = model.get_submodule(path)
     owner = type(model).__name__
@@ -54,14 +56,14 @@ def expert_specs(model: nn.Module, path: str, planned: dict[str, LayerPlan], wor
     packed_layout = getattr(module, "is_concatenated", True)
     specs: dict[str, ShardSpec] = {}
     for local, param in module.named_parameters():
-        layer = planned.get(local)
-        if layer is None or (layer.kind == "row" and param.dim() < 3):
+        down = "down" in local
+        if local not in planned or param.dim() not in (2, 3) or (down and param.dim() < 3):
             raise ConfigError(f"{owner}: parameter {path}.{local} (shape {list(param.shape)}) of the experts module is "
                               "not split by its tensor-parallel plan; each rank would add it to its partial sum")
-        dim = _split_dim(param, layer, transposed)
+        dim = _split_dim(param, down, transposed)
+        packed = 2 if "gate_up" in local and packed_layout else 1
         try:
-            specs[f"{path}.{local}"] = make_spec(param.shape[dim], dim, world,
-                                                 packed=layer.packed if packed_layout else 1)
+            specs[f"{path}.{local}"] = make_spec(param.shape[dim], dim, world, packed=packed)
         except ValueError as exc:
             raise ConfigError(f"{owner}: {path}.{local} cannot be split over tensor_parallel.size={world}: "
                               f"{exc}") from None
