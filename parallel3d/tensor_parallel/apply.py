@@ -122,6 +122,34 @@ def _check_intermediate(model: nn.Module, world: int) -> None:
         raise ConfigError(f"tensor_parallel.size={world} must divide intermediate_size={inter} of {type(model).__name__}")
 
 
+def _check_embedding(model: nn.Module) -> None:
+    """Refuse an input embedding the vocabulary-parallel one would not reproduce: one with
+    parameters besides its table (Inkling's norm inside the embedding module)."""
+    emb = model.get_input_embeddings()
+    extra = [n for n, _ in emb.named_parameters()] if isinstance(emb, nn.Module) else []
+    if isinstance(emb, nn.Embedding) and extra != ["weight"]:
+        raise ConfigError(f"{type(model).__name__}: its input embedding {type(emb).__name__} holds parameters besides "
+                          f"its table ({', '.join(n for n in extra if n != 'weight')}), which the vocabulary-parallel "
+                          "embedding would drop")
+
+
+def _check_row_outputs(model: nn.Module, plan: ModelTPPlan) -> None:
+    """Refuse a row layer of a head-splitting attention whose output is not the model's width.
+
+    Such an output (Doge's ``dt_proj``: one value per kv head) is summed over tp and then feeds
+    per-head computations that would need every head on every rank."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    width = getattr(cfg, "hidden_size", None)
+    for name, layer in plan.layers.items():
+        if layer.kind != "row" or name.rpartition(".")[0] not in plan.attention_modules or not isinstance(width, int):
+            continue
+        weight, _, out_dim = _linear_parts(model.get_submodule(name))
+        if weight.shape[out_dim] != width:
+            raise ConfigError(f"{type(model).__name__}: row-parallel {name} outputs {weight.shape[out_dim]} features, "
+                              f"not the hidden size {width}; its summed output feeds per-head computations of the "
+                              "attention, which tensor parallelism would need whole on every rank")
+
+
 def _hidden_states_hook(enter: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     """A forward pre-hook (with kwargs) applying ``enter`` to a module's hidden-states input."""
 
@@ -245,6 +273,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         raise ConfigError(str(exc)) from None
     layout = head_layout(model, plan, world)
     _check_intermediate(model, world)
+    _check_row_outputs(model, plan)
+    _check_embedding(model)
     check_logit_transforms(model)
     kv_layers = dict.fromkeys(kv_projections(model, plan, layout), layout.kv_replicas) if layout else {}
     left_behind = find_left_behind(model, plan, layout, world)

@@ -107,8 +107,8 @@ def localize_head_counts(module: nn.Module, attrs: tuple[str, ...], layout: Head
     """Make an attention module's head-count attributes per-rank (``attrs``: those it has).
 
     Query-head counts become H/T, kv-head counts K/T (1 when replicated), the group size
-    ``num_key_value_groups`` their ratio; any other listed attribute (GPT-2's ``split_size``,
-    ``embed_dim``) is divided by T.
+    ``num_key_value_groups`` their ratio (K read from the module's own group size); any other
+    listed attribute (GPT-2's ``split_size``, ``embed_dim``) is divided by T.
     """
     for attr in attrs:
         if layout is not None and attr in Q_COUNT_ATTRS:
@@ -118,8 +118,12 @@ def localize_head_counts(module: nn.Module, attrs: tuple[str, ...], layout: Head
         else:
             value = getattr(module, attr) // world
         setattr(module, attr, value)
-    if layout is not None and isinstance(getattr(module, "num_key_value_groups", None), int):
-        module.num_key_value_groups = layout.local_heads // layout.local_kv_heads
+    groups = getattr(module, "num_key_value_groups", None)
+    if layout is not None and isinstance(groups, int) and groups:
+        # this module's own kv-head count, which may differ from the config's (MiMo-V2-Flash
+        # doubles it in its sliding-window layers)
+        kv = layout.heads // groups
+        module.num_key_value_groups = layout.local_heads // (kv // layout.world if kv >= layout.world else 1)
 
 
 def _narrow_heads(value: Any, layout: str, heads: int, start: int, count: int) -> Any:
