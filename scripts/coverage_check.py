@@ -30,14 +30,14 @@ STEPS, LR = 2, 0.5
 RTOL = 1e-4
 MAX_PARAMS = 60_000_000
 LAYOUTS = ("zero3", "tp2", "pp2")
-TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
             moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_local_experts=4,
-            n_routed_experts=4, num_experts_per_tok=2, n_embd=32, n_layer=2, n_head=4, n_positions=64, n_inner=48,
+            n_routed_experts=4, num_experts_per_tok=2, n_embd=32, n_layer=4, n_head=4, n_positions=64, n_inner=48,
             ffn_dim=48, ffn_hidden_size=48, rotary_dim=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=8,  # multi-head latent attention: its rotary part is head_dim
-            d_model=32, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
-            decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=2)  # encoder-decoder names
+            d_model=32, decoder_layers=4, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+            decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=4)  # encoder-decoder names
 
 
 def _settable(config: Any, key: str) -> bool:
