@@ -37,7 +37,8 @@ TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_atten
             ffn_dim=48, ffn_hidden_size=48, rotary_dim=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
             qk_nope_head_dim=8, v_head_dim=8,  # multi-head latent attention: its rotary part is head_dim
             d_model=32, decoder_layers=4, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
-            decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=4)  # encoder-decoder names
+            decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=4,  # encoder-decoder names
+            n_group=1, topk_group=1)  # grouped expert routing over the tiny expert count
 
 
 def _settable(config: Any, key: str) -> bool:
@@ -77,7 +78,9 @@ def tiny_model(model_type: str) -> torch.nn.Module:
 
 
 def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
-    """The step's two micro-batches; the second right-padded with ignored labels."""
+    """The step's two micro-batches; the second right-padded with ignored labels. Without a key/value
+    cache, which training does not use (a hybrid model's cache wants an attention layer among the
+    first few)."""
     g = torch.Generator().manual_seed(5 + step)
     out = []
     for i in range(2):
@@ -86,7 +89,7 @@ def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
         if i == 1:
             mask[1, -2:] = 0
             labels[1, -2:] = -100
-        out.append({"input_ids": ids, "labels": labels, "attention_mask": mask})
+        out.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "use_cache": False})
     return out
 
 
