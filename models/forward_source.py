@@ -19,7 +19,8 @@ import textwrap
 from typing import Any, Callable, Iterable
 
 __all__ = [
-    "MethodSource", "SourceError", "compile_function", "free_names", "is_validator", "loads", "mentions_self_attr",
+    "MethodSource", "SourceError", "compile_function", "fold_output_flags", "free_names", "is_validator", "loads",
+    "mentions_self_attr",
     "method_source", "parse_statement", "stores",
 ]
 
@@ -87,12 +88,17 @@ def stores(nodes: ast.AST | Iterable[ast.AST]) -> set[str]:
     return _names([nodes] if isinstance(nodes, ast.AST) else nodes, ast.Store)
 
 
-def free_names(stmts: list[ast.stmt]) -> list[str]:
-    """Names the statements read before binding them (statement by statement, in order)."""
-    bound: set[str] = set()
+def free_names(stmts: list[ast.stmt], bound: Iterable[str] = ()) -> list[str]:
+    """Names the statements read before binding them (statement by statement, in order; the
+    branches of an ``if`` each in order, so a name bound and then read inside one is not free)."""
+    bound = set(bound)
     free: list[str] = []
     for stmt in stmts:
-        free += sorted(loads(stmt) - bound - set(free))
+        if isinstance(stmt, ast.If):
+            new = (loads(stmt.test) - bound) | set(free_names(stmt.body, bound)) | set(free_names(stmt.orelse, bound))
+        else:
+            new = loads(stmt) - bound
+        free += sorted(new - set(free))
         bound |= stores(stmt)
     return free
 
@@ -101,6 +107,39 @@ def is_validator(stmt: ast.stmt) -> bool:
     """``if <check>: raise ...`` with nothing else: input validation."""
     return (isinstance(stmt, ast.If) and not stmt.orelse
             and all(isinstance(s, ast.Raise) for s in stmt.body))
+
+
+# Flags the pipeline fixes: it returns neither attentions nor per-layer hidden states, and
+# reads the base model's output by field.
+_FALSE_FLAGS = {"output_attentions", "output_hidden_states"}
+_TRUE_FLAGS = {"return_dict"}
+
+
+def _flag_test(test: ast.expr) -> bool | None:
+    """The value of ``<flag>`` or ``not <flag>`` for a fixed flag, else None."""
+    negate = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+    name = test.operand if negate else test
+    if not isinstance(name, ast.Name) or name.id not in _FALSE_FLAGS | _TRUE_FLAGS:
+        return None
+    return (name.id in _TRUE_FLAGS) != negate
+
+
+def fold_output_flags(stmts: list[ast.stmt]) -> list[ast.stmt]:
+    """``stmts`` with every ``if output_attentions:``, ``if output_hidden_states:`` and ``if not
+    return_dict:`` replaced by the branch that runs (older forwards collect attentions in tuples
+    carried across the block loop and return tuples early; the pipeline needs neither)."""
+    out: list[ast.stmt] = []
+    for stmt in stmts:
+        value = _flag_test(stmt.test) if isinstance(stmt, ast.If) else None
+        if value is not None:
+            out += fold_output_flags(stmt.body if value else stmt.orelse)
+            continue
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(stmt, field, None)
+            if block and isinstance(block, list) and not isinstance(stmt, (ast.FunctionDef, ast.ClassDef)):
+                setattr(stmt, field, fold_output_flags(block) or [ast.Pass()])
+        out.append(stmt)
+    return out
 
 
 def mentions_self_attr(stmt: ast.AST, attrs: set[str]) -> bool:

@@ -8,7 +8,9 @@ A pipeline stage runs a slice of the model outside HF's ``forward``. What it nee
   output ``hidden_states`` only) splits it into the first stage's modules (embedding, its
   dropout) and the last stage's (final norm). The head is ``model.get_output_embeddings()``.
   Parameter-free modules of the base model outside the plan (the rotary table) are kept by
-  every stage. Models without a plan get a declared one here (:data:`DECLARED_PLANS`);
+  every stage. Families without a plan get a declared one in their record (:mod:`models.families`),
+  which may also name the module under the base model whose ``forward`` runs the blocks (OPT's
+  ``decoder``);
 * **how to call them**: the model's own ``forward`` code, cut into pieces
   (:mod:`models.stage_program`), so masks per layer type, rotary tables, embedding scales,
   logit soft-capping and logit scales are computed by HF's code, not by a copy of it.
@@ -22,15 +24,16 @@ describes and adapts; it imports no parallel code. Callers turn the error into `
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
+from models.families import RECORDS, family_record
 from models.forward_source import SourceError
 from models.stage_program import BaseProgram, HeadProgram
 
-__all__ = ["DECLARED_PLANS", "AnatomyError", "PipelineAnatomy", "causal_lm_class_name", "pipeline_anatomy"]
+__all__ = ["AnatomyError", "PipelineAnatomy", "causal_lm_class_name", "pipeline_anatomy"]
 
 
 class AnatomyError(ValueError):
@@ -38,23 +41,7 @@ class AnatomyError(ValueError):
     cannot reproduce."""
 
 
-_Plan = dict[str, tuple[list[str], list[str]]]
-
-# base_model_pp_plan for families whose config has none (same format as HF's)
-DECLARED_PLANS: dict[str, _Plan] = {
-    "gpt2": {
-        "wte": (["input_ids"], ["inputs_embeds"]),
-        "wpe": (["position_ids"], ["position_embeds"]),
-        "drop": (["hidden_states"], ["hidden_states"]),
-        "h": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "ln_f": (["hidden_states"], ["hidden_states"]),
-    },
-    "stablelm": {
-        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-        "norm": (["hidden_states"], ["hidden_states"]),
-    },
-}
+_Plan = Mapping[str, tuple[list[str], list[str]]]
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,8 +95,11 @@ def _base_model(model: nn.Module, what: str) -> tuple[str, nn.Module]:
 
 
 def _split_plan(plan: _Plan, base: nn.Module, what: str) -> tuple[list[str], str, list[str]]:
-    """(first-stage names, the block list's name, last-stage names) of a plan."""
-    names = list(plan)
+    """(first-stage names, the block list's name, last-stage names) of a plan.
+
+    An entry whose module the model leaves out (``None``: OPT's ``project_in`` when the
+    embedding has the hidden size) is dropped."""
+    names = [n for n in plan if not (hasattr(base, n) and getattr(base, n) is None)]
     blocks = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
     if len(blocks) != 1:
         raise AnatomyError(f"{what}: its pipeline plan {names} names {len(blocks)} block lists; expected one")
@@ -126,8 +116,7 @@ def _split_plan(plan: _Plan, base: nn.Module, what: str) -> tuple[list[str], str
     return names[:k], name, names[k + 1:]
 
 
-def _check_blocks(model: nn.Module, blocks: nn.ModuleList, what: str) -> None:
-    allowed = set(getattr(model, "_no_split_modules", None) or ())
+def _check_blocks(allowed: set[str], blocks: nn.ModuleList, what: str) -> None:
     kinds = sorted({type(b).__name__ for b in blocks})
     if allowed and not set(kinds) <= allowed:
         raise AnatomyError(f"{what}: its blocks are {kinds}, not the block classes it names in _no_split_modules "
@@ -144,18 +133,23 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
     what = _describe(model)
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
-    plan = getattr(config, "base_model_pp_plan", None) or DECLARED_PLANS.get(family)
+    record = family_record(config)
+    plan = record.pipeline_plan(config)
     if not plan:
+        declared = sorted(r.name for r in RECORDS if r.pp_plan)
         raise AnatomyError(
             f"pipeline parallelism does not support {what}: its config has no base_model_pp_plan and zero3d declares "
-            f"none; supported: every family whose config ships base_model_pp_plan, and {', '.join(DECLARED_PLANS)}")
-    prefix, base = _base_model(model, what)
+            f"none for its family; supported: every family whose config ships base_model_pp_plan, and "
+            f"{', '.join(declared)}")
+    prefix, _ = _base_model(model, what)
+    base_path = ".".join(p for p in (prefix, record.pp_base) if p)
+    base = model.get_submodule(base_path)
     first, blocks_name, last = _split_plan(plan, base, what)
     blocks = getattr(base, blocks_name)
-    _check_blocks(model, blocks, what)
+    _check_blocks(record.block_names(model), blocks, what)
     head_path = _path_of(model, model.get_output_embeddings())
-    paths = {n: f"{prefix}.{n}" for n in (*first, blocks_name, *last)}
-    shared = {n: f"{prefix}.{n}" for n, m in base.named_children()
+    paths = {n: f"{base_path}.{n}" for n in (*first, blocks_name, *last)}
+    shared = {n: f"{base_path}.{n}" for n, m in base.named_children()
               if n not in paths and m is not None and not any(True for _ in m.parameters())}
     outside = _outside(model, [*paths.values(), head_path])
     if outside:
@@ -163,13 +157,13 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
                            "pipeline plan and head, so no stage would hold them")
     try:
         base_program = BaseProgram(type(base), blocks_name, set(first))
-        head_program = HeadProgram(type(model), prefix)
+        head_program = HeadProgram(type(model), prefix, record.pp_base)
         head_program.check(model)
         base_program.check(base, blocks, config.hidden_size, _dtype(base), _device(model))
     except SourceError as exc:
         raise AnatomyError(f"pipeline parallelism does not support {what}: {exc}") from None
     return PipelineAnatomy(
-        family=family, base=prefix, first={n: paths[n] for n in first}, blocks=paths[blocks_name],
+        family=family, base=base_path, first={n: paths[n] for n in first}, blocks=paths[blocks_name],
         last={**{n: paths[n] for n in last}, "head": head_path}, shared=shared, base_program=base_program,
         head_program=head_program)
 

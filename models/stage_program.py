@@ -25,14 +25,14 @@ values, a loss with terms beyond the token loss.
 from __future__ import annotations
 
 import ast
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutput
 
 from models.forward_source import (
-    SourceError, compile_function, free_names, is_validator, loads, mentions_self_attr, method_source,
+    SourceError, compile_function, fold_output_flags, free_names, is_validator, loads, mentions_self_attr, method_source,
     parse_statement, stores,
 )
 from models.shape_guard import ShapeOnly, ValueRead, shape_only
@@ -68,6 +68,19 @@ def _loop_targets(loop: ast.For, owner: str) -> tuple[str | None, str]:
             and all(isinstance(e, ast.Name) for e in target.elts):
         return target.elts[0].id, target.elts[1].id
     raise SourceError(f"{owner} loops over its blocks as `{_line(loop.target)}`, which the pipeline does not read")
+
+
+def _nested_continue(loop: ast.For) -> bool:
+    """Whether a ``continue`` sits in a loop nested inside the block loop."""
+    return any(isinstance(m, ast.Continue) for n in ast.walk(loop) if n is not loop and isinstance(n, (ast.For, ast.While))
+               for m in ast.walk(n))
+
+
+class _SkipBlock(ast.NodeTransformer):
+    """``continue`` in the block loop's body becomes ``return hidden_states`` in the block step."""
+
+    def visit_Continue(self, node: ast.Continue) -> ast.Return:
+        return ast.copy_location(ast.Return(value=ast.Name(id="hidden_states", ctx=ast.Load())), node)
 
 
 def _returns_hidden(ret: ast.Return) -> bool:
@@ -111,16 +124,17 @@ class BaseProgram:
     def __init__(self, base_cls: type, blocks_attr: str, first_attrs: set[str]) -> None:
         src = method_source(base_cls)
         self.owner = src.owner
-        body = src.body
+        body = fold_output_flags(src.body)
         loops = [k for k, s in enumerate(body) if isinstance(s, ast.For) and _iterates(s.iter, blocks_attr)]
         if len(loops) != 1:
             raise SourceError(f"{self.owner} has {len(loops)} loops over self.{blocks_attr} at its top level; "
                               "the pipeline needs exactly one")
         k = loops[0]
         loop = body[k]
-        if loop.orelse or any(isinstance(n, (ast.Break, ast.Continue, ast.Return, ast.Yield, ast.Global, ast.Nonlocal))
-                              for n in ast.walk(loop)):
-            raise SourceError(f"{self.owner}: the block loop has an else, break, continue or return")
+        if loop.orelse or any(isinstance(n, (ast.Break, ast.Return, ast.Yield, ast.Global, ast.Nonlocal))
+                              for n in ast.walk(loop)) or _nested_continue(loop):
+            raise SourceError(f"{self.owner}: the block loop has an else, break or return")
+        loop.body = [_SkipBlock().visit(s) for s in loop.body]  # OPT's LayerDrop: `continue` skips a block
         if not (isinstance(body[-1], ast.Return) and _returns_hidden(body[-1])):
             raise SourceError(f"{self.owner} does not return `hidden_states` as its last_hidden_state")
         pre, post = body[:k], body[k + 1:-1]
@@ -206,9 +220,9 @@ class BaseProgram:
                               f"({type(exc).__name__}: {exc})") from None
 
 
-def _is_call_of(node: ast.expr, attr: str) -> bool:
-    return isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
-        and isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and node.func.attr == attr
+def _is_call_of(node: ast.expr, path: str) -> bool:
+    """Whether ``node`` calls ``self.<path>`` (``path`` may be dotted: ``model.decoder``)."""
+    return isinstance(node, ast.Call) and ast.unparse(node.func) == f"self.{path}"
 
 
 def _assigned_name(stmt: ast.stmt) -> str | None:
@@ -232,23 +246,37 @@ def _is_token_loss(stmt: ast.stmt) -> bool:
             and _is_call_of(stmt.body[0].value, "loss_function"))
 
 
+def _loss_logits(stmt: ast.If) -> str | None:
+    """The name of the logits a token-loss statement hands to ``self.loss_function``."""
+    call = stmt.body[0].value
+    given = call.args[:1] + [k.value for k in call.keywords if k.arg == "logits"]
+    return given[0].id if given and isinstance(given[0], ast.Name) else None
+
+
 class HeadProgram:
     """The causal LM's forward after its base model: the logits (module docstring)."""
 
-    def __init__(self, lm_cls: type, base_attr: str) -> None:
+    def __init__(self, lm_cls: type, base_attr: str, inner: str = "") -> None:
+        """``base_attr``: the base model's attribute; ``inner``: the path under it of the module
+        whose forward runs the blocks, which the causal LM may call directly (OPT's ``model.decoder``)."""
         src = method_source(lm_cls)
         self.owner = src.owner
-        body = src.body
-        calls = [k for k, s in enumerate(body) if _assigned_name(s) and _is_call_of(s.value, base_attr)]
+        body = fold_output_flags(src.body)
+        paths = {base_attr} | ({f"{base_attr}.{inner}"} if inner else set())
+        calls = [k for k, s in enumerate(body) if _assigned_name(s) and any(_is_call_of(s.value, p) for p in paths)]
         if len(calls) != 1 or not isinstance(body[-1], ast.Return):
             raise SourceError(f"{self.owner} does not call self.{base_attr} once and then return")
         k = calls[0]
         outputs = _assigned_name(body[k])
         keep, conditions = [], []
+        logits = "logits"
         for stmt in body[k + 1:-1]:
             names = loads(stmt) | stores(stmt)
             if names & _LOSS_NAMES:
-                if _is_none_binding(stmt) or _is_token_loss(stmt):
+                if _is_token_loss(stmt):
+                    logits = _loss_logits(stmt) or logits
+                    continue
+                if _is_none_binding(stmt):
                     continue
                 if isinstance(stmt, ast.If) and "labels" not in loads(stmt.test):
                     conditions.append(stmt.test)
@@ -258,18 +286,18 @@ class HeadProgram:
             if "labels" in names:
                 raise SourceError(f"{self.owner} uses the labels in `{_line(stmt)}`")
             keep.append(stmt)
-        if "logits" not in stores(keep):
-            raise SourceError(f"{self.owner} binds no `logits` after calling self.{base_attr}")
+        if logits not in stores(keep):
+            raise SourceError(f"{self.owner} binds no `{logits}` after calling self.{base_attr}")
         self.conditions = [ast.unparse(t) for t in conditions]
         pre = body[:k]
         self._logits = compile_function(src, "pp_head", pre + [parse_statement(f"{outputs} = pp_outputs")] + keep
-                                        + [parse_statement("return logits")], extra_params=["pp_outputs"])
+                                        + [parse_statement(f"return {logits}")], extra_params=["pp_outputs"])
         tests = ast.Return(value=ast.List(elts=conditions, ctx=ast.Load()))
         self._conditions = compile_function(src, "pp_loss_conditions", pre + [tests])
 
     def logits(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of the base model's last hidden state ``hidden``."""
-        return self._logits(model, pp_outputs=SimpleNamespace(last_hidden_state=hidden))
+        return self._logits(model, pp_outputs=BaseModelOutput(last_hidden_state=hidden))
 
     def check(self, model: nn.Module) -> None:
         """Refuse a model whose loss would add terms the last stage cannot compute (e.g. the

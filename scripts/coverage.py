@@ -1,119 +1,205 @@
-"""Which causal-LM types of the installed transformers train under pipeline stages.
+"""Which causal-LM types of the installed transformers train under ZeRO-3, tp 2 and pp 2.
 
-    python scripts/coverage.py [model_type ...]      # default: every causal-LM type
+    nice python scripts/coverage.py [model_type ...]          # default: every causal-LM type
+    python scripts/coverage.py --shard 1/2                    # every second pending type (run 0/2 beside it)
+    python scripts/coverage.py --table                        # README table and counts from the results
 
-For each type: a tiny random-init model (hidden 32, 2 blocks, vocabulary 96) from the type's
-default config, one step of two padded micro-batches through the real pipeline executor with
-two stages (one process, ``interleaved_1f1b`` with 2 chunks, so stage 0 hands the hidden
-states to stage 1 as between ranks), compared with the model's own forward and backward: the
-loss and every gradient to 1e-5. Prints one line per type: ``pass``, ``refused: <reason>``
-(Zero3D's message), ``MISMATCH`` (a bug), or ``skip`` when the tiny config does not build or
-run in transformers itself. Other layouts (ZeRO-3, tp 2) can be added as columns.
+Each type runs under three layouts on two gloo ranks against one process
+(``scripts/coverage_check.py`` says how); each outcome is ``pass``, ``refused: <reason>``,
+``fail: <what>`` or ``skip: <why>``. Results are appended, one JSON line per type, to
+``docs/coverage.jsonl`` as each type finishes, so a run can be stopped and started again (types
+already there are skipped unless named or ``--redo``), and several runs (``--shard K/N``, each
+its own port) can share the file. Two worker processes serve many types (imports cost seconds);
+a type that gives no result within ``--timeout`` seconds (a hang, a crash) is recorded as
+``fail`` and the workers are started afresh. ``--table`` writes the table between the markers
+in README.md and prints the counts per layout.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import queue
+import signal
+import socket
 import sys
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
-import torch
-import torch.distributed as dist
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from coverage_check import LAYOUTS, check  # noqa: E402
 
-from parallel3d.errors import ConfigError  # noqa: E402
-from parallel3d.pipeline.executor import PipelineExecutor  # noqa: E402
-from parallel3d.pipeline.stage import split_model  # noqa: E402
-
-RTOL = 1e-5
-MAX_PARAMS = 60_000_000
-VOCAB, SEQ = 96, 8
-TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_local_experts=4,
-            n_routed_experts=4, num_experts_per_tok=2, n_embd=32, n_layer=2, n_head=4, n_positions=64)
-DROPOUTS = ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "embedding_dropout",
-            "residual_dropout", "dropout", "activation_dropout")
+RESULTS = ROOT / "docs" / "coverage.jsonl"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
+RESTART_EVERY = 25  # types per pair of workers (each initialize builds process groups)
 
 
-def tiny_model(model_type: str) -> torch.nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    defaults = AutoConfig.for_model(model_type)
-    config = AutoConfig.for_model(model_type, **{k: v for k, v in TINY.items() if hasattr(defaults, k)})
-    for key in DROPOUTS:
-        if isinstance(getattr(config, key, None), float):
-            setattr(config, key, 0.0)
-    with torch.device("meta"):  # a type that names its sizes differently keeps its full size
-        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    if size > MAX_PARAMS:
-        raise ValueError(f"{size / 1e6:.0f}M parameters: the tiny config did not reach its sizes")
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-
-
-def batches() -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    out = []
-    for i in range(2):
-        ids = torch.randint(3, VOCAB, (2, SEQ), generator=g)
-        mask = torch.ones_like(ids)
-        labels = ids.clone()
-        if i == 1:
-            mask[1, -2:] = 0
-            labels[1, -2:] = -100
-        out.append({"input_ids": ids, "labels": labels, "attention_mask": mask})
-    return out
-
-
-def check(model_type: str, group: dist.ProcessGroup) -> str:
-    try:
-        model = tiny_model(model_type)
-        mbs = batches()
-        want_loss = sum(model(**mb, use_cache=False).loss / len(mbs) for mb in mbs)
-        want_loss.backward()
-    except Exception as exc:  # noqa: BLE001 - the tiny config is not one transformers runs
-        return f"skip (tiny config fails in transformers: {type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
-    want = {n: p.grad for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    try:
-        pipe = split_model(tiny_model(model_type), 1, 0, virtual_stages=2)  # the same seed: the same weights
-    except ConfigError as exc:
-        return f"refused: {str(exc).split(': ', 1)[-1]}"
-    try:
-        loss = PipelineExecutor(pipe, group, "interleaved_1f1b").run(mbs)
-    except Exception as exc:  # noqa: BLE001 - a bug of the split: report it and go on
-        return f"ERROR ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})"
-    if abs(loss.item() - want_loss.item()) > RTOL * abs(want_loss.item()):
-        return f"MISMATCH (loss {loss.item():.6f}, want {want_loss.item():.6f})"
-    for name, p in pipe.hf_named_parameters():
-        got = torch.zeros_like(p) if p.grad is None else p.grad
-        ref = want.get(name, torch.zeros_like(p))
-        if (got - ref).norm() > RTOL * ref.norm().clamp_min(1e-30):
-            return f"MISMATCH (gradient of {name})"
-    return "pass"
-
-
-def main(types: list[str]) -> None:
+def worker(rank: int, port: int, jobs: Any, results: Any) -> None:
+    """One of two ranks: for each type from ``jobs``, every layout; rank 0 reports the agreed outcomes."""
+    import torch.distributed as dist
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    group = dist.new_group([0])
-    counts: dict[str, int] = {}
-    for model_type in types or list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
-        outcome = check(model_type, group)
-        counts[outcome.split(" ")[0].rstrip(":")] = counts.get(outcome.split(" ")[0].rstrip(":"), 0) + 1
-        print(f"{model_type:28s} {outcome}", flush=True)
-    print("# " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    parent = os.getppid()
+    while (model_type := _next_job(jobs, parent)) is not None:
+        outcomes = {}
+        for layout in LAYOUTS:
+            mine = check(model_type, layout)
+            both: list[str] = [""] * 2
+            dist.all_gather_object(both, mine)
+            outcomes[layout] = agree(both)
+        if rank == 0:
+            results.put((model_type, outcomes))
     dist.destroy_process_group()
 
 
+def _next_job(jobs: Any, parent: int) -> str | None:
+    """The next type, or None when told to stop or when the driver is gone."""
+    while True:
+        try:
+            return jobs.get(timeout=30)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
+
+
+def agree(outcomes: list[str]) -> str:
+    """One outcome from the ranks': the first failure, refusal or skip, else pass."""
+    for kind in ("fail", "refused", "skip"):
+        for text in outcomes:
+            if text.startswith(kind):
+                return text
+    return "pass"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workers:
+    """Two worker processes and their queues."""
+
+    def __init__(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        self.jobs = [ctx.Queue() for _ in range(2)]
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=worker, args=(r, port, self.jobs[r], self.results), daemon=True)
+                      for r in range(2)]
+        for p in self.procs:
+            p.start()
+        self.served = 0
+
+    def run(self, model_type: str, timeout: float) -> dict[str, str] | None:
+        for q in self.jobs:
+            q.put(model_type)
+        self.served += 1
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                got_type, outcomes = self.results.get(timeout=5)
+            except queue.Empty:
+                if not all(p.is_alive() for p in self.procs):
+                    return None
+                continue
+            if got_type == model_type:
+                return outcomes
+        return None
+
+    def stop(self, kill: bool = False) -> None:
+        for q, p in zip(self.jobs, self.procs):
+            if kill:
+                p.kill()
+            else:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+
+
+def load(path: Path) -> dict[str, dict[str, str]]:
+    """The last recorded outcomes per type."""
+    out: dict[str, dict[str, str]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                record = json.loads(line)
+                out[record["type"]] = record["outcomes"]
+    return out
+
+
+def append(path: Path, model_type: str, outcomes: dict[str, str], seconds: float) -> None:
+    """One line, written at once (O_APPEND): runs sharing the file do not interleave lines."""
+    line = json.dumps({"type": model_type, "outcomes": outcomes, "seconds": round(seconds, 1)}) + "\n"
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def all_types() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def run(types: list[str], out: Path, timeout: float) -> None:
+    workers = Workers()
+    try:
+        for model_type in types:
+            if workers.served >= RESTART_EVERY:
+                workers.stop()
+                workers = Workers()
+            start = time.monotonic()
+            outcomes = workers.run(model_type, timeout)
+            if outcomes is None:
+                outcomes = {layout: f"fail: no result within {timeout:.0f} s (a hang or a crash)" for layout in LAYOUTS}
+                workers.stop(kill=True)
+                workers = Workers()
+            append(out, model_type, outcomes, time.monotonic() - start)
+            print(f"{model_type:28s} " + " | ".join(f"{k}: {v[:70]}" for k, v in outcomes.items()), flush=True)
+    finally:
+        workers.stop()
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type not yet recorded)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--redo", action="store_true", help="run types already recorded again")
+    parser.add_argument("--shard", default="0/1", help="K/N: only every N-th pending type, from the K-th")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds a type may take")
+    parser.add_argument("--table", action="store_true", help="write README's table from the results and stop")
+    args = parser.parse_args()
+    if args.table:
+        from coverage_table import write_table
+
+        write_table(load(args.out), README, BEGIN, END, all_types())
+        return
+    done = load(args.out)
+    types = args.types or [t for t in all_types() if args.redo or t not in done]
+    k, n = (int(x) for x in args.shard.split("/"))
+    run(types[k::n], args.out, args.timeout)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

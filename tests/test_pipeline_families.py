@@ -1,5 +1,7 @@
 """Pipeline stages for the families beyond Llama, Qwen2, GPT-NeoX and GPT-2 (pp = 2, 1F1B and
-interleaved 1F1B) against the single-process model, and the families that are refused.
+interleaved 1F1B) against the single-process model, and the families that are refused. The
+families whose configs ship no plan (Falcon in three layouts, GPT-BigCode, OPT, BLOOM, GPT-J,
+CodeGen, StableLM) split by the plans of their records (models/families.py).
 
 Each rank trains the same tiny model a few steps with plain SGD in one process (the oracle)
 and through the pipeline executor, then compares every step's loss and the update of every
@@ -21,30 +23,14 @@ from transformers import LlamaForCausalLM, LlamaModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from parallel3d.errors import ConfigError
-from tests.tiny_pp import accumulate, make_pp_model, micro_batches, pp_group, rel_error
-from tests.tiny_pp_families import SPECS, make_family_model
+from tests.tiny_pp import accumulate, make_pp_model, pp_group, rel_error
+from tests.tiny_pp_families import SPECS, make_family_model, sgd_train
 
 RTOL = 1e-5
-STEPS, M, LR = 3, 2, 0.5
 SCHEDULES = ("1f1b", "interleaved_1f1b")
 
 
-def _steps() -> list[list[dict]]:
-    return [micro_batches(M, seed=5 + step) for step in range(STEPS)]
-
-
-def _sgd_oracle(model: torch.nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses per step (mean over micro-batches) and the final params, by every HF name."""
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for batches in _steps():
-        opt.zero_grad(set_to_none=True)
-        losses.append(accumulate(model, batches))
-        opt.step()
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-
-
-def train_family(model_type: str) -> dict:
+def train_family(kind: str) -> dict:
     """On every rank: each schedule's losses and parameter updates against the oracle's."""
     import torch.distributed as dist
 
@@ -53,29 +39,25 @@ def train_family(model_type: str) -> dict:
 
     group = pp_group(2)
     rank = dist.get_rank(group)
-    start = make_family_model(model_type).double()
+    start = make_family_model(kind).double()
     before = {n: p.detach().clone() for n, p in start.named_parameters(remove_duplicate=False)}
-    want_losses, after = _sgd_oracle(copy.deepcopy(start))
-    out: dict = {"want": want_losses}
+    oracle = copy.deepcopy(start)
+    out: dict = {"want": sgd_train(oracle.parameters(), lambda batches: accumulate(oracle, batches))}
+    after = {n: p.detach().clone() for n, p in oracle.named_parameters(remove_duplicate=False)}
     for schedule in SCHEDULES:
         pipe = split_model(copy.deepcopy(start), 2, rank, virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
         executor = PipelineExecutor(pipe, group, schedule)
-        opt = torch.optim.SGD(pipe.parameters(), lr=LR)
-        losses = []
-        for batches in _steps():
-            opt.zero_grad(set_to_none=True)
-            losses.append(executor.run(batches).item())
-            opt.step()
+        losses = sgd_train(pipe.parameters(), lambda batches: executor.run(batches).item())
         errors = {name: rel_error(p.detach() - before[name], after[name] - before[name])
                   for name, p in pipe.hf_named_parameters()}
         out[schedule] = {"losses": losses, "errors": errors}
     return out
 
 
-@pytest.mark.parametrize("model_type", list(SPECS))
-def test_family_matches_single_process(dist, model_type):
-    results = dist.run(2, train_family, model_type)
-    model = make_family_model(model_type)
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_family_matches_single_process(dist, kind):
+    results = dist.run(2, train_family, kind)
+    model = make_family_model(kind)
     every_name = {n for n, _ in model.named_parameters(remove_duplicate=False)}
     for schedule in SCHEDULES:
         seen: set[str] = set()

@@ -248,7 +248,7 @@ def test_split_keeps_only_this_ranks_parameters():
 
 
 def test_bad_split_input():
-    from transformers import OPTConfig, OPTForCausalLM
+    from transformers import XGLMConfig, XGLMForCausalLM
 
     from parallel3d.pipeline.stage import split_model
 
@@ -271,11 +271,11 @@ def test_bad_split_input():
         (lambda: split_model(make_pp_model("llama"), 2, 0, balance="flops"),
          "pipeline balance 'flops' is unknown; allowed: parameters, layers"),
         (lambda: split_model(make_pp_model("llama"), 2, 2), "pipeline rank must be in [0, 2), got 2"),
-        (lambda: split_model(OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=16, ffn_dim=32, num_hidden_layers=2,
-                                                      num_attention_heads=2, word_embed_proj_dim=16)), 2, 0),
-         "pipeline parallelism does not support OPTForCausalLM (model_type='opt'): its config has no "
-         "base_model_pp_plan and zero3d declares none; supported: every family whose config ships "
-         "base_model_pp_plan, and gpt2, stablelm"),
+        (lambda: split_model(XGLMForCausalLM(XGLMConfig(vocab_size=64, d_model=16, ffn_dim=32, num_layers=2,
+                                                        attention_heads=2)), 2, 0),
+         "pipeline parallelism does not support XGLMForCausalLM (model_type='xglm'): its config has no "
+         "base_model_pp_plan and zero3d declares none for its family; supported: every family whose config ships "
+         "base_model_pp_plan, and BLOOM, CodeGen, Falcon, GPT-2, GPT-BigCode, GPT-J, OPT, StableLM"),
         (lambda: split_model(make_pp_model("llama").model, 2, 0),
          "LlamaModel (model_type='llama') is not a causal LM with a head; pipeline parallelism splits the "
          "*ForCausalLM class (LlamaForCausalLM)"),

@@ -196,16 +196,20 @@ def test_bad_sequence_length(dist):
         assert msg == "sequence parallelism: sequence length 7 must be divisible by tensor_parallel.size=2", msg
 
 
-def unsupported(name: str, config: dict) -> str:
+def unsupported(name: str, config: dict, plan: dict | None = None) -> str:
     import transformers
 
-    return _tp_error(getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config)))
+    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**config))
+    if plan is not None:
+        model.config.base_model_tp_plan = {**model.config.base_model_tp_plan, **plan}
+    return _tp_error(model)
 
 
 def test_unsupported_models(dist):
     small = dict(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
-    msg = dist.run(2, unsupported, "Mixtral", dict(small, num_key_value_heads=2, num_local_experts=2))[0]
-    assert msg.startswith("MixtralForCausalLM: base_model_tp_plan entry 'layers.*.mlp.experts': 'moe_tp_experts' is "
+    msg = dist.run(2, unsupported, "Llama", small, {"layers.*.mlp.down_proj": "packed_rowwise"})[0]
+    assert msg.startswith("LlamaForCausalLM: base_model_tp_plan entry 'layers.*.mlp.down_proj': 'packed_rowwise' is "
                           "not supported by zero3d"), msg
-    msg = dist.run(2, unsupported, "OPT", dict(small, ffn_dim=64, word_embed_proj_dim=32))[0]
-    assert msg.startswith("OPTForCausalLM (model_type 'opt') has no base_model_tp_plan in its config"), msg
+    msg = dist.run(2, unsupported, "XGLM", dict(vocab_size=64, d_model=32, num_layers=1, attention_heads=4, ffn_dim=64))[0]
+    assert msg.startswith("XGLMForCausalLM (model_type 'xglm') has no base_model_tp_plan in its config and zero3d "
+                          "declares no plan for its family (declared: BLOOM, CodeGen, Falcon, GPT-2"), msg

@@ -65,6 +65,7 @@ def oracle(kind: str, overrides: tuple, dp: int) -> tuple[list[float], list[floa
     ("llama", dict(num_key_value_heads=1), 2, 3, True),  # ... started on the meta device
     ("apertus", {}, 2, 2, False),  # xIELU alpha_p / alpha_n between up_proj and down_proj
     ("cohere", dict(num_key_value_heads=2), 4, 3, True),  # [heads, head_dim] q/k norms split, k_norm replicated
+    ("mixtral", {}, 2, 3, True),  # every expert split in two; the router's gradient summed at the experts' entry
 ], ids=lambda v: str(v))
 def test_updates_match_single_process(dist, kind, overrides, tp, stage, meta):
     results = dist.run(4, train, kind, overrides, tp, stage, meta)

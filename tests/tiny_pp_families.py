@@ -11,17 +11,21 @@ randomized, so every gradient is generic.
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.tiny import _randomize_zero_init
-from tests.tiny_pp import VOCAB
+from tests.tiny_pp import VOCAB, micro_batches
+
+STEPS, M, LR = 3, 2, 0.5  # SGD steps of M micro-batches each, for the parity runs
 
 _DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _WINDOW = 4  # < the 8 tokens of a micro-batch, > its 3 padded ones (no query without a key)
 
-# model_type -> (config overrides, attention implementation)
+# spec -> (config overrides, attention implementation); a spec is a model type or one of VARIANTS
 SPECS: dict[str, tuple[dict, str]] = {
     "gemma": (dict(head_dim=8), "sdpa"),  # sqrt(hidden) normalizer inside the embedding
     "gemma2": (dict(head_dim=8, final_logit_softcapping=0.5, attn_logit_softcapping=2.0, sliding_window=_WINDOW,
@@ -43,21 +47,63 @@ SPECS: dict[str, tuple[dict, str]] = {
     "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), "sdpa"),
     "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=24, decoder_sparse_step=1), "sdpa"),
+    "qwen3_moe": (dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       decoder_sparse_step=1), "sdpa"),
+    # families whose configs carry no plans: zero3d's records (models/families.py)
+    "falcon": (dict(num_kv_heads=4, multi_query=False, new_decoder_architecture=False, parallel_attn=True,
+                    ffn_hidden_size=48), "sdpa"),  # classic layout [heads, (q, k, v), head_dim]
+    "falcon_mqa": (dict(multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                        ffn_hidden_size=48), "eager"),  # [query heads | k | v]: gathered
+    "falcon_new": (dict(num_kv_heads=2, new_decoder_architecture=True, ffn_hidden_size=48), "sdpa"),  # kv groups
+    "falcon_alibi": (dict(num_kv_heads=4, multi_query=False, alibi=True, parallel_attn=False,
+                          ffn_hidden_size=48), "eager"),
+    # num_key_value_heads as the config derives it from multi_query (a keyword would override it)
+    "gpt_bigcode": (dict(n_inner=48, multi_query=True, num_key_value_heads=1), "sdpa"),
+    "gpt_bigcode_mha": (dict(n_inner=48, multi_query=False, num_key_value_heads=4), "eager"),
+    "opt": (dict(ffn_dim=48, word_embed_proj_dim=16, enable_bias=True), "sdpa"),  # project_in / project_out
+    "bloom": (dict(), "eager"),  # ALiBi, embedding LayerNorm
+    "gptj": (dict(n_inner=48, rotary_dim=4), "eager"),  # parallel block
+    "codegen": (dict(hidden_size=64, num_attention_heads=8, n_inner=48, rotary_dim=4), "eager"),  # 4 head groups
+    "stablelm_qk": (dict(qk_layernorm=True, use_parallel_residual=True), "sdpa"),  # a LayerNorm per head
 }
 
-_MOE = {"mixtral", "qwen2_moe"}
+_MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
 
 
-def make_family_model(model_type: str, seed: int = 0, **overrides) -> torch.nn.Module:
-    """A tiny ``model_type`` causal LM; the same seed gives the same weights on every rank."""
-    extra, attn = SPECS[model_type]
-    config = AutoConfig.for_model(model_type, **{**_DENSE, **extra, **overrides})
+# specs that are another layout of a family
+VARIANTS = {"falcon_mqa": "falcon", "falcon_new": "falcon", "falcon_alibi": "falcon", "gpt_bigcode_mha": "gpt_bigcode",
+            "stablelm_qk": "stablelm"}
+
+
+def model_type(kind: str) -> str:
+    """The transformers model type of a spec (``falcon_mqa`` is a Falcon)."""
+    return VARIANTS.get(kind, kind)
+
+
+def make_family_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
+    """A tiny causal LM of spec ``kind``; the same seed gives the same weights on every rank."""
+    extra, attn = SPECS[kind]
+    defaults = AutoConfig.for_model(model_type(kind))  # sizes it does not know would become stray attributes
+    dense = {k: v for k, v in _DENSE.items() if hasattr(defaults, k)}
+    config = AutoConfig.for_model(model_type(kind), **{**dense, **extra, **overrides})
     for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop",
-                "embedding_dropout", "residual_dropout"):
+                "embedding_dropout", "residual_dropout", "dropout", "activation_dropout"):
         if hasattr(config, key):
             setattr(config, key, 0.0)
     torch.manual_seed(seed)
     # the experts' loop instead of grouped_mm, which has no float64 kernel
-    experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
+    experts = {"experts_implementation": "eager"} if kind in _MOE else {}
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, **experts)
     return _randomize_zero_init(model)
+
+
+def sgd_train(params: Iterable[torch.nn.Parameter], step: Callable[[list[dict]], float]) -> list[float]:
+    """STEPS plain-SGD steps; ``step(micro_batches)`` accumulates one step's gradients and returns
+    its loss. The same micro-batches (right padding, ignored labels) for every layout."""
+    opt = torch.optim.SGD(params, lr=LR)
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        losses.append(step(micro_batches(M, seed=5 + s)))
+        opt.step()
+    return losses

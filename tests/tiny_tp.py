@@ -24,6 +24,8 @@ from transformers import (
     Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Phi3Config,
     Phi3ForCausalLM,
     Qwen2Config,
@@ -75,6 +77,10 @@ def make_tp_model(kind: str, seed: int = 0, **overrides) -> torch.nn.Module:
                                                  **overrides}))
     elif kind == "olmo2":  # q/k projections gathered: its full-width q/k norms see replicated features
         model = Olmo2ForCausalLM(Olmo2Config(**{**_LLAMA_LIKE, "vocab_size": 127, "pad_token_id": 0, **overrides}))
+    elif kind == "mixtral":  # experts split by moe_tp_experts; the experts' loop (grouped_mm is not in every build)
+        model = MixtralForCausalLM(MixtralConfig(**{**_LLAMA_LIKE, "vocab_size": 127, "num_local_experts": 4,
+                                                    "num_experts_per_tok": 2, "experts_implementation": "eager",
+                                                    **overrides}))
     elif kind == "gpt_neox":
         cfg = dict(vocab_size=127, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                    max_position_embeddings=64, attention_dropout=0.0, hidden_dropout=0.0, tie_word_embeddings=False)

@@ -2,7 +2,8 @@
 
 What changes, in this order:
 
-1. Plan (``models.tp_plans``): the config's ``base_model_tp_plan`` or a zero3d family plan;
+1. Plan (``models.tp_plans``): the config's ``base_model_tp_plan`` with the family record's
+   entries over it (``models.families``: a plan for families whose config has none);
    head counts, intermediate sizes and every split dim are checked against T first. When T
    exceeds the kv-head count the kv projections are replicated (``heads.py``), and every
    parameter of a split region that no planned layer owns is summed, split or refused
@@ -11,8 +12,11 @@ What changes, in this order:
    weight layout, 1/T of the weight). The module that owns a row-parallel layer (attention,
    MLP) is a *region*: one forward pre-hook on it enters tensor parallelism once for all of
    its column layers (``copy_to_tp``: one all-reduce of the input grad per region, not one
-   per q/k/v), and the row layer leaves it (all-reduce). Head-count attributes of split
-   attention modules (GPT-2's ``split_size``/``num_heads``/``embed_dim``) become per-rank.
+   per q/k/v), and the row layer leaves it (all-reduce). A block that owns a row layer itself
+   (OPT's fc1/fc2) is no region: its column layers enter on their own. Head-count attributes of
+   split attention modules (GPT-2's ``split_size``/``num_heads``/``embed_dim``) become per-rank,
+   and inputs laid out per head (BLOOM's ALiBi) are narrowed to the rank's heads. Experts
+   modules (``moe_tp_experts``) keep a slice of every expert (``experts.py``).
 3. The input embedding becomes vocab-parallel and the lm head column-parallel over the
    vocabulary (padded to a multiple of T); a tied head shares the embedding's parameter.
 4. Sequence parallelism (optional): a pre-hook on the first block keeps this rank's
@@ -56,7 +60,10 @@ from models.tp_plans import ModelTPPlan, TPPlanError, base_model_prefix, resolve
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp, gather_from_tp, gather_seq, split_to_tp
 from parallel3d.tensor_parallel.forward import causal_lm_forward, check_logit_transforms
-from parallel3d.tensor_parallel.heads import HeadLayout, head_layout, kv_projections, localize_head_counts
+from parallel3d.tensor_parallel.experts import expert_hooks, expert_specs
+from parallel3d.tensor_parallel.heads import (
+    HeadLayout, head_input_hook, head_layout, kv_projections, localize_head_counts,
+)
 from parallel3d.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -115,6 +122,34 @@ def _check_intermediate(model: nn.Module, world: int) -> None:
         raise ConfigError(f"tensor_parallel.size={world} must divide intermediate_size={inter} of {type(model).__name__}")
 
 
+def _check_embedding(model: nn.Module) -> None:
+    """Refuse an input embedding the vocabulary-parallel one would not reproduce: one with
+    parameters besides its table (Inkling's norm inside the embedding module)."""
+    emb = model.get_input_embeddings()
+    extra = [n for n, _ in emb.named_parameters()] if isinstance(emb, nn.Module) else []
+    if isinstance(emb, nn.Embedding) and extra != ["weight"]:
+        raise ConfigError(f"{type(model).__name__}: its input embedding {type(emb).__name__} holds parameters besides "
+                          f"its table ({', '.join(n for n in extra if n != 'weight')}), which the vocabulary-parallel "
+                          "embedding would drop")
+
+
+def _check_row_outputs(model: nn.Module, plan: ModelTPPlan) -> None:
+    """Refuse a row layer of a head-splitting attention whose output is not the model's width.
+
+    Such an output (Doge's ``dt_proj``: one value per kv head) is summed over tp and then feeds
+    per-head computations that would need every head on every rank."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    width = getattr(cfg, "hidden_size", None)
+    for name, layer in plan.layers.items():
+        if layer.kind != "row" or name.rpartition(".")[0] not in plan.attention_modules or not isinstance(width, int):
+            continue
+        weight, _, out_dim = _linear_parts(model.get_submodule(name))
+        if weight.shape[out_dim] != width:
+            raise ConfigError(f"{type(model).__name__}: row-parallel {name} outputs {weight.shape[out_dim]} features, "
+                              f"not the hidden size {width}; its summed output feeds per-head computations of the "
+                              "attention, which tensor parallelism would need whole on every rank")
+
+
 def _hidden_states_hook(enter: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     """A forward pre-hook (with kwargs) applying ``enter`` to a module's hidden-states input."""
 
@@ -151,7 +186,7 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
         if layer.kind == "partial_grad":
             partial.update(p for p in module.parameters(recurse=False) if p.requires_grad)
             continue
-        if layer.kind == "replicate":
+        if layer.kind in ("replicate", "experts"):  # experts: their weights are split by expert_specs
             continue
         try:
             _linear_parts(module)
@@ -164,7 +199,7 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
                     module, group, input_comm="none" if parent in regions else "copy",
                     gather_output=layer.gather_output, packed=layer.packed, replicas=kv_layers.get(name, 1))
             else:
-                new = RowParallelLinear(module, group, split_input=layer.split_input,
+                new = RowParallelLinear(module, group, split_input=layer.split_input, packed=layer.packed,
                                         output_comm="reduce_scatter_seq" if sp else "all_reduce")
                 rows.append(new)
         except TypeError as exc:
@@ -232,22 +267,32 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     """
     world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
     try:
-        plan = resolve_tp_plan(model)
+        plan = resolve_tp_plan(model, world)
         base_model_prefix(model)
     except TPPlanError as exc:
         raise ConfigError(str(exc)) from None
     layout = head_layout(model, plan, world)
     _check_intermediate(model, world)
+    _check_row_outputs(model, plan)
+    _check_embedding(model)
     check_logit_transforms(model)
     kv_layers = dict.fromkeys(kv_projections(model, plan, layout), layout.kv_replicas) if layout else {}
     left_behind = find_left_behind(model, plan, layout, world)
 
-    regions = {name.rpartition(".")[0] for name, layer in plan.layers.items() if layer.kind == "row"}
+    experts = {n: s for path, planned in sorted(plan.experts.items())
+               for n, s in expert_specs(model, path, planned, world).items()}
+    if experts and sequence_parallel:
+        raise ConfigError(f"{type(model).__name__}: sequence parallelism with tensor-parallel experts is not supported "
+                          "(each rank's experts would see its own sequence shard, whose partial outputs cannot be "
+                          "summed across ranks)")
+
+    regions = plan.regions
     specs: dict[str, ShardSpec] = {}
     partial: set[nn.Parameter] = set()
     rows = _shard_layers(model, plan, tp_group, sequence_parallel, specs, partial, regions, kv_layers)
-    split_params(model, left_behind.split, rank, world)
+    split_params(model, {**left_behind.split, **experts}, rank, world)
     specs.update(left_behind.split)
+    specs.update(experts)
     _localize_attention(model, plan, layout, world)
     head = _shard_vocab(model, tp_group, specs)
 
@@ -257,6 +302,11 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     hooks = [model.get_submodule(name).register_forward_pre_hook(
         _hidden_states_hook(lambda x: copy_to_tp(x, tp_group)), with_kwargs=True)
         for name in regions if not sequence_parallel]
+    hooks += [h for path in sorted(plan.experts) for h in expert_hooks(model.get_submodule(path), tp_group)]
+    if layout is not None:
+        hooks += [model.get_submodule(name).register_forward_pre_hook(
+            head_input_hook(model.get_submodule(name), inputs, layout, rank), with_kwargs=True)
+            for name, inputs in sorted(plan.head_inputs.items())]
     if sequence_parallel:
         hooks += _sequence_parallel_hooks(model, tp_group, regions)
         partial |= _sequence_partial_params(model, regions, sharded, rows)
@@ -284,6 +334,8 @@ def _rng_hooks(model: nn.Module, plan: ModelTPPlan, rng: SplitRegionRNG, sequenc
         rows = [model.get_submodule(n) for n, layer in plan.layers.items()
                 if layer.kind == "row" and n.rpartition(".")[0] == region]
         spans.append((model.get_submodule(region), rows, model.get_submodule(region)))
+    for parent, (column, rows) in _loose_pairs(plan).items():  # from the column's start to the row's
+        spans.append((model.get_submodule(column), [model.get_submodule(r) for r in rows], model.get_submodule(parent)))
     if sequence_parallel:
         blocks = fetch_unit_modules(model)
         spans.append((blocks[0], [], blocks[-1]))
@@ -293,6 +345,18 @@ def _rng_hooks(model: nn.Module, plan: ModelTPPlan, rng: SplitRegionRNG, sequenc
         handles += [m.register_forward_pre_hook(rng.exit_hook(opener)) for m in starts]
         handles.append(end.register_forward_hook(rng.exit_hook(opener)))
     return handles
+
+
+def _loose_pairs(plan: ModelTPPlan) -> dict[str, tuple[str, list[str]]]:
+    """Blocks that own row layers themselves (no region): the block -> (its first split column, its rows)."""
+    out: dict[str, tuple[str, list[str]]] = {}
+    for name, layer in plan.layers.items():
+        parent = name.rpartition(".")[0]
+        if layer.kind == "column" and not layer.gather_output and parent not in plan.regions and parent not in out:
+            rows = [n for n, lp in plan.layers.items() if lp.kind == "row" and n.rpartition(".")[0] == parent]
+            if rows:
+                out[parent] = (name, rows)
+    return out
 
 
 def _localize_attention(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout | None, world: int) -> None:

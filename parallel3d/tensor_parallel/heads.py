@@ -16,8 +16,11 @@ attention to repeat kv heads) have to become per-rank.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any, Callable, Mapping
 
+import torch
 from torch import nn
 
 from models.tp_plans import ModelTPPlan
@@ -62,7 +65,7 @@ def head_layout(model: nn.Module, plan: ModelTPPlan, world: int) -> HeadLayout |
     heads = getattr(cfg, "num_attention_heads", None)
     if not plan.heads_sharded or not isinstance(heads, int):
         return None
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    kv = next((v for v in (getattr(cfg, a, None) for a in KV_COUNT_ATTRS) if isinstance(v, int) and v), heads)
     if heads % world:
         raise ConfigError(f"tensor_parallel.size={world} must divide num_attention_heads={heads} of {cls} "
                           f"(each rank holds whole heads)")
@@ -104,8 +107,8 @@ def localize_head_counts(module: nn.Module, attrs: tuple[str, ...], layout: Head
     """Make an attention module's head-count attributes per-rank (``attrs``: those it has).
 
     Query-head counts become H/T, kv-head counts K/T (1 when replicated), the group size
-    ``num_key_value_groups`` their ratio; any other listed attribute (GPT-2's ``split_size``,
-    ``embed_dim``) is divided by T.
+    ``num_key_value_groups`` their ratio (K read from the module's own group size); any other
+    listed attribute (GPT-2's ``split_size``, ``embed_dim``) is divided by T.
     """
     for attr in attrs:
         if layout is not None and attr in Q_COUNT_ATTRS:
@@ -115,5 +118,38 @@ def localize_head_counts(module: nn.Module, attrs: tuple[str, ...], layout: Head
         else:
             value = getattr(module, attr) // world
         setattr(module, attr, value)
-    if layout is not None and isinstance(getattr(module, "num_key_value_groups", None), int):
-        module.num_key_value_groups = layout.local_heads // layout.local_kv_heads
+    groups = getattr(module, "num_key_value_groups", None)
+    if layout is not None and isinstance(groups, int) and groups:
+        # this module's own kv-head count, which may differ from the config's (MiMo-V2-Flash
+        # doubles it in its sliding-window layers)
+        kv = layout.heads // groups
+        module.num_key_value_groups = layout.local_heads // (kv // layout.world if kv >= layout.world else 1)
+
+
+def _narrow_heads(value: Any, layout: str, heads: int, start: int, count: int) -> Any:
+    """This rank's heads of a per-head input (``layout``: see ``FamilyRecord.tp_head_inputs``)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if layout == "batch*heads":
+        if value.shape[0] % heads:
+            raise RuntimeError(f"tensor parallel: a [batch*heads, ...] input of shape {list(value.shape)} does not "
+                               f"hold {heads} heads")
+        return value.view(-1, heads, *value.shape[1:])[:, start:start + count].reshape(-1, *value.shape[1:])
+    if value.dim() >= 2 and value.shape[1] == heads:
+        return value[:, start:start + count]
+    return value
+
+
+def head_input_hook(module: nn.Module, inputs: Mapping[str, str], layout: HeadLayout, rank: int) -> Callable:
+    """A forward pre-hook (with kwargs) narrowing ``module``'s per-head inputs (BLOOM's ALiBi) to this rank's heads."""
+    params = list(inspect.signature(module.forward).parameters)
+    start, count = rank * layout.local_heads, layout.local_heads
+
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        args = tuple(_narrow_heads(a, inputs[params[i]], layout.heads, start, count)
+                     if i < len(params) and params[i] in inputs else a for i, a in enumerate(args))
+        kwargs = {k: _narrow_heads(v, inputs[k], layout.heads, start, count) if k in inputs else v
+                  for k, v in kwargs.items()}
+        return args, kwargs
+
+    return hook

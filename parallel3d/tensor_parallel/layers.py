@@ -121,12 +121,13 @@ class RowParallelLinear(nn.Module):
 
     ``split_input`` takes this rank's chunk of a replicated input first (HF's
     ``rowwise_split_input``). ``output_comm``: ``"all_reduce"`` or ``"reduce_scatter_seq"``
-    (sequence parallelism: each rank keeps its sequence shard of the sum). The bias is added
+    (sequence parallelism: each rank keeps its sequence shard of the sum). ``packed`` > 1
+    splits each of that many equal input blocks separately (CodeGen's head groups). The bias is added
     after the reduction so it counts once; under sequence parallelism it then only sees this
     rank's tokens, so its gradient is partial (``apply_tensor_parallel`` sums it over tp).
     """
 
-    def __init__(self, full: nn.Module, group: ProcessGroup, *, split_input: bool = False,
+    def __init__(self, full: nn.Module, group: ProcessGroup, *, split_input: bool = False, packed: int = 1,
                  output_comm: OutputComm = "all_reduce") -> None:
         super().__init__()
         weight, bias, out_dim = _linear_parts(full)
@@ -135,7 +136,9 @@ class RowParallelLinear(nn.Module):
         in_dim = 1 - out_dim
         self.full_in_features = weight.shape[in_dim]
         self.out_features = weight.shape[out_dim]
-        self.specs: dict[str, ShardSpec] = {"weight": make_spec(self.full_in_features, in_dim, world)}
+        if packed > 1 and split_input:
+            raise ValueError("a row layer that splits its own input cannot hold packed blocks")
+        self.specs: dict[str, ShardSpec] = {"weight": make_spec(self.full_in_features, in_dim, world, packed=packed)}
         self.weight = _param(self.specs["weight"].shard(weight.detach(), rank, world), weight)
         self.in_features = self.weight.shape[in_dim]
         self.bias = _param(storageless.clone(bias.detach()), bias) if bias is not None else None

@@ -47,7 +47,7 @@ class LeftBehind:
 
 def split_regions(plan: ModelTPPlan) -> dict[str, list[str]]:
     """Region module -> its column layers whose output stays split (regions without any are left out)."""
-    regions = {name.rpartition(".")[0] for name, layer in plan.layers.items() if layer.kind == "row"}
+    regions = plan.regions
     out: dict[str, list[str]] = {}
     for name, layer in plan.layers.items():
         parent = name.rpartition(".")[0]

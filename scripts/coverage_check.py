@@ -1,0 +1,189 @@
+"""One causal-LM type under one layout on two ranks, against one process: the checks behind
+``scripts/coverage.py``.
+
+The model is a tiny random-init one built from the type's default config (hidden 32, two
+blocks, vocabulary 96; sizes the type does not have are left alone) with dropout off and
+eager attention. Every rank first trains it itself (the oracle: two plain-SGD steps, each over
+two padded micro-batches with ignored labels), then through ``parallel3d.initialize`` on the
+layout, and compares each step's loss and every parameter's update (``engine.full_parameters``)
+with the oracle's. Layouts, two ranks each:
+
+* ``zero3``: ZeRO stage 3 over dp = 2 (each rank one of the two micro-batches);
+* ``tp2``: tensor parallel over 2 ranks, both micro-batches by gradient accumulation;
+* ``pp2``: two pipeline stages, 1F1B over the two micro-batches.
+
+An outcome is ``pass``, ``refused: <Zero3D's reason>`` (a ``ConfigError`` from ``initialize``),
+``fail: <what went wrong>`` (a mismatch or an error while training: a bug), or ``skip: <why>``
+when the tiny config does not build or train in transformers itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import torch
+
+VOCAB, SEQ, MICRO = 96, 8, 2
+STEPS, LR = 2, 0.5
+RTOL = 1e-4
+MAX_PARAMS = 60_000_000
+LAYOUTS = ("zero3", "tp2", "pp2")
+TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_local_experts=4,
+            n_routed_experts=4, num_experts_per_tok=2, n_embd=32, n_layer=4, n_head=4, n_positions=64, n_inner=48,
+            ffn_dim=48, ffn_hidden_size=48, rotary_dim=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=8,  # multi-head latent attention: its rotary part is head_dim
+            d_model=32, decoder_layers=4, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
+            decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=4,  # encoder-decoder names
+            n_group=1, topk_group=1)  # grouped expert routing over the tiny expert count
+
+
+def _settable(config: Any, key: str) -> bool:
+    """Whether ``config`` has ``key`` as a size it stores (not a derived, read-only property)."""
+    prop = getattr(type(config), key, None)
+    return hasattr(config, key) and not (isinstance(prop, property) and prop.fset is None)
+
+
+def _tiny_sizes(defaults: Any) -> dict[str, Any]:
+    sizes = {k: v for k, v in TINY.items() if _settable(defaults, k)}
+    if _settable(defaults, "kv_lora_rank") and "num_attention_heads" in sizes:  # latent attention: keys and
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]  # values for every query head
+    return sizes
+
+
+def tiny_model(model_type: str) -> torch.nn.Module:
+    """The type's tiny model; the same on every call (seed 0)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    defaults = AutoConfig.for_model(model_type)
+    sizes = _tiny_sizes(defaults)
+    for name in getattr(defaults, "sub_configs", {}):  # a multimodal model's text and vision parts
+        part = getattr(defaults, name, None)
+        if hasattr(part, "to_dict"):  # only the sizes: lists per layer are derived again from them
+            sizes[name] = {"model_type": part.model_type, **_tiny_sizes(part)} if part.model_type else _tiny_sizes(part)
+    config = AutoConfig.for_model(model_type, **sizes)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():  # every dropout rate off
+        for key, value in vars(part).items():
+            if isinstance(value, float) and re.search(r"dropout|pdrop|drop_prob|layerdrop|drop_path|jitter", key):
+                setattr(part, key, 0.0)
+    with torch.device("meta"):  # a type that names its sizes differently keeps its full size
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if size > MAX_PARAMS:
+        raise ValueError(f"{size / 1e6:.0f}M parameters: the tiny config did not reach its sizes")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
+    """The step's two micro-batches; the second right-padded with ignored labels. Without a key/value
+    cache, which training does not use (a hybrid model's cache wants an attention layer among the
+    first few)."""
+    g = torch.Generator().manual_seed(5 + step)
+    out = []
+    for i in range(2):
+        ids = torch.randint(3, VOCAB, (MICRO, SEQ), generator=g)
+        mask, labels = torch.ones_like(ids), ids.clone()
+        if i == 1:
+            mask[1, -2:] = 0
+            labels[1, -2:] = -100
+        out.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "use_cache": False})
+    return out
+
+
+def oracle(model_type: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Single process: losses per step, and every parameter (by every name) before and after."""
+    model = tiny_model(model_type)
+    with torch.no_grad():  # a forward that draws random numbers in training agrees with no other run
+        draws = [torch.manual_seed(seed) and model(**micro_batches(0)[0]).loss.item() for seed in (1, 2)]
+    if draws[0] != draws[1]:
+        raise ValueError("its training forward draws random numbers (dropout or routing noise that no config "
+                         "switch turns off), so no two runs agree")
+    torch.manual_seed(0)
+    names = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    before = {n: p.detach().clone() for n, p in names.items()}
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in micro_batches(step):
+            loss = model(**mb).loss  # called as the engine calls it
+            (loss / 2).backward()
+            total += loss.item() / 2
+        if not torch.isfinite(torch.tensor(total)):
+            raise ValueError("the loss is not finite")
+        opt.step()
+        losses.append(total)
+    return losses, before, {n: p.detach().clone() for n, p in names.items()}
+
+
+def engine_config(layout: str) -> dict[str, Any]:
+    dp, gas = (2, 1) if layout == "zero3" else (1, 2)
+    config: dict[str, Any] = {
+        "train_batch_size": MICRO * gas * dp, "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas, "gradient_clipping": 0.0, "steps_per_print": 1000,
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_optimization": {"stage": 3 if layout == "zero3" else 0, "stage3_param_persistence_threshold": 0},
+    }
+    if layout == "tp2":
+        config["tensor_parallel"] = {"size": 2}
+    if layout == "pp2":
+        config["pipeline"] = {"stages": 2, "schedule": "1f1b"}
+    return config
+
+
+def _reason(exc: Exception) -> str:
+    """A ConfigError's message without the model class prefix (the table names the type)."""
+    text = " ".join(str(exc).split())
+    text = re.sub(r"^pipeline parallelism does not support \w+ \(model_type='[^']*'\): ", "", text)
+    return re.sub(r"^\w+(ForCausalLM|LMHeadModel|Model)\w*( \(model_type[^)]*\))?:? ", "", text)
+
+
+def _compare(losses: list[float], want: list[float], got: dict[str, torch.Tensor], before: dict[str, torch.Tensor],
+             after: dict[str, torch.Tensor]) -> str:
+    for step, (a, b) in enumerate(zip(losses, want)):
+        if not abs(a - b) <= RTOL * abs(b):
+            return f"fail: loss of step {step} is {a:.6f}, one process {b:.6f}"
+    # A parameter whose exact gradient is zero (a key bias: softmax ignores a shift shared by all
+    # keys) moves by rounding noise only, which no two summation orders share: errors below a
+    # millionth of the largest update are that noise, not a wrong gradient.
+    floor = 1e-6 * max((after[n] - before[n]).norm().item() for n in after)
+    for name, value in got.items():
+        if name not in after:
+            return f"fail: the engine names a parameter {name!r} the model does not have"
+        err = (value - after[name]).norm().item()
+        update = (after[name] - before[name]).norm().item()
+        if err > RTOL * update + floor:
+            return f"fail: update of {name} off by {err / max(update, 1e-30):.1e} of itself"
+    return "pass"
+
+
+def check(model_type: str, layout: str) -> str:
+    """This rank's outcome for ``model_type`` under ``layout`` (module docstring)."""
+    import parallel3d
+    from parallel3d.errors import ConfigError
+
+    try:
+        want, before, after = oracle(model_type)
+    except Exception as exc:  # noqa: BLE001 - the tiny config is not one transformers runs
+        return f"skip: tiny config fails in transformers ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
+    try:
+        engine, _, _, _ = parallel3d.initialize(model=tiny_model(model_type), config=engine_config(layout))
+    except ConfigError as exc:
+        return f"refused: {_reason(exc)}"
+    except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
+        return f"fail: initialize raised {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    try:
+        dp_rank = engine.mesh.local_rank("dp")
+        losses = []
+        for step in range(STEPS):
+            batches = micro_batches(step)
+            mine = batches[dp_rank:dp_rank + 1] if layout == "zero3" else batches
+            losses.append(engine.train_batch(iter(copy.deepcopy(mine))))
+        got = engine.full_parameters()
+    except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
+        return f"fail: training raised {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return _compare(losses, want, got, before, after)
