@@ -30,7 +30,8 @@ from torch import nn
 from models.forward_source import SourceError
 from models.stage_program import BaseProgram, HeadProgram
 
-__all__ = ["DECLARED_PLANS", "AnatomyError", "PipelineAnatomy", "causal_lm_class_name", "pipeline_anatomy"]
+__all__ = ["DECLARED_PLANS", "AnatomyError", "AnatomyPaths", "PipelineAnatomy", "anatomy_paths", "causal_lm_class_name",
+           "pipeline_anatomy"]
 
 
 class AnatomyError(ValueError):
@@ -57,8 +58,24 @@ DECLARED_PLANS: dict[str, _Plan] = {
 }
 
 
+@dataclass(frozen=True)
+class AnatomyPaths:
+    """Where a pipeline's parts live (the part of :class:`PipelineAnatomy` read from metadata alone)."""
+
+    family: str
+    base: str
+    first: dict[str, str]
+    blocks: str
+    last: dict[str, str]
+    shared: dict[str, str]
+
+    @property
+    def head(self) -> str:
+        return self.last["head"]
+
+
 @dataclass(frozen=True, eq=False)
-class PipelineAnatomy:
+class PipelineAnatomy(AnatomyPaths):
     """Dotted paths (from the ``*ForCausalLM`` root) of the parts a pipeline splits, and the
     programs that run them.
 
@@ -67,18 +84,8 @@ class PipelineAnatomy:
     modules every stage keeps. ``base`` is the base model's path.
     """
 
-    family: str
-    base: str
-    first: dict[str, str]
-    blocks: str
-    last: dict[str, str]
-    shared: dict[str, str]
     base_program: BaseProgram
     head_program: HeadProgram
-
-    @property
-    def head(self) -> str:
-        return self.last["head"]
 
 
 def causal_lm_class_name(model_type: str) -> str | None:
@@ -139,8 +146,9 @@ def _outside(model: nn.Module, owned: list[str]) -> list[str]:
             if not any(n.startswith(p + ".") for p in owned)]
 
 
-def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
-    """The anatomy of ``model`` (a ``*ForCausalLM``); :class:`AnatomyError` if it cannot be split."""
+def anatomy_paths(model: nn.Module) -> AnatomyPaths:
+    """The module paths of ``model``'s pipeline parts, read from its plan without running anything
+    (so also on the meta device); :class:`AnatomyError` if the plan does not fit the model."""
     what = _describe(model)
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
@@ -151,8 +159,7 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
             f"none; supported: every family whose config ships base_model_pp_plan, and {', '.join(DECLARED_PLANS)}")
     prefix, base = _base_model(model, what)
     first, blocks_name, last = _split_plan(plan, base, what)
-    blocks = getattr(base, blocks_name)
-    _check_blocks(model, blocks, what)
+    _check_blocks(model, getattr(base, blocks_name), what)
     head_path = _path_of(model, model.get_output_embeddings())
     paths = {n: f"{prefix}.{n}" for n in (*first, blocks_name, *last)}
     shared = {n: f"{prefix}.{n}" for n, m in base.named_children()
@@ -161,6 +168,20 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
     if outside:
         raise AnatomyError(f"{what}: parameters {outside[:3]}{' ...' if len(outside) > 3 else ''} lie outside its "
                            "pipeline plan and head, so no stage would hold them")
+    return AnatomyPaths(family=family, base=prefix, first={n: paths[n] for n in first}, blocks=paths[blocks_name],
+                        last={**{n: paths[n] for n in last}, "head": head_path}, shared=shared)
+
+
+def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
+    """The anatomy of ``model`` (a ``*ForCausalLM``); :class:`AnatomyError` if it cannot be split."""
+    what = _describe(model)
+    parts = anatomy_paths(model)
+    config = model.config
+    prefix = parts.base
+    base = model.get_submodule(prefix)
+    blocks_name = parts.blocks.rpartition(".")[2]
+    blocks = getattr(base, blocks_name)
+    first = list(parts.first)
     try:
         base_program = BaseProgram(type(base), blocks_name, set(first))
         head_program = HeadProgram(type(model), prefix)
@@ -169,9 +190,8 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
     except SourceError as exc:
         raise AnatomyError(f"pipeline parallelism does not support {what}: {exc}") from None
     return PipelineAnatomy(
-        family=family, base=prefix, first={n: paths[n] for n in first}, blocks=paths[blocks_name],
-        last={**{n: paths[n] for n in last}, "head": head_path}, shared=shared, base_program=base_program,
-        head_program=head_program)
+        family=parts.family, base=prefix, first=parts.first, blocks=parts.blocks, last=parts.last,
+        shared=parts.shared, base_program=base_program, head_program=head_program)
 
 
 def _dtype(base: nn.Module) -> torch.dtype:
