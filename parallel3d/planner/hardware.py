@@ -57,6 +57,7 @@ class Hardware:
     compute_efficiency: float = 0.75
     memory_efficiency: float = 0.8
     foreach_optimizer: bool = True  # torch.optim's foreach path (CUDA): one master-sized temporary
+    attention: str = "flash"  # how scaled_dot_product_attention runs (profile.ATTENTION)
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
@@ -95,6 +96,14 @@ def h100(gpus: int = 8, gpus_per_node: int = 8) -> Hardware:
     """DGX H100 (80 GB): 989 TFLOP/s bf16 dense, 3.35 TB/s HBM, NVLink 450 GB/s per direction, one
     400 Gb/s card (50 GB/s) per GPU."""
     return Hardware("H100-80GB", gpus, gpus_per_node, 80e9, 989e12, 3.35e12, Link(450e9, 5e-6), Link(50e9, 10e-6))
+
+
+
+def cpu(gpus: int = 1) -> Hardware:
+    """This machine's CPU as a "device", for memory predictions checked on CPU runs (its rates are
+    nominal, not measured: do not read step times from it). torch.optim steps per tensor on CPU."""
+    return Hardware("CPU", gpus, gpus, 64e9, 1e12, 20e9, Link(10e9, 20e-6), Link(10e9, 20e-6),
+                    foreach_optimizer=False, attention="native")
 
 
 PRESETS = {"a100": a100, "h100": h100}

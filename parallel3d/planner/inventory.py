@@ -37,7 +37,7 @@ class Param:
     block: int | None  # index of the block (stage-3 fetch module) holding it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class RankParams:
     """What ZeRO gets on one rank: kind groups in ZeroOptimizer's order and the fetch modules."""
 
@@ -77,21 +77,40 @@ class ModelShapes:
         self.last = [self._by_id[id(p)] for path in (self.paths.last.values() if self.paths else ())
                      for p in local.get_submodule(path).parameters() if id(p) in self._by_id]
         self._local = local
+        self._layouts: dict[tuple, StageLayout] = {}
+        self._ranks: dict[tuple, RankParams] = {}
 
     @cached_property
     def total(self) -> int:
         return sum(p.numel for p in self.params)
 
-    def stage_layout(self, pp: int, virtual_stages: int = 1, partition: list[int] | None = None,
+    @cached_property
+    def tied_numel(self) -> int:
+        """Elements of parameters held by both the first and the last stage (a tied embedding)."""
+        first = {p.name for p in self.first}
+        return sum(p.numel for p in self.last if p.name in first)
+
+    def stage_layout(self, pp: int, virtual_stages: int = 1, partition: tuple[int, ...] | None = None,
                      balance: str = "parameters") -> StageLayout:
         """The blocks of every global stage, as ``split_model`` decides them on this tp size."""
         if self.paths is None:
             raise ConfigError(f"pipeline parallelism: {type(self._local).__name__} has no pipeline anatomy")
-        return make_layout(self._local, self.paths, pp, virtual_stages, partition, balance)
+        key = (pp, virtual_stages, partition, balance)
+        if key not in self._layouts:
+            self._layouts[key] = make_layout(self._local, self.paths, pp, virtual_stages,
+                                             list(partition) if partition else None, balance)
+        return self._layouts[key]
 
     def rank_params(self, *, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, layout: StageLayout | None = None,
                     stage3: bool = False) -> RankParams:
         """ZeRO's input on the rank at (pp_rank, tp_rank): ``layout`` from :meth:`stage_layout` when pp > 1."""
+        key = (tp_rank, pp, pp_rank, layout, stage3)
+        if key not in self._ranks:
+            self._ranks[key] = self._rank_params(tp_rank, pp, pp_rank, layout, stage3)
+        return self._ranks[key]
+
+    def _rank_params(self, tp_rank: int, pp: int, pp_rank: int, layout: StageLayout | None,
+                     stage3: bool) -> RankParams:
         if pp == 1:
             ordered = list(self.params)
             blocks = list(range(len(self.block_params)))

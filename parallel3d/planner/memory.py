@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
-from parallel3d.pipeline.actions import Kind
+from parallel3d.pipeline.actions import Action, Kind
 from parallel3d.pipeline.schedules import schedule_table
 from parallel3d.planner.inventory import RankParams
 from parallel3d.planner.profile import PassProfile
@@ -54,14 +55,19 @@ class RankMemory:
         return sum(self.states.values())
 
 
-def gathered(params: RankParams, zero: ZeroSetup, *, pipelined: bool, prefetch: int, max_live: int) -> int:
-    """Bytes of stage-3 parameters gathered at the worst moment of a forward or backward."""
+def gathered(params: RankParams, zero: ZeroSetup, *, pipelined: bool, prefetch: int, max_live: int) -> tuple[int, int]:
+    """Bytes of stage-3 parameters gathered: (for the whole micro-batch or step, extra inside a block).
+
+    Under pipeline stages everything is gathered for the step. Without, the root units are
+    gathered for each micro-batch's forward and backward, and inside a block that block and
+    the ones prefetched after it (the worst such window).
+    """
     if zero.stage != 3 or zero.world == 1:
-        return 0
+        return 0, 0
     plan = units(params, zero)
     sharded = [u for u in plan if not u.persistent]
     if pipelined:
-        return zero.work_bytes * sum(padded(u, zero) for u in sharded)
+        return zero.work_bytes * sum(padded(u, zero) for u in sharded), 0
     root = sum(padded(u, zero) for u in sharded if u.root)
     blocks: dict[int, int] = {}
     for u in sharded:
@@ -74,7 +80,7 @@ def gathered(params: RankParams, zero: ZeroSetup, *, pipelined: bool, prefetch: 
         while j < len(order) and budget > 0 and live + order[j] <= max_live:
             live, budget, j = live + order[j], budget - order[j], j + 1
         worst = max(worst, live)
-    return zero.work_bytes * (root + worst)
+    return zero.work_bytes * root, zero.work_bytes * worst
 
 
 def staging(params: RankParams, zero: ZeroSetup, *, pipelined: bool, overlap: bool) -> int:
@@ -98,21 +104,23 @@ def step_extra(params: RankParams, zero: ZeroSetup, *, foreach: bool) -> int:
     return fp32_grads + temps
 
 
-def rank_peak(states: dict[str, int], gathered_bytes: int, staging_bytes: int, step_bytes: int,
+def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_bytes: int, step_bytes: int,
               table: list, chunk: ChunkProfile, hidden_bytes: int, *, pipelined: bool) -> RankMemory:
     """Walk one rank's actions (``table``: its list from ``schedule_table``; a single ``F0``/``B0`` pair
     per micro-batch without pipeline stages) and take the largest total."""
     static = sum(states.values())
-    best = RankMemory(static + step_bytes + (gathered_bytes if pipelined else 0), states,
-                      gathered_bytes if pipelined else 0, 0, 0, step_bytes, "step")
+    held, in_block = gathered_bytes
+    best = RankMemory(static + step_bytes + (held if pipelined else 0), states, held if pipelined else 0, 0, 0,
+                      step_bytes, "step")
     live, pending, waiting_send = 0, 0, 0
     split = any(x.kind == Kind.W for x in table)  # zb_h1: activations live until the weight pass
 
-    def consider(extra_act: int, buffers: int, where: str) -> None:
+    def consider(extra_act: int, buffers: int, block: bool, where: str) -> None:
         nonlocal best
-        total = static + gathered_bytes + extra_act + buffers
+        gathered_now = held + (in_block if block else 0)
+        total = static + gathered_now + extra_act + buffers
         if total > best.peak:
-            best = RankMemory(total, states, gathered_bytes, extra_act, buffers, 0, where)
+            best = RankMemory(total, states, gathered_now, extra_act, buffers, 0, where)
 
     for a in table:
         if a.kind in (Kind.RECV_F, Kind.RECV_B):
@@ -123,30 +131,50 @@ def rank_peak(states: dict[str, int], gathered_bytes: int, staging_bytes: int, s
             profile = chunk(a.chunk)
             if profile.kind in ("middle", "last"):
                 pending -= hidden_bytes  # the received buffer is the pass's input from here on
-            consider(live + profile.forward_peak, pending + waiting_send, f"F{a.microbatch}.{a.chunk}")
+            consider(live + profile.forward_peak, pending + waiting_send, profile.forward_peak_in_block,
+                     f"F{a.microbatch}.{a.chunk}")
             live += profile.at_rest
         elif a.kind == Kind.B:
             profile = chunk(a.chunk)
             if profile.kind in ("first", "middle"):
                 pending -= hidden_bytes  # the received gradient
-            during = max(profile.backward_peak, profile.after_first_grad + staging_bytes)
-            consider(live - profile.at_rest + during, pending + waiting_send, f"B{a.microbatch}.{a.chunk}")
-            if not split:
+            if split:  # ZB-H1's input-gradient pass keeps what the weight pass needs
+                consider(live - profile.at_rest + profile.input_grad_peak, pending + waiting_send,
+                         profile.backward_peak_in_block, f"B{a.microbatch}.{a.chunk}")
+                live += profile.held_for_weights - profile.at_rest
+            else:
+                during = max(profile.backward_peak, profile.after_first_grad + staging_bytes)
+                consider(live - profile.at_rest + during, pending + waiting_send, profile.backward_peak_in_block,
+                         f"B{a.microbatch}.{a.chunk}")
                 live -= profile.at_rest
             if profile.kind in ("middle", "last"):
                 waiting_send += hidden_bytes
         elif a.kind == Kind.W:
-            live -= chunk(a.chunk).at_rest
+            profile = chunk(a.chunk)
+            during = max(profile.weight_grad_peak, profile.after_first_grad + staging_bytes)
+            consider(live - profile.held_for_weights + during, pending + waiting_send,
+                     profile.backward_peak_in_block, f"W{a.microbatch}.{a.chunk}")
+            live -= profile.held_for_weights
     return best
+
+
+EXACT_P2P_PASSES = 4096
+"""Tables with more passes than this are walked without their sends and receives (placing them
+simulates the whole table); the walk then leaves out posted receive buffers and input gradients
+waiting for their send, one or two ``[micro_batch, seq, hidden]`` tensors at a time."""
 
 
 def pipeline_table(schedule: str, pp: int, microbatches: int, virtual: int, rank: int) -> list:
     """The rank's actions: the schedule's table under pipeline stages, else F/B per micro-batch."""
     if pp == 1:
-        from parallel3d.pipeline.actions import Action
-
         return [a for i in range(microbatches) for a in (Action(Kind.F, i), Action(Kind.B, i))]
-    return schedule_table(schedule, pp, microbatches, virtual)[rank]
+    return _table(schedule, pp, microbatches, virtual)[rank]
+
+
+@lru_cache(maxsize=64)
+def _table(schedule: str, pp: int, microbatches: int, virtual: int) -> list:
+    exact = 2 * pp * microbatches * virtual <= EXACT_P2P_PASSES
+    return schedule_table(schedule, pp, microbatches, virtual, communication=exact)
 
 
 def predict_rank(params: RankParams, zero: ZeroSetup, *, table: list, chunk: ChunkProfile, hidden_bytes: int,

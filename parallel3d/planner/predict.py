@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import torch
 from torch import nn
 
 from parallel3d.errors import ConfigError
-from parallel3d.pipeline.schedules import schedule_table, validate_schedule_args
-from parallel3d.pipeline.simulate import Costs, simulate
+from parallel3d.pipeline.schedules import validate_schedule_args
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.inventory import ModelShapes, RankParams
 from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
 from parallel3d.planner.profile import PassProfile, profile_pass
-from parallel3d.planner.states import ZeroSetup, full_gradients, padded, units
+from parallel3d.planner.states import ZeroSetup
+from parallel3d.planner.timing import RankCost, step_parts
 from zero.sizing import OptimizerStateShape
 
 logger = logging.getLogger(__name__)
@@ -106,42 +106,76 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Chunk:
-    """A chunk of ``blocks`` blocks: its profile extended linearly from one- and two-block runs."""
+    """A chunk of ``blocks`` blocks at ``micro_batch``: affine in each from profiles at 1 and 2 of both.
+
+    Every tensor a block creates scales with the micro-batch, and a chunk repeats its blocks, so
+    each quantity is ``a + b (n - 1) + c (mb - 1) + d (n - 1)(mb - 1)`` and four runs fix it.
+    """
 
     kind: str
     blocks: int
-    one: PassProfile
-    two: PassProfile
+    micro_batch: int
+    runs: tuple[PassProfile, PassProfile, PassProfile, PassProfile]  # (n, mb) = (1,1), (2,1), (1,2), (2,2)
 
-    def _grow(self, a: float, b: float) -> float:
-        return a + (self.blocks - 1) * (b - a)
+    def _grow(self, values: tuple[float, float, float, float]) -> float:
+        a, n2, b2, both = values
+        dn, db = self.blocks - 1, self.micro_batch - 1
+        return a + dn * (n2 - a) + db * (b2 - a) + dn * db * (both - n2 - b2 + a)
 
-    @property
+    def _int(self, name: str) -> int:
+        return int(self._grow(tuple(getattr(r, name) for r in self.runs)))
+
+    @cached_property
     def at_rest(self) -> int:
-        return int(self._grow(self.one.at_rest, self.two.at_rest))
+        return self._int("at_rest")
 
-    @property
+    @cached_property
     def forward_peak(self) -> int:
-        return int(self._grow(self.one.forward_peak, self.two.forward_peak))
+        return self._int("forward_peak")
 
-    @property
+    @cached_property
     def backward_peak(self) -> int:
-        return int(self._grow(self.one.backward_peak, self.two.backward_peak))
+        return self._int("backward_peak")
+
+    @cached_property
+    def after_first_grad(self) -> int:
+        return self._int("after_first_grad")
+
+    @cached_property
+    def input_grad_peak(self) -> int:
+        """ZB-H1: the input-gradient pass's peak (from zero); what it leaves; the weight pass's peak."""
+        return int(self._grow(tuple(r.split.input_peak for r in self.runs)))
+
+    @cached_property
+    def held_for_weights(self) -> int:
+        return int(self._grow(tuple(r.split.held for r in self.runs)))
+
+    @cached_property
+    def weight_grad_peak(self) -> int:
+        return int(self._grow(tuple(r.split.weight_peak for r in self.runs)))
 
     @property
-    def after_first_grad(self) -> int:
-        return int(self._grow(self.one.after_first_grad, self.two.after_first_grad))
+    def forward_peak_in_block(self) -> bool:
+        return self.runs[3].forward_peak_in_block
+
+    @property
+    def backward_peak_in_block(self) -> bool:
+        return self.runs[3].backward_peak_in_block
 
     def seconds(self, hw: Hardware, tp: int, backward: bool) -> float:
-        def run(p: PassProfile) -> float:
-            ops = p.backward_ops if backward else p.forward_ops
-            comm = sum(hw.link(1, tp).seconds(op, size, tp) for op, size, back in p.comm if back == backward)
-            return sum(hw.op_seconds(f, b) for f, b in ops) + comm
-
-        return self._grow(run(self.one), run(self.two))
+        return self._grow(tuple(_pass_seconds(r, hw, tp, backward) for r in self.runs))
 
     def flops(self) -> float:
-        return self._grow(sum(self.one.flops), sum(self.two.flops))
+        return self._grow(tuple(float(sum(r.flops)) for r in self.runs))
+
+
+@lru_cache(maxsize=4096)
+def _pass_seconds(profile: PassProfile, hw: Hardware, tp: int, backward: bool) -> float:
+    """Roofline time of a profiled pass's ops plus its tensor-parallel collectives."""
+    ops = profile.backward_ops if backward else profile.forward_ops
+    link = hw.link(1, tp)
+    comm = sum(link.seconds(op, size, tp) for op, size, back in profile.comm if back == backward)
+    return sum(hw.op_seconds(f, b) for f, b in ops) + comm
 
 
 class Planner:
@@ -159,14 +193,16 @@ class Planner:
             self._shapes[tp] = ModelShapes(self.model, tp)
         return self._shapes[tp]
 
-    def _profile_uncached(self, kind: str, blocks: int, micro_batch: int, tp: int, sp: bool, ac: bool) -> PassProfile:
+    def _profile_uncached(self, kind: str, blocks: int, micro_batch: int, tp: int, sp: bool, ac: bool,
+                          attention: str, split: bool) -> PassProfile:
         w = self.workload
         return profile_pass(self.config, kind, blocks, micro_batch=micro_batch, seq=w.seq, dtype=w.dtype, tp=tp,
-                            sequence_parallel=sp, checkpointing=ac)
+                            sequence_parallel=sp, checkpointing=ac, attention=attention, split_backward=split)
 
-    def chunk(self, layout: Layout, kind: str, blocks: int) -> Chunk:
-        key = (layout.micro_batch, layout.tp, layout.sequence_parallel, layout.checkpointing)
-        return Chunk(kind, blocks, self._profile(kind, 1, *key), self._profile(kind, 2, *key))
+    def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
+        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1")
+        runs = tuple(self._profile(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2))
+        return Chunk(kind, blocks, layout.micro_batch, runs)
 
     def zero(self, layout: Layout) -> ZeroSetup:
         w = self.workload
@@ -185,23 +221,42 @@ class Planner:
             validate_schedule_args(layout.schedule, layout.pp, layout.microbatches(w.global_batch),
                                    layout.virtual_stages)
 
-    def rank_chunks(self, layout: Layout, rank: int) -> tuple[RankParams, list[Chunk]]:
+    def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
         shapes = self.shapes(layout.tp)
         stage3 = layout.zero_stage == 3
         if layout.pp == 1:
-            return shapes.rank_params(stage3=stage3), [self.chunk(layout, "only", len(shapes.block_params))]
+            return shapes.rank_params(stage3=stage3), [self.chunk(layout, "only", len(shapes.block_params), hw)]
         stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
         last = stage_layout.total_stages - 1
         chunks = []
         for c in range(layout.virtual_stages):
             stage = stage_layout.stage_of(rank, c)
             kind = "only" if last == 0 else "first" if stage == 0 else "last" if stage == last else "middle"
-            chunks.append(self.chunk(layout, kind, stage_layout.sizes[stage]))
+            chunks.append(self.chunk(layout, kind, stage_layout.sizes[stage], hw))
         params = shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=stage3)
         return params, chunks
 
-    def predict(self, layout: Layout, hw: Hardware) -> Prediction:
-        """Peak memory of every pipeline rank and the step time on ``hw``."""
+    def ranks_to_price(self, layout: Layout, every_rank: bool) -> list[int]:
+        """Pipeline ranks whose memory the prediction computes.
+
+        All of them, or for long pipelines the first two, the last two and the one with the
+        most parameters: a rank further down holds fewer micro-batches in flight than rank 1
+        (1F1B, interleaving, ZB-H1) or as many (GPipe), and the same kind of chunks.
+        """
+        if every_rank or layout.pp <= 8:
+            return list(range(layout.pp))
+        shapes = self.shapes(layout.tp)
+        stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
+        heaviest = max(range(layout.pp), key=lambda r: sum(stage_layout.sizes[stage_layout.stage_of(r, c)]
+                                                           for c in range(layout.virtual_stages)))
+        return sorted({0, 1, heaviest, layout.pp - 2, layout.pp - 1})
+
+    def predict(self, layout: Layout, hw: Hardware, *, exact: bool = True) -> Prediction:
+        """Peak memory of the pipeline ranks and the step time on ``hw``.
+
+        ``exact=False`` (the search's first pass) prices long pipelines on a few ranks and takes
+        the pipeline's makespan from the schedule's closed form rather than its simulation.
+        """
         self.check(layout)
         w = self.workload
         m = layout.microbatches(w.global_batch)
@@ -210,73 +265,19 @@ class Planner:
         hidden = layout.micro_batch * w.seq * self.config.hidden_size * w.work_bytes
         pipelined = layout.pp > 1
         ranks, costs, flops = [], [], 0.0
-        for rank in range(layout.pp):
-            params, chunks = self.rank_chunks(layout, rank)
+        for rank in self.ranks_to_price(layout, exact):
+            params, chunks = self.rank_chunks(layout, rank, hw)
             table = pipeline_table(layout.schedule, layout.pp, m, layout.virtual_stages, rank)
             ranks.append(predict_rank(params, zero, table=table, chunk=chunks.__getitem__, hidden_bytes=hidden,
                                       pipelined=pipelined, prefetch=w.prefetch, max_live=w.max_live, overlap=overlap,
                                       foreach=hw.foreach_optimizer))
             fwd = sum(c.seconds(hw, layout.tp, False) for c in chunks)
             bwd = sum(c.seconds(hw, layout.tp, True) for c in chunks)
-            costs.append((fwd, bwd, params))
+            costs.append(RankCost(fwd, bwd, params))
             flops += m * sum(c.flops() for c in chunks)
-        prediction = Prediction(layout, ranks, flops_per_step=flops * layout.tp * layout.dp)
-        self._time(prediction, costs, hw, m, hidden, overlap)
+        prediction = Prediction(layout, ranks, flops_per_step=flops * layout.tp * layout.dp * layout.pp / len(costs))
+        tied = self.shapes(layout.tp).tied_numel if pipelined else 0
+        prediction.parts = step_parts(layout, zero, costs, hw, m=m, hidden_bytes=hidden, overlap=overlap,
+                                      tied_numel=tied, exact=exact)
+        prediction.step_seconds = sum(prediction.parts.values())
         return prediction
-
-    def _time(self, pred: Prediction, costs: list, hw: Hardware, m: int, hidden: int, overlap: bool) -> None:
-        layout, zero = pred.layout, self.zero(pred.layout)
-        fwd = max(c[0] for c in costs)
-        bwd = max(c[1] for c in costs)
-        if layout.pp == 1:
-            pipeline = m * (fwd + bwd)
-        else:
-            p2p = hw.link(layout.tp * layout.dp, layout.pp).seconds("send", hidden, 2)
-            split = layout.schedule == "zb_h1"
-            table = schedule_table(layout.schedule, layout.pp, m, layout.virtual_stages, communication=False)
-            pipeline = simulate(table, Costs(fwd, bwd / 2 if split else bwd, bwd / 2 if split else 0.0, p2p)).makespan
-        dp_link = hw.link(layout.tp, layout.dp)
-        exposed, step = 0.0, 0.0
-        for fwd_r, bwd_r, params in costs:
-            comm = _dp_seconds(params, zero, dp_link, m, pipelined=layout.pp > 1, overlap=overlap,
-                               compute=(fwd_r, bwd_r))
-            elements = sum(padded(u, zero) // zero.world for u in units(params, zero))
-            per_element = 4 * (2 * zero.optimizer.elementwise + 4) + zero.work_bytes
-            step = max(step, elements * per_element / (hw.memory_bandwidth * hw.memory_efficiency))
-            exposed = max(exposed, comm)
-        tied = 0.0
-        if layout.pp > 1 and self.shapes(layout.tp).first and any(
-                p in self.shapes(layout.tp).first for p in self.shapes(layout.tp).last):
-            size = sum(p.numel for p in self.shapes(layout.tp).last if p in self.shapes(layout.tp).first)
-            tied = hw.link(layout.tp * layout.dp, layout.pp).seconds("send", size * zero.work_bytes, 2)
-        pred.parts = {"pipeline": pipeline, "data parallel": exposed, "tied embedding": tied, "optimizer": step}
-        pred.step_seconds = sum(pred.parts.values())
-
-
-def _dp_seconds(params: RankParams, zero: ZeroSetup, link, m: int, *, pipelined: bool, overlap: bool,
-                compute: tuple[float, float]) -> float:
-    """Seconds of ZeRO's collectives over dp that the step waits for (comm_counter's payloads)."""
-    if zero.dp == 1:
-        return 0.0
-    plan = units(params, zero)
-    n, work = zero.dp, zero.work_bytes
-
-    def calls(op: str, chosen) -> float:
-        return sum(link.seconds(op, padded(u, zero) * work, n) for u in chosen)
-
-    sharded = [u for u in plan if not u.persistent]
-    after_step = calls("all_gather", [u for u in plan if u.persistent]) if zero.stage >= 1 else 0.0
-    reduce_op = "all_reduce" if zero.stage == 0 else "reduce_scatter"
-    if pipelined:  # once per step, after the pipeline drained; stage 3 gathers everything first
-        return calls(reduce_op, plan) + calls("all_gather", sharded) + after_step
-    fwd, bwd = compute
-    if full_gradients(zero.stage, False):  # one reduction, during the window's last backward
-        reduce = calls(reduce_op, plan)
-        return (max(0.0, reduce - bwd) if overlap else reduce) + after_step
-    per_mb_bwd = calls("reduce_scatter", plan) + calls("all_gather", [u for u in sharded if not u.root])
-    per_mb_fwd = calls("all_gather", sharded)
-    if overlap:
-        per_mb = max(0.0, per_mb_fwd - fwd) + max(0.0, per_mb_bwd - bwd)
-    else:
-        per_mb = per_mb_fwd + per_mb_bwd
-    return m * per_mb + after_step

@@ -19,10 +19,13 @@ which the planner counts from its unit accounting).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -54,6 +57,17 @@ def _op_flops(func, args, kwargs, out) -> int:
     return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
 
 
+_NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+                      "lift_fresh"})
+
+
+def _moves_data(func, outputs: list[torch.Tensor]) -> bool:
+    """Whether an op reads or writes tensor memory: not a view, not an allocation, not a query."""
+    if not outputs or func.namespace != "aten" or func._overloadpacket.__name__ in _NO_DATA:
+        return False
+    return not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
 class LiveBytes(TorchDispatchMode):
     """Bytes of tensor storage alive, created inside the mode; the peak since ``reset_peak``;
     and per op (FLOPs, bytes read and written) for the roofline, split by forward/backward.
@@ -70,6 +84,9 @@ class LiveBytes(TorchDispatchMode):
         self.ops: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
         self._resize = None
         self.marked: int | None = None  # the most alive since ``mark()`` (None before)
+        self.in_block = False  # set by the profile's block hooks
+        self.received: torch.Tensor | None = None  # a non-first chunk's input leaf
+        self.peak_in_block = False  # whether the peak was reached inside a block
 
     def mark(self) -> None:
         """Start a second peak count from now (the planner marks the first parameter gradient)."""
@@ -78,6 +95,7 @@ class LiveBytes(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak = self.live
+        self.peak_in_block = self.in_block
 
     def exclude(self, tensors) -> None:
         """Storages that exist already and are not to be counted (parameters): views of them are free."""
@@ -103,7 +121,8 @@ class LiveBytes(TorchDispatchMode):
 
     def _add(self, n: int) -> None:
         self.live += n
-        self.peak = max(self.peak, self.live)
+        if self.live > self.peak:
+            self.peak, self.peak_in_block = self.live, self.in_block
         if self.marked is not None:
             self.marked = max(self.marked, self.live)
 
@@ -131,14 +150,97 @@ class LiveBytes(TorchDispatchMode):
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         for t in outputs:
             self._track(t.untyped_storage())
-        if not any(r.alias_info is not None for r in func._schema.returns):  # views move nothing
+        if _moves_data(func, outputs):
             moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
                         if isinstance(t, torch.Tensor))
             self.ops[torch._C._current_graph_task_id() != -1].append((_op_flops(func, args, kwargs, out), moved))
         return out
 
 
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _Attention(torch.autograd.Function):
+    """Attention as a GPU runs it, for the planner: ``flash`` keeps q, k, v, the output and the fp32
+    log-sum-exp and recomputes the scores in backward; ``materialized`` is the fused
+    scale-mask-softmax of Megatron-LM (2021), which keeps what Korthikanti et al. 2022 count (the
+    softmax output and the dropout output, 2 bytes each, and the 1-byte dropout mask per score,
+    besides q, k and v). Each records its FLOPs and the bytes its kernels read and write."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,  # type: ignore[override]
+                live: LiveBytes, kind: str, dropout: bool) -> torch.Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        ctx.live, ctx.kind = live, kind
+        flops = int(sdpa_flop_count(q.shape, k.shape, v.shape))
+        if kind == "flash":
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse, mask)
+            moved = _nbytes(q, k, v, out, lse, mask)
+        else:
+            scores = q.new_empty((*q.shape[:-1], k.shape[-2]))  # QK^T, then softmax in place of it
+            probs = torch.empty_like(scores)
+            keep = torch.empty_like(scores, dtype=torch.bool) if dropout else None
+            dropped = torch.empty_like(scores) if dropout else None
+            ctx.save_for_backward(q, k, v, probs, keep, dropped)
+            # QK^T writes the scores; the fused softmax reads them, writes probs; dropout reads probs,
+            # writes its output and mask; the product with V reads what it multiplies
+            moved = _nbytes(q, k, scores) + _nbytes(scores, probs, mask) + _nbytes(probs, dropped, keep) \
+                + _nbytes(dropped if dropout else probs, v, out)
+        live.ops[torch._C._current_graph_task_id() != -1].append((flops, moved))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        flops = int(sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+        if ctx.kind == "flash":
+            moved = _nbytes(*saved, grad, *grads)
+        else:
+            flops = 2 * int(sdpa_flop_count(q.shape, k.shape, v.shape))  # four products, no recomputation
+            probs, keep, dropped = saved[3:]
+            grad_scores = torch.empty_like(probs)
+            moved = _nbytes(grad, v, dropped if dropped is not None else probs, grads[2], grad_scores) \
+                + _nbytes(grad_scores, keep, grad_scores) + _nbytes(grad_scores, probs, grad_scores) \
+                + _nbytes(grad_scores, q, k, grads[0], grads[1])
+        ctx.live.ops[True].append((flops, moved))
+        return (*grads, None, None, None, None)
+
+
+@contextlib.contextmanager
+def _gpu_attention(live: LiveBytes, kind: str) -> Iterator[None]:
+    """Route ``F.scaled_dot_product_attention`` to :class:`_Attention` while profiling. Replacing the
+    attribute, not a TorchFunctionMode: activation checkpointing recomputes the forward inside
+    backward, where function modes are not active."""
+    original = nn.functional.scaled_dot_product_attention
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return _Attention.apply(query, key, value, attn_mask, live, kind, dropout_p > 0)
+
+    nn.functional.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        nn.functional.scaled_dot_product_attention = original
+
+
+ATTENTION = ("native", "flash", "materialized")
+
+
 @dataclass(frozen=True)
+class SplitBackward:
+    """ZB-H1's two backward passes: the input-gradient pass's peak, what it leaves for the weight
+    pass (activations and the captured gradients), and the weight pass's peak (all from zero)."""
+
+    input_peak: int = 0
+    held: int = 0
+    weight_peak: int = 0
+
+
+@dataclass(frozen=True, eq=False)
 class PassProfile:
     """One micro-batch through one chunk of ``blocks`` blocks (bytes of the working dtype included).
 
@@ -155,11 +257,14 @@ class PassProfile:
     forward_peak: int
     backward_peak: int
     after_first_grad: int
+    forward_peak_in_block: bool
+    backward_peak_in_block: bool
     forward_ops: tuple[tuple[int, int], ...]
     backward_ops: tuple[tuple[int, int], ...]
     comm: tuple[tuple[str, int, bool], ...] = field(default=())
+    split: SplitBackward = field(default_factory=SplitBackward)
 
-    @property
+    @cached_property
     def flops(self) -> tuple[int, int]:
         return sum(f for f, _ in self.forward_ops), sum(f for f, _ in self.backward_ops)
 
@@ -182,46 +287,76 @@ def _truncated_config(config, blocks: int):
     return cfg
 
 
-def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, dtype: torch.dtype, tp: int = 1,
-                 sequence_parallel: bool = False, checkpointing: bool = False) -> PassProfile:
-    """Profile ``kind`` (one of :data:`KINDS`) with ``blocks`` blocks of the model ``config`` describes."""
+def _build(config, blocks: int, dtype: torch.dtype, tp: int, sequence_parallel: bool, checkpointing: bool):
+    """The model with ``blocks`` blocks on fake tensors, as tp rank 0 holds it; and its tp log."""
     from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_truncated_config(config, blocks), dtype=dtype)
+    model.train()
+    info = localize(model, tp, sequence_parallel=sequence_parallel)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, info
+
+
+def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
+    """Parameter gradients dropped as they arrive (the first one marked); block boundaries noted;
+    a non-first chunk's input made a leaf, a non-last chunk's forward stopped after its blocks."""
+
+    def drop(p: nn.Parameter) -> None:
+        live.mark()
+        p.grad = None
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(drop)
+    layers = fetch_unit_modules(model)
+    for layer in layers:  # where the peaks fall: inside a block (its stage-3 parameters gathered) or not
+        layer.register_forward_pre_hook(lambda *_: setattr(live, "in_block", True))
+        layer.register_forward_hook(lambda *_: setattr(live, "in_block", False))
+        layer.register_full_backward_pre_hook(lambda *_: setattr(live, "in_block", True))
+        layer.register_full_backward_hook(lambda *_: setattr(live, "in_block", False))
+    if kind in ("middle", "last"):
+        def detach_input(module: nn.Module, args: tuple, kwargs: dict):
+            x = args[0] if args else kwargs["hidden_states"]
+            leaf = x.detach().requires_grad_(True)
+            live.received = leaf
+            return ((leaf, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": leaf})
+
+        layers[0].register_forward_pre_hook(detach_input, with_kwargs=True, prepend=True)
+    if kind in ("first", "middle"):
+        def stop(module: nn.Module, args: tuple, output):
+            raise _Stop(output[0] if isinstance(output, tuple) else output)
+
+        layers[-1].register_forward_hook(stop)
+
+
+def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, dtype: torch.dtype, tp: int = 1,
+                 sequence_parallel: bool = False, checkpointing: bool = False, attention: str = "native",
+                 split_backward: bool = False) -> PassProfile:
+    """Profile ``kind`` (one of :data:`KINDS`) with ``blocks`` blocks of the model ``config`` describes.
+
+    ``attention``: how ``scaled_dot_product_attention`` runs: ``native`` as this CPU dispatches
+    it (its flash kernel has no dropout; with dropout it materializes the scores), ``flash`` or
+    ``materialized`` as :class:`_Attention` models a GPU's kernels. The model is run with
+    transformers' ``sdpa`` attention unless its config names another. ``split_backward``: the
+    backward as ZB-H1 runs it, the executor's ``backward_input`` then ``backward_weight``.
+    """
+    from parallel3d.pipeline.executor import backward_input, backward_weight
 
     if kind not in KINDS:
         raise ValueError(f"chunk kind {kind!r}; allowed: {', '.join(KINDS)}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention {attention!r}; allowed: {', '.join(ATTENTION)}")
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = AutoModelForCausalLM.from_config(_truncated_config(config, blocks), dtype=dtype)
-        model.train()
-        info = localize(model, tp, sequence_parallel=sequence_parallel)
-        if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model, info = _build(config, blocks, dtype, tp, sequence_parallel, checkpointing)
         live = LiveBytes()
-
-        def drop(p: nn.Parameter) -> None:
-            live.mark()
-            p.grad = None
-
-        for p in model.parameters():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(drop)
-        layers = fetch_unit_modules(model)
-        received: list[torch.Tensor] = []
-        if kind in ("middle", "last"):
-            def detach_input(module: nn.Module, args: tuple, kwargs: dict):
-                x = args[0] if args else kwargs["hidden_states"]
-                leaf = x.detach().requires_grad_(True)
-                received.append(leaf)
-                return ((leaf, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": leaf})
-
-            layers[0].register_forward_pre_hook(detach_input, with_kwargs=True, prepend=True)
-        if kind in ("first", "middle"):
-            def stop(module: nn.Module, args: tuple, output):
-                raise _Stop(output[0] if isinstance(output, tuple) else output)
-
-            layers[-1].register_forward_hook(stop)
+        _hook(model, kind, live)
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
         live.exclude([*model.parameters(), *model.buffers()])
-        with live:
+        kernels = contextlib.nullcontext() if attention == "native" else _gpu_attention(live, attention)
+        split = SplitBackward()
+        with live, kernels:
             inputs = {"input_ids": ids}
             if kind in ("middle", "last"):  # no embedding lookup: the received activations stand in
                 inputs = {"inputs_embeds": torch.empty(micro_batch, seq, config.hidden_size, dtype=dtype)}
@@ -229,9 +364,20 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
                 out = model(**inputs, labels=ids).loss
             except _Stop as stop_at:
                 out = stop_at.output
-            at_rest, forward_peak = live.live, live.peak
+            at_rest, forward_peak, forward_in_block = live.live, live.peak, live.peak_in_block
+            live.reset_peak()
             grad = None if out.dim() == 0 else torch.ones_like(out)
-            torch.autograd.backward(out, grad_tensors=grad)
-            del out, grad
-    return PassProfile(kind, blocks, at_rest, forward_peak, live.peak, live.marked or 0, tuple(live.ops[False]),
-                       tuple(live.ops[True]), tuple(info.log.calls))
+            if split_backward:
+                _, work = backward_input(out, grad, live.received, [p for p in model.parameters() if p.requires_grad])
+                del out, grad
+                split = SplitBackward(live.peak, live.live)
+                live.reset_peak()
+                backward_weight(work)
+                del work
+                split = SplitBackward(split.input_peak, split.held, live.peak)
+            else:
+                torch.autograd.backward(out, grad_tensors=grad)
+                del out, grad
+    backward_peak = max(split.input_peak, split.weight_peak) if split_backward else live.peak
+    return PassProfile(kind, blocks, at_rest, forward_peak, backward_peak, live.marked or 0, forward_in_block,
+                       live.peak_in_block, tuple(live.ops[False]), tuple(live.ops[True]), tuple(info.log.calls), split)

@@ -14,6 +14,7 @@ when stages 2-3 reduce chunk by chunk inside the pipeline.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from parallel3d.planner.inventory import Param, RankParams
 from zero.sizing import CATEGORIES, OptimizerStateShape, UnitPlan, padded_numel, plan_units, unit_state_bytes
@@ -45,8 +46,9 @@ class ZeroSetup:
         return 1 if self.stage == 0 else self.dp
 
 
+@lru_cache(maxsize=4096)
 def units(params: RankParams, zero: ZeroSetup) -> list[UnitPlan[Param]]:
-    """The rank's units, as ``ZeroOptimizer`` lays them out."""
+    """The rank's units, as ``ZeroOptimizer`` lays them out (cached: ``RankParams`` hash by identity)."""
     return plan_units([list(g) for g in params.groups], _numel, stage=zero.stage, world=zero.world,
                       bucket_size=zero.bucket_size, persistence_threshold=zero.persistence_threshold,
                       fetch_modules=[list(m) for m in params.fetch_modules])
