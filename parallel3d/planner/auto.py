@@ -103,7 +103,7 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
     """``source`` with every "auto" replaced by the planner's choice (unchanged without "auto")."""
     from parallel3d.config import Zero3DConfig
     from parallel3d.planner.predict import Planner
-    from parallel3d.planner.search import Choice, search
+    from parallel3d.planner.search import Choice
 
     raw = _mapping(source)
     if raw is None:
@@ -145,13 +145,12 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
     hw = _hardware(hints, world, device)
     with torch.device("meta"):
         shape_model = type(model)(copy.deepcopy(model.config))
-    best, considered = search(Planner(shape_model, _workload(cfg, hints["seq_length"])), hw, choice, top=20)
-    runnable = [p for p in best if p.layout.pp > 1 or not p.layout.checkpointing]
-    if not runnable:
+    best, considered = choose(Planner(shape_model, _workload(cfg, hints["seq_length"])), hw, choice)
+    if best is None:
         raise ConfigError(f"\"auto\": none of the {considered} layouts of this model fits {world} devices of "
                           f"{hw.memory / 2**30:.1f} GiB at sequence length {hints['seq_length']} and global batch "
                           f"{cfg.train_batch_size}; `zero3d plan` shows what does with other settings")
-    layout = runnable[0].layout
+    layout = best.layout
     chosen = {"size": layout.tp, "stages": layout.pp, "stage": layout.zero_stage,
               "train_micro_batch_size_per_gpu": layout.micro_batch}
     for s, k in autos:
@@ -160,6 +159,16 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
         raw.setdefault("pipeline", {}).update(schedule=layout.schedule, virtual_stages=layout.virtual_stages,
                                               activation_checkpointing=layout.checkpointing)
     logger.info("planner: %s for %s (predicted %.3f s per step, %.1f GiB on the fullest rank; %d layouts considered)",
-                layout.describe(), ", ".join(_dotted(s, k) for s, k in autos), runnable[0].step_seconds,
-                runnable[0].peak / 2**30, considered)
+                layout.describe(), ", ".join(_dotted(s, k) for s, k in autos), best.step_seconds, best.peak / 2**30,
+                considered)
     return raw
+
+
+def choose(planner, hw, choice):
+    """The fastest layout that fits and that a config can express (activation checkpointing is a
+    pipeline setting), and how many were considered."""
+    from parallel3d.planner.search import search
+
+    ranked, considered = search(planner, hw, choice, top=20)
+    runnable = [p for p in ranked if p.layout.pp > 1 or not p.layout.checkpointing]
+    return (runnable[0] if runnable else None), considered

@@ -25,7 +25,7 @@ from parallel3d.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
           "tib": 2**40}
 PRECISIONS = ("bf16", "fp16", "fp32")
 

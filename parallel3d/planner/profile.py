@@ -211,20 +211,27 @@ class _Attention(torch.autograd.Function):
 
 
 @contextlib.contextmanager
-def _gpu_attention(live: LiveBytes, kind: str) -> Iterator[None]:
-    """Route ``F.scaled_dot_product_attention`` to :class:`_Attention` while profiling. Replacing the
-    attribute, not a TorchFunctionMode: activation checkpointing recomputes the forward inside
-    backward, where function modes are not active."""
-    original = nn.functional.scaled_dot_product_attention
+def _gpu_kernels(live: LiveBytes, attention: str) -> Iterator[None]:
+    """Run attention and dropout as a GPU does while profiling: ``F.scaled_dot_product_attention``
+    through :class:`_Attention`, ``F.dropout`` through ``native_dropout`` (a 1-byte mask, where the
+    CPU path keeps its mask in the activation dtype). The attributes are replaced, not intercepted
+    by a TorchFunctionMode: activation checkpointing recomputes the forward inside backward, where
+    function modes are not active."""
+    sdpa, dropout = nn.functional.scaled_dot_product_attention, nn.functional.dropout
 
-    def attention(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
-        return _Attention.apply(query, key, value, attn_mask, live, kind, dropout_p > 0)
+    def attention_kernel(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return _Attention.apply(query, key, value, attn_mask, live, attention, dropout_p > 0)
 
-    nn.functional.scaled_dot_product_attention = attention
+    def dropout_kernel(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
+        if not training or p == 0:
+            return x
+        return torch.ops.aten.native_dropout(x, p, True)[0]
+
+    nn.functional.scaled_dot_product_attention, nn.functional.dropout = attention_kernel, dropout_kernel
     try:
         yield
     finally:
-        nn.functional.scaled_dot_product_attention = original
+        nn.functional.scaled_dot_product_attention, nn.functional.dropout = sdpa, dropout
 
 
 ATTENTION = ("native", "flash", "materialized")
@@ -338,7 +345,8 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
 
     ``attention``: how ``scaled_dot_product_attention`` runs: ``native`` as this CPU dispatches
     it (its flash kernel has no dropout; with dropout it materializes the scores), ``flash`` or
-    ``materialized`` as :class:`_Attention` models a GPU's kernels. The model is run with
+    ``materialized`` as :class:`_Attention` models a GPU's kernels (and dropout as a GPU runs it:
+    :func:`_gpu_kernels`). The model is run with
     transformers' ``sdpa`` attention unless its config names another. ``split_backward``: the
     backward as ZB-H1 runs it, the executor's ``backward_input`` then ``backward_weight``.
     """
@@ -354,12 +362,14 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
         _hook(model, kind, live)
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
         live.exclude([*model.parameters(), *model.buffers()])
-        kernels = contextlib.nullcontext() if attention == "native" else _gpu_attention(live, attention)
+        kernels = contextlib.nullcontext() if attention == "native" else _gpu_kernels(live, attention)
         split = SplitBackward()
         with live, kernels:
-            inputs = {"input_ids": ids}
+            inputs: dict = {"input_ids": ids}
             if kind in ("middle", "last"):  # no embedding lookup: the received activations stand in
                 inputs = {"inputs_embeds": torch.empty(micro_batch, seq, config.hidden_size, dtype=dtype)}
+            if kind != "only":
+                inputs["use_cache"] = False  # as the pipeline's stage programs call the blocks
             try:
                 out = model(**inputs, labels=ids).loss
             except _Stop as stop_at:
