@@ -33,7 +33,8 @@ from models.families import RECORDS, family_record
 from models.forward_source import SourceError
 from models.stage_program import BaseProgram, HeadProgram
 
-__all__ = ["AnatomyError", "PipelineAnatomy", "causal_lm_class_name", "pipeline_anatomy"]
+__all__ = ["AnatomyError", "AnatomyPaths", "PipelineAnatomy", "anatomy_paths", "causal_lm_class_name",
+           "pipeline_anatomy"]
 
 
 class AnatomyError(ValueError):
@@ -44,8 +45,24 @@ class AnatomyError(ValueError):
 _Plan = Mapping[str, tuple[list[str], list[str]]]
 
 
+@dataclass(frozen=True)
+class AnatomyPaths:
+    """Where a pipeline's parts live (the part of :class:`PipelineAnatomy` read from metadata alone)."""
+
+    family: str
+    base: str
+    first: dict[str, str]
+    blocks: str
+    last: dict[str, str]
+    shared: dict[str, str]
+
+    @property
+    def head(self) -> str:
+        return self.last["head"]
+
+
 @dataclass(frozen=True, eq=False)
-class PipelineAnatomy:
+class PipelineAnatomy(AnatomyPaths):
     """Dotted paths (from the ``*ForCausalLM`` root) of the parts a pipeline splits, and the
     programs that run them.
 
@@ -54,18 +71,8 @@ class PipelineAnatomy:
     modules every stage keeps. ``base`` is the base model's path.
     """
 
-    family: str
-    base: str
-    first: dict[str, str]
-    blocks: str
-    last: dict[str, str]
-    shared: dict[str, str]
     base_program: BaseProgram
     head_program: HeadProgram
-
-    @property
-    def head(self) -> str:
-        return self.last["head"]
 
 
 def causal_lm_class_name(model_type: str) -> str | None:
@@ -128,8 +135,9 @@ def _outside(model: nn.Module, owned: list[str]) -> list[str]:
             if not any(n.startswith(p + ".") for p in owned)]
 
 
-def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
-    """The anatomy of ``model`` (a ``*ForCausalLM``); :class:`AnatomyError` if it cannot be split."""
+def anatomy_paths(model: nn.Module) -> AnatomyPaths:
+    """The module paths of ``model``'s pipeline parts, read from its plan without running anything
+    (so also on the meta device); :class:`AnatomyError` if the plan does not fit the model."""
     what = _describe(model)
     config = getattr(model, "config", None)
     family = getattr(config, "model_type", None)
@@ -145,8 +153,7 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
     base_path = ".".join(p for p in (prefix, record.pp_base) if p)
     base = model.get_submodule(base_path)
     first, blocks_name, last = _split_plan(plan, base, what)
-    blocks = getattr(base, blocks_name)
-    _check_blocks(record.block_names(model), blocks, what)
+    _check_blocks(record.block_names(model), getattr(base, blocks_name), what)
     head_path = _path_of(model, model.get_output_embeddings())
     paths = {n: f"{base_path}.{n}" for n in (*first, blocks_name, *last)}
     shared = {n: f"{base_path}.{n}" for n, m in base.named_children()
@@ -155,6 +162,21 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
     if outside:
         raise AnatomyError(f"{what}: parameters {outside[:3]}{' ...' if len(outside) > 3 else ''} lie outside its "
                            "pipeline plan and head, so no stage would hold them")
+    return AnatomyPaths(family=family, base=base_path, first={n: paths[n] for n in first}, blocks=paths[blocks_name],
+                        last={**{n: paths[n] for n in last}, "head": head_path}, shared=shared)
+
+
+def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
+    """The anatomy of ``model`` (a ``*ForCausalLM``); :class:`AnatomyError` if it cannot be split."""
+    what = _describe(model)
+    parts = anatomy_paths(model)
+    config = model.config
+    record = family_record(config)
+    prefix, _ = _base_model(model, what)
+    base = model.get_submodule(parts.base)
+    blocks_name = parts.blocks.rpartition(".")[2]
+    blocks = getattr(base, blocks_name)
+    first = list(parts.first)
     try:
         base_program = BaseProgram(type(base), blocks_name, set(first))
         head_program = HeadProgram(type(model), prefix, record.pp_base)
@@ -163,9 +185,8 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
     except SourceError as exc:
         raise AnatomyError(f"pipeline parallelism does not support {what}: {exc}") from None
     return PipelineAnatomy(
-        family=family, base=base_path, first={n: paths[n] for n in first}, blocks=paths[blocks_name],
-        last={**{n: paths[n] for n in last}, "head": head_path}, shared=shared, base_program=base_program,
-        head_program=head_program)
+        family=parts.family, base=parts.base, first=parts.first, blocks=parts.blocks, last=parts.last,
+        shared=parts.shared, base_program=base_program, head_program=head_program)
 
 
 def _dtype(base: nn.Module) -> torch.dtype:

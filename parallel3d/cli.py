@@ -1,8 +1,8 @@
-"""The ``zero3d`` command: ``train``, ``launch``, ``export``, ``plot``.
+"""The ``zero3d`` command: ``train``, ``launch``, ``export``, ``plot``, ``plan``.
 
     zero3d train [CONFIG] [--nproc-per-node N] [--print-config] [key.sub=value ...]
     zero3d launch ...   (parallel3d.launcher)    zero3d export ...   (parallel3d.export)
-    zero3d plot ...     (parallel3d.plot)
+    zero3d plot ...     (parallel3d.plot)        zero3d plan ...     (parallel3d.planner.cli)
 
 ``zero3d train`` validates the whole job and prepares its tokenizer and packed data in this
 process, so bad input stops here with one message, then starts N local workers through
@@ -28,6 +28,7 @@ _DISPATCH = {
     "launch": ("parallel3d.launcher", "run a training script on one or many nodes through torchrun"),
     "export": ("parallel3d.export", "write a checkpoint as a Hugging Face from_pretrained() directory"),
     "plot": ("parallel3d.plot", "draw a run's loss and validation curves as a PNG"),
+    "plan": ("parallel3d.planner.cli", "the layouts of a model that fit a cluster, ranked by predicted step time"),
 }
 
 USAGE = """zero3d <command> [args]

@@ -26,6 +26,7 @@ from parallel3d.errors import ConfigError
 from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
+from parallel3d.planner.auto import resolve_auto
 from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,9 @@ def initialize(
 
     Returns ``(engine, optimizer, dataloader, lr_scheduler)`` like ``deepspeed.initialize``;
     the dataloader is None without ``training_data``, the scheduler None without one.
-    Launch under torchrun (any world size) or as a plain single process.
+    Launch under torchrun (any world size) or as a plain single process. ``"auto"`` for
+    ``tensor_parallel.size``, ``pipeline.stages``, ``zero_optimization.stage`` or
+    ``train_micro_batch_size_per_gpu`` lets the planner choose (parallel3d/planner/auto.py).
 
     ``model`` may be built on the meta device (``with torch.device("meta"): ...``): each rank
     then fills in only what it holds, with the values eager construction under the same seed
@@ -147,7 +150,7 @@ def initialize(
     device = torch.device(device) if device is not None else default_device()
     ensure_process_group(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    cfg = load_config(config, world)
+    cfg = load_config(resolve_auto(config, model, world, device), world)
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     groups = _param_groups(model, model_parameters)

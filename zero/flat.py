@@ -21,10 +21,10 @@ that touches them between uses gets an empty tensor rather than freed memory.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
+
+from zero.sizing import padded_numel
 
 _EMPTY: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
@@ -75,7 +75,7 @@ class FlatUnit:
         for n in self.numels[:-1]:
             self.offsets.append(self.offsets[-1] + n)
         self.numel = sum(self.numels)
-        self.padded = max(world, math.ceil(self.numel / world) * world)
+        self.padded = padded_numel(self.numel, world)
         self.shard_size = self.padded // world
         self.device = device
         self.full: torch.Tensor | None = None

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from zero.flat import FlatUnit
+from zero.sizing import plan_units
 
 
 @dataclass
@@ -18,22 +19,6 @@ class UnitLayout:
     units: list[FlatUnit] = field(default_factory=list)
     module_units: list[tuple[nn.Module, list[FlatUnit]]] = field(default_factory=list)
     root_units: list[FlatUnit] = field(default_factory=list)
-
-
-def _buckets(params: Sequence[nn.Parameter], bucket_size: int) -> list[list[nn.Parameter]]:
-    """Split ``params`` into runs of about ``bucket_size`` elements (a big param gets its own)."""
-    buckets: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in params:
-        current.append(p)
-        size += p.numel()
-        if size >= bucket_size:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
 
 
 def bucketed_layout(
@@ -49,12 +34,12 @@ def bucketed_layout(
 
     Parameters are taken in reverse registration order, the order in which backward
     usually produces their gradients, so the first buckets fill (and start reducing) early.
+    The grouping is ``zero.sizing.plan_units``'s, shared with the planner.
     """
-    layout = UnitLayout()
-    for gi, params in enumerate(param_groups):
-        for bucket in _buckets(list(reversed(params)), bucket_size):
-            layout.units.append(FlatUnit(bucket, gi, dtype, rank, world, persistent=True, device=device))
-    return layout
+    plans = plan_units(param_groups, _numel, stage=0, world=world, bucket_size=bucket_size,
+                       persistence_threshold=0)
+    return UnitLayout(units=[FlatUnit(list(u.params), u.group_index, dtype, rank, world, persistent=True,
+                                      device=device) for u in plans])
 
 
 def fetch_unit_layout(
@@ -75,43 +60,25 @@ def fetch_unit_layout(
     would cost more in latency than they save in memory. Root params (embedding, head) get
     a unit each, so the head's gradient is reduced (and its buffer freed) as soon as it
     arrives instead of waiting for the embedding's at the end of backward. With one rank
-    (``world == 1``) nothing is sharded and every unit is persistent.
+    (``world == 1``) nothing is sharded and every unit is persistent. The grouping is
+    ``zero.sizing.plan_units``'s, shared with the planner.
     """
-    if world == 1:
-        persistence_threshold = float("inf")
-    group_of = {p: gi for gi, params in enumerate(param_groups) for p in params}
-    claimed: set[nn.Parameter] = set()
-    small: list[list[nn.Parameter]] = [[] for _ in param_groups]
+    modules = list(fetch_modules)
+    plans = plan_units(param_groups, _numel, stage=3, world=world, bucket_size=bucket_size,
+                       persistence_threshold=persistence_threshold,
+                       fetch_modules=[list(m.parameters()) for m in modules])
     layout = UnitLayout()
-
-    def split(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
-        by_group: list[list[nn.Parameter]] = [[] for _ in param_groups]
-        for p in params:
-            if p in claimed or p not in group_of:
-                continue
-            claimed.add(p)
-            if p.numel() < persistence_threshold:
-                small[group_of[p]].append(p)
-            else:
-                by_group[group_of[p]].append(p)
-        return by_group
-
-    for module in fetch_modules:
-        units = [
-            FlatUnit(ps, gi, dtype, rank, world, persistent=False, device=device)
-            for gi, ps in enumerate(split(module.parameters()))
-            if ps
-        ]
-        if units:
-            layout.module_units.append((module, units))
-            layout.units.extend(units)
-    rest = [p for params in param_groups for p in params]
-    for gi, ps in enumerate(split(rest)):
-        for p in ps:
-            unit = FlatUnit([p], gi, dtype, rank, world, persistent=False, device=device)
+    for u in plans:
+        unit = FlatUnit(list(u.params), u.group_index, dtype, rank, world, persistent=u.persistent, device=device)
+        layout.units.append(unit)
+        if u.module is not None:
+            if not layout.module_units or layout.module_units[-1][0] is not modules[u.module]:
+                layout.module_units.append((modules[u.module], []))
+            layout.module_units[-1][1].append(unit)
+        elif u.root:
             layout.root_units.append(unit)
-            layout.units.append(unit)
-    for gi, ps in enumerate(small):
-        for bucket in _buckets(list(reversed(ps)), bucket_size):
-            layout.units.append(FlatUnit(bucket, gi, dtype, rank, world, persistent=True, device=device))
     return layout
+
+
+def _numel(p: nn.Parameter) -> int:
+    return p.numel()

@@ -1,0 +1,174 @@
+""""auto" in a config: ``initialize`` asks the planner for the values it may choose.
+
+Four keys accept ``"auto"``: ``tensor_parallel.size``, ``pipeline.stages``,
+``zero_optimization.stage`` and ``train_micro_batch_size_per_gpu``. The planner needs what a
+config does not otherwise say, in a ``planner`` section that only this step reads:
+
+    "planner": {"seq_length": 2048, "device_memory": "80GB", "device": "a100"}
+
+``seq_length`` is required; ``device_memory`` defaults to the device's own (CUDA: its total
+memory; CPU: the machine's memory shared by the local processes), ``device`` (the rates of
+``planner.hardware.PRESETS``) to the GPU's name (A100 or H100; CPU: ``cpu``). With an ``"auto"``
+micro-batch ``train_batch_size`` must be given and ``gradient_accumulation_steps`` left out (it
+follows). Every other key of the config pins its value (a given ``pipeline.schedule`` too); the
+planner takes the fastest layout that fits and that the engine can run (activation
+checkpointing comes from ``pipeline.activation_checkpointing``, so only with pipeline stages).
+Every rank computes the same choice from the same inputs: no communication.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel3d.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+AUTO_KEYS = (("tensor_parallel", "size"), ("pipeline", "stages"), ("zero_optimization", "stage"),
+             (None, "train_micro_batch_size_per_gpu"))
+PLANNER_KEYS = ("seq_length", "device_memory", "device")
+
+
+def _get(raw: dict, section: str | None, key: str) -> Any:
+    holder = raw if section is None else raw.get(section)
+    return holder.get(key) if isinstance(holder, dict) else None
+
+
+def _set(raw: dict, section: str | None, key: str, value: Any) -> None:
+    (raw if section is None else raw.setdefault(section, {}))[key] = value
+
+
+def _dotted(section: str | None, key: str) -> str:
+    return key if section is None else f"{section}.{key}"
+
+
+def _mapping(source: Any) -> dict | None:
+    """The config as a mapping, or None when it cannot hold "auto" (already a Zero3DConfig)."""
+    from parallel3d.config import Zero3DConfig, read_config_file
+
+    if isinstance(source, Zero3DConfig):
+        return None
+    if isinstance(source, (str, Path)):
+        return read_config_file(source)
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    return None
+
+
+def _hardware(hints: dict, world: int, device: torch.device):
+    from parallel3d.planner.cli import parse_size
+    from parallel3d.planner.hardware import PRESETS, cpu
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    name = hints.get("device")
+    if name is not None and name not in PRESETS:
+        raise ConfigError(f"planner.device: {name!r} is not allowed; must be one of {', '.join(sorted(PRESETS))}")
+    if device.type == "cuda":
+        gpu = torch.cuda.get_device_properties(device)
+        name = name or ("h100" if "H100" in gpu.name else "a100")
+        memory = gpu.total_memory
+        hw = PRESETS[name](world, min(local, world))
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / max(1, local)
+        hw = PRESETS[name](world, min(local, world)) if name else cpu(world)
+    if hints.get("device_memory") is not None:
+        memory = parse_size(hints["device_memory"], "planner.device_memory")
+    return replace(hw, memory=float(memory))
+
+
+def _workload(cfg, seq: int):
+    from parallel3d.planner.predict import Workload
+    from zero.sizing import OptimizerStateShape
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision]
+    optimizer = OptimizerStateShape(2, 1)
+    if cfg.optimizer is not None:
+        optimizer = OptimizerStateShape.of(cfg.optimizer.torch_optimizer_class_name(), cfg.optimizer.params)
+    z = cfg.zero_optimization
+    return Workload(seq=seq, global_batch=cfg.train_batch_size, dtype=dtype, optimizer=optimizer,
+                    bucket_size=z.reduce_bucket_size, persistence_threshold=z.stage3_param_persistence_threshold,
+                    prefetch=z.stage3_prefetch_bucket_size, max_live=z.stage3_max_live_parameters,
+                    overlap_comm=z.overlap_comm, balance=cfg.pipeline.balance)
+
+
+def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device) -> Any:
+    """``source`` with every "auto" replaced by the planner's choice (unchanged without "auto")."""
+    from parallel3d.config import Zero3DConfig
+    from parallel3d.planner.predict import Planner
+    from parallel3d.planner.search import Choice
+
+    raw = _mapping(source)
+    if raw is None:
+        return source
+    hints = raw.pop("planner", None)
+    autos = [(s, k) for s, k in AUTO_KEYS if _get(raw, s, k) == "auto"]
+    if not autos:
+        if hints is not None:
+            raise ConfigError("the config has a 'planner' section but no \"auto\" value; it is read only to "
+                              f"choose {', '.join(_dotted(s, k) for s, k in AUTO_KEYS)} when one is \"auto\"")
+        return source
+    if not isinstance(hints, dict) or not isinstance(hints.get("seq_length"), int) or hints["seq_length"] < 1:
+        raise ConfigError(f"{', '.join(_dotted(s, k) for s, k in autos)} = \"auto\" needs the sequence length: add "
+                          "\"planner\": {\"seq_length\": N} (and optionally device_memory, e.g. \"80GB\", and device)")
+    unknown = sorted(set(hints) - set(PLANNER_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown config key 'planner.{unknown[0]}'; keys of planner: {', '.join(PLANNER_KEYS)}")
+    micro_auto = (None, "train_micro_batch_size_per_gpu") in autos
+    if micro_auto and (raw.get("train_batch_size") is None or raw.get("gradient_accumulation_steps") is not None):
+        raise ConfigError("train_micro_batch_size_per_gpu = \"auto\" needs train_batch_size and no "
+                          "gradient_accumulation_steps (the planner derives it from the micro-batch it picks)")
+    probe = copy.deepcopy(raw)
+    for s, k in autos:
+        _set(probe, s, k, 1)
+    if micro_auto:
+        probe.pop("train_micro_batch_size_per_gpu")
+    cfg = Zero3DConfig.from_dict(probe)  # every other key checked before planning
+    if cfg.train_batch_size is None:
+        raise ConfigError("\"auto\" needs train_batch_size (the global batch the layouts are priced for)")
+    chosen_by_planner = {k for _, k in autos}
+    pipeline = raw.get("pipeline") or {}
+    choice = Choice(tp=None if "size" in chosen_by_planner else cfg.tensor_parallel.size,
+                    pp=None if "stages" in chosen_by_planner else cfg.pipeline.stages,
+                    zero_stage=None if "stage" in chosen_by_planner else cfg.zero_optimization.stage,
+                    micro_batch=None if micro_auto else cfg.train_micro_batch_size_per_gpu,
+                    schedule=pipeline.get("schedule"), virtual_stages=pipeline.get("virtual_stages"),
+                    checkpointing=pipeline.get("activation_checkpointing"),
+                    sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+    hw = _hardware(hints, world, device)
+    with torch.device("meta"):
+        shape_model = type(model)(copy.deepcopy(model.config))
+    best, considered = choose(Planner(shape_model, _workload(cfg, hints["seq_length"])), hw, choice)
+    if best is None:
+        raise ConfigError(f"\"auto\": none of the {considered} layouts of this model fits {world} devices of "
+                          f"{hw.memory / 2**30:.1f} GiB at sequence length {hints['seq_length']} and global batch "
+                          f"{cfg.train_batch_size}; `zero3d plan` shows what does with other settings")
+    layout = best.layout
+    chosen = {"size": layout.tp, "stages": layout.pp, "stage": layout.zero_stage,
+              "train_micro_batch_size_per_gpu": layout.micro_batch}
+    for s, k in autos:
+        _set(raw, s, k, chosen[k])
+    if layout.pp > 1:
+        raw.setdefault("pipeline", {}).update(schedule=layout.schedule, virtual_stages=layout.virtual_stages,
+                                              activation_checkpointing=layout.checkpointing)
+    logger.info("planner: %s for %s (predicted %.3f s per step, %.1f GiB on the fullest rank; %d layouts considered)",
+                layout.describe(), ", ".join(_dotted(s, k) for s, k in autos), best.step_seconds, best.peak / 2**30,
+                considered)
+    return raw
+
+
+def choose(planner, hw, choice):
+    """The fastest layout that fits and that a config can express (activation checkpointing is a
+    pipeline setting), and how many were considered."""
+    from parallel3d.planner.search import search
+
+    ranked, considered = search(planner, hw, choice, top=20)
+    runnable = [p for p in ranked if p.layout.pp > 1 or not p.layout.checkpointing]
+    return (runnable[0] if runnable else None), considered

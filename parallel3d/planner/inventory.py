@@ -1,0 +1,144 @@
+"""Which parameters each rank hands to ZeRO, in ZeRO's order, for a pp x dp x tp layout.
+
+``initialize`` gives ZeRO this rank's trainable parameters after tensor parallelism and the
+pipeline split: in the model's order without pipeline stages (``apply._model_groups``), else in
+the order of the rank's chunks (each chunk: its blocks, then the embedding on global stage 0,
+then norm and head on the last; ``apply._stage_groups``). ``ZeroOptimizer`` then splits the
+group by (split over tp?, counted by another rank's norm?) and stage 3 groups by fetch module
+(the rank's blocks). This module reproduces that list from a meta model, for any rank, without
+a process group: tensor-parallel shapes from ``planner.local_tp``, stage contents from
+``pipeline.stage.make_layout`` (the same partition, on the tp-local sizes, since ``apply_tp``
+runs first). The planner's test holds the result to ``memory_report()``.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import cached_property
+
+from torch import nn
+
+from models.anatomy import fetch_unit_modules
+from models.pipeline_anatomy import AnatomyError, anatomy_paths
+from parallel3d.errors import ConfigError
+from parallel3d.pipeline.stage import StageLayout, make_layout
+from parallel3d.planner.local_tp import localize
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter as a tp rank holds it."""
+
+    name: str
+    numel: int
+    sharded: bool  # split over tp (its gradient norm is summed over tp)
+    replicas: int  # consecutive tp ranks holding the same shard (replicated kv heads)
+    block: int | None  # index of the block (stage-3 fetch module) holding it
+
+
+@dataclass(frozen=True, eq=False)
+class RankParams:
+    """What ZeRO gets on one rank: kind groups in ZeroOptimizer's order and the fetch modules."""
+
+    groups: tuple[tuple[Param, ...], ...]
+    fetch_modules: tuple[tuple[Param, ...], ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for g in self.groups for p in g)
+
+
+class ModelShapes:
+    """The parameters of one model at tensor-parallel size ``tp`` (the model is copied, not changed)."""
+
+    def __init__(self, model: nn.Module, tp: int, sequence_parallel: bool = False) -> None:
+        local = copy.deepcopy(model)
+        info = localize(local, tp, sequence_parallel=sequence_parallel)
+        self.tp = tp
+        try:
+            self.paths = anatomy_paths(local)
+        except AnatomyError:
+            self.paths = None
+        blocks = fetch_unit_modules(local)
+        block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
+        self.params: list[Param] = []
+        self._by_id: dict[int, Param] = {}
+        for name, p in local.named_parameters():
+            if not p.requires_grad:
+                continue
+            spec = info.specs.get(name)
+            param = Param(name, p.numel(), spec is not None, spec.replicas if spec else 1, block_of.get(id(p)))
+            self._by_id[id(p)] = param
+            self.params.append(param)
+        self.block_params = [[self._by_id[id(p)] for p in b.parameters() if id(p) in self._by_id] for b in blocks]
+        self.first = [self._by_id[id(p)] for path in (self.paths.first.values() if self.paths else ())
+                      for p in local.get_submodule(path).parameters() if id(p) in self._by_id]
+        self.last = [self._by_id[id(p)] for path in (self.paths.last.values() if self.paths else ())
+                     for p in local.get_submodule(path).parameters() if id(p) in self._by_id]
+        self._local = local
+        self._layouts: dict[tuple, StageLayout] = {}
+        self._ranks: dict[tuple, RankParams] = {}
+
+    @cached_property
+    def total(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @cached_property
+    def tied_numel(self) -> int:
+        """Elements of parameters held by both the first and the last stage (a tied embedding)."""
+        first = {p.name for p in self.first}
+        return sum(p.numel for p in self.last if p.name in first)
+
+    def stage_layout(self, pp: int, virtual_stages: int = 1, partition: tuple[int, ...] | None = None,
+                     balance: str = "parameters") -> StageLayout:
+        """The blocks of every global stage, as ``split_model`` decides them on this tp size."""
+        if self.paths is None:
+            raise ConfigError(f"pipeline parallelism: {type(self._local).__name__} has no pipeline anatomy")
+        key = (pp, virtual_stages, partition, balance)
+        if key not in self._layouts:
+            self._layouts[key] = make_layout(self._local, self.paths, pp, virtual_stages,
+                                             list(partition) if partition else None, balance)
+        return self._layouts[key]
+
+    def rank_params(self, *, tp_rank: int = 0, pp: int = 1, pp_rank: int = 0, layout: StageLayout | None = None,
+                    stage3: bool = False) -> RankParams:
+        """ZeRO's input on the rank at (pp_rank, tp_rank): ``layout`` from :meth:`stage_layout` when pp > 1."""
+        key = (tp_rank, pp, pp_rank, layout, stage3)
+        if key not in self._ranks:
+            self._ranks[key] = self._rank_params(tp_rank, pp, pp_rank, layout, stage3)
+        return self._ranks[key]
+
+    def _rank_params(self, tp_rank: int, pp: int, pp_rank: int, layout: StageLayout | None,
+                     stage3: bool) -> RankParams:
+        if pp == 1:
+            ordered = list(self.params)
+            blocks = list(range(len(self.block_params)))
+            duplicates: set[str] = set()
+        else:
+            ordered, blocks, duplicates = self._stage_params(layout, pp_rank)
+        duplicates |= {p.name for p in ordered if p.replicas > 1 and tp_rank % p.replicas}
+        groups = tuple(tuple(p for p in ordered if (p.sharded, p.name in duplicates) == kind)
+                       for kind in ((False, False), (True, False), (False, True), (True, True)))
+        modules = tuple(tuple(self.block_params[b]) for b in blocks) if stage3 else ()
+        return RankParams(tuple(g for g in groups if g), modules)
+
+    def _stage_params(self, layout: StageLayout, rank: int) -> tuple[list[Param], list[int], set[str]]:
+        """The rank's parameters in chunk order, its blocks, and the tied copies it does not count."""
+        last = layout.total_stages - 1
+        stages = [layout.stage_of(rank, c) for c in range(layout.virtual_stages)]
+        ordered: list[Param] = []
+        for stage in stages:
+            for b in layout.block_range(stage):
+                ordered += self.block_params[b]
+            ordered += self.first if stage == 0 else []
+            ordered += self.last if stage == last else []
+        seen: set[str] = set()
+        ordered = [p for p in ordered if not (p.name in seen or seen.add(p.name))]
+        blocks = sorted(b for s in stages for b in layout.block_range(s))
+        holders = {0: layout.rank_of(0), last: layout.rank_of(last)}
+        duplicates = set()
+        if holders[0] != holders[last] and rank == holders[last]:
+            first_names = {p.name for p in self.first}
+            duplicates = {p.name for p in self.last if p.name in first_names}
+        return ordered, blocks, duplicates

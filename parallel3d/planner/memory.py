@@ -1,0 +1,186 @@
+"""Peak memory per pipeline rank: model states, then the schedule's activations and buffers over time.
+
+For one rank the planner adds, at every pass of its schedule table (``schedule_table``, with
+its sends and receives), what is alive then:
+
+* **model states**: ``states.model_state_bytes`` (exactly ``memory_report()``);
+* **gathered stage-3 parameters**: under pipeline stages every unit of the rank is gathered
+  for the whole step today (``gather_all``, docs/design.md Known limits; :func:`gathered`);
+  without them the root units for the micro-batch plus the block being run and the blocks
+  prefetched after it (``stage3_prefetch_bucket_size``), as ``zero.stage3.ParamFetcher`` does;
+* **activations**: per in-flight (micro-batch, chunk) the bytes its forward leaves for backward,
+  and during a pass that pass's own peak (``profile.PassProfile``, measured on fake tensors);
+* **buffers**: posted receives (one ``[micro_batch, seq, hidden]`` activation or gradient each,
+  from the receive to the pass that consumes it), input gradients waiting for their send,
+  gradient staging of stages 2-3 (a full unit per unit in flight: ``GradientReducer`` keeps at
+  most ``MAX_IN_FLIGHT`` launched plus the one filling), counted from the first parameter
+  gradient of the backward on, when the first staging buffer is allocated;
+* **the optimizer step**: fp32 copies of the gradient shards (bf16/fp16) and the step's
+  temporaries (``torch.optim`` foreach: one master-sized tensor; per tensor on CPU: two of the largest).
+
+The peak is the maximum over those moments and the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+from parallel3d.pipeline.actions import Action, Kind
+from parallel3d.pipeline.schedules import schedule_table
+from parallel3d.planner.inventory import RankParams
+from parallel3d.planner.profile import PassProfile
+from parallel3d.planner.states import ZeroSetup, full_gradients, model_state_bytes, padded, units
+from zero.grads import GradientReducer
+from zero.sizing import shard_pieces
+
+ChunkProfile = Callable[[int], PassProfile]  # chunk index on this rank -> its profile
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """A rank's predicted peak and what it is made of at that moment (bytes)."""
+
+    peak: int
+    states: dict[str, int]
+    gathered: int
+    activations: int
+    buffers: int
+    step_extra: int
+    where: str  # the moment of the peak: "F3.1" (forward of micro-batch 3, chunk 1), "B0", "step"
+
+    @property
+    def model_states(self) -> int:
+        return sum(self.states.values())
+
+
+def gathered(params: RankParams, zero: ZeroSetup, *, pipelined: bool, prefetch: int, max_live: int) -> tuple[int, int]:
+    """Bytes of stage-3 parameters gathered: (for the whole micro-batch or step, extra inside a block).
+
+    Under pipeline stages everything is gathered for the step. Without, the root units are
+    gathered for each micro-batch's forward and backward, and inside a block that block and
+    the ones prefetched after it (the worst such window).
+    """
+    if zero.stage != 3 or zero.world == 1:
+        return 0, 0
+    plan = units(params, zero)
+    sharded = [u for u in plan if not u.persistent]
+    if pipelined:
+        return zero.work_bytes * sum(padded(u, zero) for u in sharded), 0
+    root = sum(padded(u, zero) for u in sharded if u.root)
+    blocks: dict[int, int] = {}
+    for u in sharded:
+        if u.module is not None:
+            blocks[u.module] = blocks.get(u.module, 0) + padded(u, zero)
+    order = [blocks[m] for m in sorted(blocks)]
+    worst = 0
+    for i, size in enumerate(order):  # the block in use, then prefetch (ParamFetcher._prefetch_after)
+        live, budget, j = size, prefetch, i + 1
+        while j < len(order) and budget > 0 and live + order[j] <= max_live:
+            live, budget, j = live + order[j], budget - order[j], j + 1
+        worst = max(worst, live)
+    return zero.work_bytes * root, zero.work_bytes * worst
+
+
+def staging(params: RankParams, zero: ZeroSetup, *, pipelined: bool, overlap: bool) -> int:
+    """Gradient staging buffers alive during a backward (stages 2-3 reducing as they go)."""
+    if full_gradients(zero.stage, pipelined):
+        return 0
+    sizes = sorted((padded(u, zero) for u in units(params, zero)), reverse=True)
+    held = GradientReducer.MAX_IN_FLIGHT + 1 if overlap else 2
+    return zero.work_bytes * sum(sizes[:held])
+
+
+def step_extra(params: RankParams, zero: ZeroSetup, *, foreach: bool) -> int:
+    """Bytes the optimizer step adds: fp32 gradient copies (mixed precision) and Adam's temporaries."""
+    plan = units(params, zero)
+    fp32_grads = 0 if zero.work_bytes == 4 else 4 * sum(padded(u, zero) // zero.world for u in plan)
+    rank = 0
+    pieces = [n for u in plan for n in shard_pieces([p.numel for p in u.params], rank * (padded(u, zero) // zero.world),
+                                                    (rank + 1) * (padded(u, zero) // zero.world))]
+    # Adam's denominator: one tensor for every piece at once (foreach), else sqrt and quotient of the largest
+    temps = 4 * (sum(pieces) if foreach else 2 * max(pieces, default=0)) if zero.optimizer.elementwise else 0
+    return fp32_grads + temps
+
+
+def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_bytes: int, step_bytes: int,
+              table: list, chunk: ChunkProfile, hidden_bytes: int, *, pipelined: bool) -> RankMemory:
+    """Walk one rank's actions (``table``: its list from ``schedule_table``; a single ``F0``/``B0`` pair
+    per micro-batch without pipeline stages) and take the largest total."""
+    static = sum(states.values())
+    held, in_block = gathered_bytes
+    best = RankMemory(static + step_bytes + (held if pipelined else 0), states, held if pipelined else 0, 0, 0,
+                      step_bytes, "step")
+    live, pending, waiting_send = 0, 0, 0
+    split = any(x.kind == Kind.W for x in table)  # zb_h1: activations live until the weight pass
+
+    def consider(extra_act: int, buffers: int, block: bool, where: str) -> None:
+        nonlocal best
+        gathered_now = held + (in_block if block else 0)
+        total = static + gathered_now + extra_act + buffers
+        if total > best.peak:
+            best = RankMemory(total, states, gathered_now, extra_act, buffers, 0, where)
+
+    for a in table:
+        if a.kind in (Kind.RECV_F, Kind.RECV_B):
+            pending += hidden_bytes
+        elif a.kind == Kind.SEND_B:
+            waiting_send -= hidden_bytes
+        elif a.kind == Kind.F:
+            profile = chunk(a.chunk)
+            if profile.kind in ("middle", "last"):
+                pending -= hidden_bytes  # the received buffer is the pass's input from here on
+            consider(live + profile.forward_peak, pending + waiting_send, profile.forward_peak_in_block,
+                     f"F{a.microbatch}.{a.chunk}")
+            live += profile.at_rest
+        elif a.kind == Kind.B:
+            profile = chunk(a.chunk)
+            if profile.kind in ("first", "middle"):
+                pending -= hidden_bytes  # the received gradient
+            if split:  # ZB-H1's input-gradient pass keeps what the weight pass needs
+                consider(live - profile.at_rest + profile.input_grad_peak, pending + waiting_send,
+                         profile.backward_peak_in_block, f"B{a.microbatch}.{a.chunk}")
+                live += profile.held_for_weights - profile.at_rest
+            else:
+                during = max(profile.backward_peak, profile.after_first_grad + staging_bytes)
+                consider(live - profile.at_rest + during, pending + waiting_send, profile.backward_peak_in_block,
+                         f"B{a.microbatch}.{a.chunk}")
+                live -= profile.at_rest
+            if profile.kind in ("middle", "last"):
+                waiting_send += hidden_bytes
+        elif a.kind == Kind.W:
+            profile = chunk(a.chunk)
+            during = max(profile.weight_grad_peak, profile.after_first_grad + staging_bytes)
+            consider(live - profile.held_for_weights + during, pending + waiting_send,
+                     profile.backward_peak_in_block, f"W{a.microbatch}.{a.chunk}")
+            live -= profile.held_for_weights
+    return best
+
+
+EXACT_P2P_PASSES = 4096
+"""Tables with more passes than this are walked without their sends and receives (placing them
+simulates the whole table); the walk then leaves out posted receive buffers and input gradients
+waiting for their send, one or two ``[micro_batch, seq, hidden]`` tensors at a time."""
+
+
+def pipeline_table(schedule: str, pp: int, microbatches: int, virtual: int, rank: int) -> list:
+    """The rank's actions: the schedule's table under pipeline stages, else F/B per micro-batch."""
+    if pp == 1:
+        return [a for i in range(microbatches) for a in (Action(Kind.F, i), Action(Kind.B, i))]
+    return _table(schedule, pp, microbatches, virtual)[rank]
+
+
+@lru_cache(maxsize=64)
+def _table(schedule: str, pp: int, microbatches: int, virtual: int) -> list:
+    exact = 2 * pp * microbatches * virtual <= EXACT_P2P_PASSES
+    return schedule_table(schedule, pp, microbatches, virtual, communication=exact)
+
+
+def predict_rank(params: RankParams, zero: ZeroSetup, *, table: list, chunk: ChunkProfile, hidden_bytes: int,
+                 pipelined: bool, prefetch: int, max_live: int, overlap: bool, foreach: bool) -> RankMemory:
+    """The rank's peak: model states plus the walk of its schedule, and the optimizer step."""
+    states = model_state_bytes(params, zero, pipelined=pipelined)
+    return rank_peak(states, gathered(params, zero, pipelined=pipelined, prefetch=prefetch, max_live=max_live),
+                     staging(params, zero, pipelined=pipelined, overlap=overlap),
+                     step_extra(params, zero, foreach=foreach), table, chunk, hidden_bytes, pipelined=pipelined)

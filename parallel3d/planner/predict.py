@@ -1,0 +1,283 @@
+"""One layout's prediction: per-rank peak memory and the step time.
+
+``Planner(model, workload)`` holds what every layout of one model shares (the tp-local
+parameter shapes, the fake-tensor profiles of each kind of chunk) and answers
+``planner.predict(layout, hardware)``. Profiles are taken for chunks of one and two blocks and
+extended linearly to a chunk's block count (a chunk repeats its blocks; what differs is the
+embedding at the start and the head and loss at the end).
+
+Step time, for the slowest pipeline rank: the pipeline's makespan from ``pipeline.simulate`` on
+the schedule's own table with that rank's forward and backward times per micro-batch (roofline
+per op plus its tensor-parallel collectives) and the activation transfer as p2p latency; then
+what ZeRO's data-parallel collectives leave exposed, the tied-embedding exchange and the
+optimizer step. Under pipeline stages today every gradient is reduced after the pipeline has
+drained (``defer_reduction``), so that time is all exposed (``states.full_gradients`` is the
+rule to change with issue 11 item 1).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+
+import torch
+from torch import nn
+
+from parallel3d.errors import ConfigError
+from parallel3d.pipeline.schedules import validate_schedule_args
+from parallel3d.planner.hardware import Hardware
+from parallel3d.planner.inventory import ModelShapes, RankParams
+from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
+from parallel3d.planner.profile import PassProfile, profile_pass
+from parallel3d.planner.states import ZeroSetup
+from parallel3d.planner.timing import RankCost, step_parts
+from zero.sizing import OptimizerStateShape
+
+logger = logging.getLogger(__name__)
+
+WORK_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate: mesh sizes, ZeRO stage, micro-batch, schedule, recomputation, sequence parallel."""
+
+    pp: int
+    dp: int
+    tp: int
+    zero_stage: int
+    micro_batch: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    checkpointing: bool = False
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def microbatches(self, global_batch: int) -> int:
+        return global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        sched = "" if self.pp == 1 else f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+        extras = "".join([" ac" if self.checkpointing else "", " sp" if self.sequence_parallel else ""])
+        return f"pp{self.pp} dp{self.dp} tp{self.tp} z{self.zero_stage} mb{self.micro_batch}{sched}{extras}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What is trained: sequence length, global batch (samples per step), precision and ZeRO's knobs."""
+
+    seq: int
+    global_batch: int
+    dtype: torch.dtype = torch.bfloat16
+    optimizer: OptimizerStateShape = OptimizerStateShape(2, 1)
+    bucket_size: int = 500_000_000
+    persistence_threshold: int = 100_000
+    prefetch: int = 50_000_000
+    max_live: int = 1_000_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's rule, on for stage 3 only
+    balance: str = "parameters"
+
+    @property
+    def work_bytes(self) -> int:
+        return WORK_BYTES[self.dtype]
+
+
+@dataclass
+class Prediction:
+    """What the planner says of one layout."""
+
+    layout: Layout
+    ranks: list[RankMemory]  # pipeline rank r (tp rank 0, dp rank 0)
+    step_seconds: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)  # seconds by cause
+    flops_per_step: float = 0.0  # counted over all devices, recomputation included
+
+    @property
+    def peak(self) -> int:
+        return max(r.peak for r in self.ranks)
+
+    def fits(self, memory: float) -> bool:
+        return self.peak <= memory
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A chunk of ``blocks`` blocks at ``micro_batch``: affine in each from profiles at 1 and 2 of both.
+
+    Every tensor a block creates scales with the micro-batch, and a chunk repeats its blocks, so
+    each quantity is ``a + b (n - 1) + c (mb - 1) + d (n - 1)(mb - 1)`` and four runs fix it.
+    """
+
+    kind: str
+    blocks: int
+    micro_batch: int
+    runs: tuple[PassProfile, PassProfile, PassProfile, PassProfile]  # (n, mb) = (1,1), (2,1), (1,2), (2,2)
+
+    def _grow(self, values: tuple[float, float, float, float]) -> float:
+        a, n2, b2, both = values
+        dn, db = self.blocks - 1, self.micro_batch - 1
+        return a + dn * (n2 - a) + db * (b2 - a) + dn * db * (both - n2 - b2 + a)
+
+    def _int(self, name: str) -> int:
+        return int(self._grow(tuple(getattr(r, name) for r in self.runs)))
+
+    @cached_property
+    def at_rest(self) -> int:
+        return self._int("at_rest")
+
+    @cached_property
+    def forward_peak(self) -> int:
+        return self._int("forward_peak")
+
+    @cached_property
+    def backward_peak(self) -> int:
+        return self._int("backward_peak")
+
+    @cached_property
+    def after_first_grad(self) -> int:
+        return self._int("after_first_grad")
+
+    @cached_property
+    def input_grad_peak(self) -> int:
+        """ZB-H1: the input-gradient pass's peak (from zero); what it leaves; the weight pass's peak."""
+        return int(self._grow(tuple(r.split.input_peak for r in self.runs)))
+
+    @cached_property
+    def held_for_weights(self) -> int:
+        return int(self._grow(tuple(r.split.held for r in self.runs)))
+
+    @cached_property
+    def weight_grad_peak(self) -> int:
+        return int(self._grow(tuple(r.split.weight_peak for r in self.runs)))
+
+    @property
+    def forward_peak_in_block(self) -> bool:
+        return self.runs[3].forward_peak_in_block
+
+    @property
+    def backward_peak_in_block(self) -> bool:
+        return self.runs[3].backward_peak_in_block
+
+    def seconds(self, hw: Hardware, tp: int, backward: bool) -> float:
+        return self._grow(tuple(_pass_seconds(r, hw, tp, backward) for r in self.runs))
+
+    def flops(self) -> float:
+        return self._grow(tuple(float(sum(r.flops)) for r in self.runs))
+
+
+@lru_cache(maxsize=4096)
+def _pass_seconds(profile: PassProfile, hw: Hardware, tp: int, backward: bool) -> float:
+    """Roofline time of a profiled pass's ops plus its tensor-parallel collectives."""
+    ops = profile.backward_ops if backward else profile.forward_ops
+    link = hw.link(1, tp)
+    comm = sum(link.seconds(op, size, tp) for op, size, back in profile.comm if back == backward)
+    return sum(hw.op_seconds(f, b) for f, b in ops) + comm
+
+
+class Planner:
+    """Predictions for one model (built on the meta device is fine) and one workload."""
+
+    def __init__(self, model: nn.Module, workload: Workload) -> None:
+        self.model = model
+        self.config = model.config
+        self.workload = workload
+        self._shapes: dict[int, ModelShapes] = {}
+        self._profile = lru_cache(maxsize=None)(self._profile_uncached)
+
+    def shapes(self, tp: int) -> ModelShapes:
+        if tp not in self._shapes:
+            self._shapes[tp] = ModelShapes(self.model, tp)
+        return self._shapes[tp]
+
+    def _profile_uncached(self, kind: str, blocks: int, micro_batch: int, tp: int, sp: bool, ac: bool,
+                          attention: str, split: bool) -> PassProfile:
+        w = self.workload
+        return profile_pass(self.config, kind, blocks, micro_batch=micro_batch, seq=w.seq, dtype=w.dtype, tp=tp,
+                            sequence_parallel=sp, checkpointing=ac, attention=attention, split_backward=split)
+
+    def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
+        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1")
+        runs = tuple(self._profile(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2))
+        return Chunk(kind, blocks, layout.micro_batch, runs)
+
+    def zero(self, layout: Layout) -> ZeroSetup:
+        w = self.workload
+        return ZeroSetup(layout.zero_stage, layout.dp, w.work_bytes, w.optimizer, w.bucket_size,
+                         w.persistence_threshold)
+
+    def check(self, layout: Layout) -> None:
+        """ConfigError when the layout cannot run this workload (the rules initialize applies)."""
+        w = self.workload
+        if w.global_batch % (layout.dp * layout.micro_batch):
+            raise ConfigError(f"global batch {w.global_batch} is not a multiple of dp {layout.dp} x micro-batch "
+                              f"{layout.micro_batch}")
+        if layout.sequence_parallel and (layout.pp > 1 or w.seq % layout.tp):
+            raise ConfigError("sequence parallelism needs pipeline.stages 1 and a sequence length divisible by tp")
+        if layout.pp > 1:
+            validate_schedule_args(layout.schedule, layout.pp, layout.microbatches(w.global_batch),
+                                   layout.virtual_stages)
+
+    def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
+        shapes = self.shapes(layout.tp)
+        stage3 = layout.zero_stage == 3
+        if layout.pp == 1:
+            return shapes.rank_params(stage3=stage3), [self.chunk(layout, "only", len(shapes.block_params), hw)]
+        stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
+        last = stage_layout.total_stages - 1
+        chunks = []
+        for c in range(layout.virtual_stages):
+            stage = stage_layout.stage_of(rank, c)
+            kind = "only" if last == 0 else "first" if stage == 0 else "last" if stage == last else "middle"
+            chunks.append(self.chunk(layout, kind, stage_layout.sizes[stage], hw))
+        params = shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=stage3)
+        return params, chunks
+
+    def ranks_to_price(self, layout: Layout, every_rank: bool) -> list[int]:
+        """Pipeline ranks whose memory the prediction computes.
+
+        All of them, or for long pipelines the first two, the last two and the one with the
+        most parameters: a rank further down holds fewer micro-batches in flight than rank 1
+        (1F1B, interleaving, ZB-H1) or as many (GPipe), and the same kind of chunks.
+        """
+        if every_rank or layout.pp <= 8:
+            return list(range(layout.pp))
+        shapes = self.shapes(layout.tp)
+        stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
+        heaviest = max(range(layout.pp), key=lambda r: sum(stage_layout.sizes[stage_layout.stage_of(r, c)]
+                                                           for c in range(layout.virtual_stages)))
+        return sorted({0, 1, heaviest, layout.pp - 2, layout.pp - 1})
+
+    def predict(self, layout: Layout, hw: Hardware, *, exact: bool = True) -> Prediction:
+        """Peak memory of the pipeline ranks and the step time on ``hw``.
+
+        ``exact=False`` (the search's first pass) prices long pipelines on a few ranks and takes
+        the pipeline's makespan from the schedule's closed form rather than its simulation.
+        """
+        self.check(layout)
+        w = self.workload
+        m = layout.microbatches(w.global_batch)
+        zero = self.zero(layout)
+        overlap = w.overlap_comm if w.overlap_comm is not None else layout.zero_stage == 3
+        hidden = layout.micro_batch * w.seq * self.config.hidden_size * w.work_bytes
+        pipelined = layout.pp > 1
+        ranks, costs, flops = [], [], 0.0
+        for rank in self.ranks_to_price(layout, exact):
+            params, chunks = self.rank_chunks(layout, rank, hw)
+            table = pipeline_table(layout.schedule, layout.pp, m, layout.virtual_stages, rank)
+            ranks.append(predict_rank(params, zero, table=table, chunk=chunks.__getitem__, hidden_bytes=hidden,
+                                      pipelined=pipelined, prefetch=w.prefetch, max_live=w.max_live, overlap=overlap,
+                                      foreach=hw.foreach_optimizer))
+            fwd = sum(c.seconds(hw, layout.tp, False) for c in chunks)
+            bwd = sum(c.seconds(hw, layout.tp, True) for c in chunks)
+            costs.append(RankCost(fwd, bwd, params))
+            flops += m * sum(c.flops() for c in chunks)
+        prediction = Prediction(layout, ranks, flops_per_step=flops * layout.tp * layout.dp * layout.pp / len(costs))
+        tied = self.shapes(layout.tp).tied_numel if pipelined else 0
+        prediction.parts = step_parts(layout, zero, costs, hw, m=m, hidden_bytes=hidden, overlap=overlap,
+                                      tied_numel=tied, exact=exact)
+        prediction.step_seconds = sum(prediction.parts.values())
+        return prediction

@@ -1,0 +1,393 @@
+"""What one micro-batch's pass through a pipeline chunk creates: measured on fake tensors.
+
+Korthikanti et al. 2022 count, tensor by tensor, what a transformer layer keeps for backward
+(34 s b h + 5 a s^2 b bytes in fp16 for GPT). Rather than a closed form per family, the planner
+*runs* the model's own forward and backward on ``FakeTensorMode`` tensors (shapes without data:
+no memory, no compute) with the real sizes, and records every storage that op outputs create
+and every storage's death (``LiveBytes``), every op's FLOPs (torch's ``flop_registry``) and bytes
+touched, and every tensor-parallel collective (``local_tp.CommLog``). On fake CPU tensors
+attention dispatches to the flash kernel, as on GPUs, so what it keeps (q, k, v, output and the
+log-sum-exp) is what a device keeps. The same fake run on the same code gives the same bytes
+as a real run (checked in tests/test_planner_profile.py against real CPU runs).
+
+A chunk is profiled the way the pipeline executor runs it: a non-first chunk's input is a
+detached leaf that requires grad (the received activations), a non-last chunk's output is held
+and backward starts from a gradient of its shape; the whole model (``only``) runs embedding to
+loss. Parameter gradients are dropped as they arrive (ZeRO moves them into its own buffers,
+which the planner counts from its unit accounting).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from models.anatomy import fetch_unit_modules
+from parallel3d.planner.local_tp import localize
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("only", "first", "middle", "last")
+
+_CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": False,
+              "_scaled_dot_product_flash_attention_for_cpu_backward": True}
+
+
+def _op_flops(func, args, kwargs, out) -> int:
+    packet = func._overloadpacket
+    if packet in flop_registry:
+        return int(flop_registry[packet](*args, **kwargs, out_val=out))
+    name = packet.__name__
+    if name not in _CPU_FLASH:  # the CPU flash kernels are not in torch's registry; same FLOPs as CUDA's
+        return 0
+    if _CPU_FLASH[name]:  # backward(grad_out, query, key, value, out, logsumexp, ...)
+        return int(sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape))
+    return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
+
+
+_NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
+                      "lift_fresh"})
+
+
+def _moves_data(func, outputs: list[torch.Tensor]) -> bool:
+    """Whether an op reads or writes tensor memory: not a view, not an allocation, not a query."""
+    if not outputs or func.namespace != "aten" or func._overloadpacket.__name__ in _NO_DATA:
+        return False
+    return not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive, created inside the mode; the peak since ``reset_peak``;
+    and per op (FLOPs, bytes read and written) for the roofline, split by forward/backward.
+
+    ``UntypedStorage.resize_`` (how stage 3 frees and refills gathered blocks) does not pass
+    through the dispatcher, so it is wrapped while the mode is active (as torch's MemTracker does).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, tuple[weakref.ref, list[int]]] = {}
+        self.ops: dict[bool, list[tuple[int, int]]] = {False: [], True: []}
+        self._resize = None
+        self.marked: int | None = None  # the most alive since ``mark()`` (None before)
+        self.in_block = False  # set by the profile's block hooks
+        self.received: torch.Tensor | None = None  # a non-first chunk's input leaf
+        self.peak_in_block = False  # whether the peak was reached inside a block
+
+    def mark(self) -> None:
+        """Start a second peak count from now (the planner marks the first parameter gradient)."""
+        if self.marked is None:
+            self.marked = self.live
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+        self.peak_in_block = self.in_block
+
+    def exclude(self, tensors) -> None:
+        """Storages that exist already and are not to be counted (parameters): views of them are free."""
+        for t in tensors:
+            storage = t.untyped_storage()
+            self._refs[id(storage)] = (weakref.ref(storage), [0])
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        known = self._refs.get(key)
+        if known is not None and known[0]() is storage:
+            return
+        if known is not None:  # the excluded storage died and its id was reused
+            self._refs.pop(key)
+        size = [storage.nbytes()]
+
+        def gone(_: weakref.ref, key: int = key, size: list[int] = size) -> None:
+            self.live -= size[0]
+            self._refs.pop(key, None)
+
+        self._refs[key] = (weakref.ref(storage, gone), size)
+        self._add(size[0])
+
+    def _add(self, n: int) -> None:
+        self.live += n
+        if self.live > self.peak:
+            self.peak, self.peak_in_block = self.live, self.in_block
+        if self.marked is not None:
+            self.marked = max(self.marked, self.live)
+
+    def __enter__(self):
+        original = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, nbytes: int):
+            out = original(storage, nbytes)
+            known = self._refs.get(id(storage))
+            if known is not None and known[0]() is storage:
+                self._add(nbytes - known[1][0])
+                known[1][0] = nbytes
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in outputs:
+            self._track(t.untyped_storage())
+        if _moves_data(func, outputs):
+            moved = sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                        if isinstance(t, torch.Tensor))
+            self.ops[torch._C._current_graph_task_id() != -1].append((_op_flops(func, args, kwargs, out), moved))
+        return out
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _Attention(torch.autograd.Function):
+    """Attention as a GPU runs it, for the planner: ``flash`` keeps q, k, v, the output and the fp32
+    log-sum-exp and recomputes the scores in backward; ``materialized`` is the fused
+    scale-mask-softmax of Megatron-LM (2021), which keeps what Korthikanti et al. 2022 count (the
+    softmax output and the dropout output, 2 bytes each, and the 1-byte dropout mask per score,
+    besides q, k and v). Each records its FLOPs and the bytes its kernels read and write."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,  # type: ignore[override]
+                live: LiveBytes, kind: str, dropout: bool) -> torch.Tensor:
+        out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        ctx.live, ctx.kind = live, kind
+        flops = int(sdpa_flop_count(q.shape, k.shape, v.shape))
+        if kind == "flash":
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse, mask)
+            moved = _nbytes(q, k, v, out, lse, mask)
+        else:
+            scores = q.new_empty((*q.shape[:-1], k.shape[-2]))  # QK^T, then softmax in place of it
+            probs = torch.empty_like(scores)
+            keep = torch.empty_like(scores, dtype=torch.bool) if dropout else None
+            dropped = torch.empty_like(scores) if dropout else None
+            ctx.save_for_backward(q, k, v, probs, keep, dropped)
+            # QK^T writes the scores; the fused softmax reads them, writes probs; dropout reads probs,
+            # writes its output and mask; the product with V reads what it multiplies
+            moved = _nbytes(q, k, scores) + _nbytes(scores, probs, mask) + _nbytes(probs, dropped, keep) \
+                + _nbytes(dropped if dropout else probs, v, out)
+        live.ops[torch._C._current_graph_task_id() != -1].append((flops, moved))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        q, k, v = saved[:3]
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        flops = int(sdpa_backward_flop_count(grad.shape, q.shape, k.shape, v.shape))
+        if ctx.kind == "flash":
+            moved = _nbytes(*saved, grad, *grads)
+        else:
+            flops = 2 * int(sdpa_flop_count(q.shape, k.shape, v.shape))  # four products, no recomputation
+            probs, keep, dropped = saved[3:]
+            grad_scores = torch.empty_like(probs)
+            moved = _nbytes(grad, v, dropped if dropped is not None else probs, grads[2], grad_scores) \
+                + _nbytes(grad_scores, keep, grad_scores) + _nbytes(grad_scores, probs, grad_scores) \
+                + _nbytes(grad_scores, q, k, grads[0], grads[1])
+        ctx.live.ops[True].append((flops, moved))
+        return (*grads, None, None, None, None)
+
+
+@contextlib.contextmanager
+def _gpu_kernels(live: LiveBytes, attention: str) -> Iterator[None]:
+    """Run attention and dropout as a GPU does while profiling: ``F.scaled_dot_product_attention``
+    through :class:`_Attention`, ``F.dropout`` through ``native_dropout`` (a 1-byte mask, where the
+    CPU path keeps its mask in the activation dtype). The attributes are replaced, not intercepted
+    by a TorchFunctionMode: activation checkpointing recomputes the forward inside backward, where
+    function modes are not active."""
+    sdpa, dropout = nn.functional.scaled_dot_product_attention, nn.functional.dropout
+
+    def attention_kernel(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return _Attention.apply(query, key, value, attn_mask, live, attention, dropout_p > 0)
+
+    def dropout_kernel(x: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False):
+        if not training or p == 0:
+            return x
+        return torch.ops.aten.native_dropout(x, p, True)[0]
+
+    nn.functional.scaled_dot_product_attention, nn.functional.dropout = attention_kernel, dropout_kernel
+    try:
+        yield
+    finally:
+        nn.functional.scaled_dot_product_attention, nn.functional.dropout = sdpa, dropout
+
+
+ATTENTION = ("native", "flash", "materialized")
+
+
+@dataclass(frozen=True)
+class SplitBackward:
+    """ZB-H1's two backward passes: the input-gradient pass's peak, what it leaves for the weight
+    pass (activations and the captured gradients), and the weight pass's peak (all from zero)."""
+
+    input_peak: int = 0
+    held: int = 0
+    weight_peak: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class PassProfile:
+    """One micro-batch through one chunk of ``blocks`` blocks (bytes of the working dtype included).
+
+    ``at_rest``: bytes alive between its forward and backward (what the schedule keeps per
+    in-flight micro-batch); ``forward_peak`` / ``backward_peak``: the most alive during each pass,
+    counted from before the forward (so ``backward_peak`` includes ``at_rest``); ``ops``: (FLOPs,
+    bytes) of every op of the forward and of the backward (recomputation included);
+    ``comm``: tensor-parallel collectives (op, payload bytes, in backward?).
+    """
+
+    kind: str
+    blocks: int
+    at_rest: int
+    forward_peak: int
+    backward_peak: int
+    after_first_grad: int
+    forward_peak_in_block: bool
+    backward_peak_in_block: bool
+    forward_ops: tuple[tuple[int, int], ...]
+    backward_ops: tuple[tuple[int, int], ...]
+    comm: tuple[tuple[str, int, bool], ...] = field(default=())
+    split: SplitBackward = field(default_factory=SplitBackward)
+
+    @cached_property
+    def flops(self) -> tuple[int, int]:
+        return sum(f for f, _ in self.forward_ops), sum(f for f, _ in self.backward_ops)
+
+
+class _Stop(Exception):
+    def __init__(self, output: torch.Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+
+def _truncated_config(config, blocks: int):
+    """``config`` with ``blocks`` layers (per-layer lists cut to match)."""
+    cfg = copy.deepcopy(config)
+    key = "n_layer" if hasattr(cfg, "n_layer") and not hasattr(cfg, "num_hidden_layers") else "num_hidden_layers"
+    setattr(cfg, key, blocks)
+    for name in ("layer_types", "sliding_window_pattern_list"):
+        value = getattr(cfg, name, None)
+        if isinstance(value, list):
+            setattr(cfg, name, value[:blocks])
+    return cfg
+
+
+def _build(config, blocks: int, dtype: torch.dtype, tp: int, sequence_parallel: bool, checkpointing: bool):
+    """The model with ``blocks`` blocks on fake tensors, as tp rank 0 holds it; and its tp log."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(_truncated_config(config, blocks), dtype=dtype)
+    model.train()
+    info = localize(model, tp, sequence_parallel=sequence_parallel)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model, info
+
+
+def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
+    """Parameter gradients dropped as they arrive (the first one marked); block boundaries noted;
+    a non-first chunk's input made a leaf, a non-last chunk's forward stopped after its blocks."""
+
+    def drop(p: nn.Parameter) -> None:
+        live.mark()
+        p.grad = None
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(drop)
+    layers = fetch_unit_modules(model)
+    for layer in layers:  # where the peaks fall: inside a block (its stage-3 parameters gathered) or not
+        layer.register_forward_pre_hook(lambda *_: setattr(live, "in_block", True))
+        layer.register_forward_hook(lambda *_: setattr(live, "in_block", False))
+        layer.register_full_backward_pre_hook(lambda *_: setattr(live, "in_block", True))
+        layer.register_full_backward_hook(lambda *_: setattr(live, "in_block", False))
+    if kind in ("middle", "last"):
+        def detach_input(module: nn.Module, args: tuple, kwargs: dict):
+            x = args[0] if args else kwargs["hidden_states"]
+            leaf = x.detach().requires_grad_(True)
+            live.received = leaf
+            return ((leaf, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": leaf})
+
+        layers[0].register_forward_pre_hook(detach_input, with_kwargs=True, prepend=True)
+    if kind in ("first", "middle"):
+        def stop(module: nn.Module, args: tuple, output):
+            raise _Stop(output[0] if isinstance(output, tuple) else output)
+
+        layers[-1].register_forward_hook(stop)
+
+
+def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, dtype: torch.dtype, tp: int = 1,
+                 sequence_parallel: bool = False, checkpointing: bool = False, attention: str = "native",
+                 split_backward: bool = False) -> PassProfile:
+    """Profile ``kind`` (one of :data:`KINDS`) with ``blocks`` blocks of the model ``config`` describes.
+
+    ``attention``: how ``scaled_dot_product_attention`` runs: ``native`` as this CPU dispatches
+    it (its flash kernel has no dropout; with dropout it materializes the scores), ``flash`` or
+    ``materialized`` as :class:`_Attention` models a GPU's kernels (and dropout as a GPU runs it:
+    :func:`_gpu_kernels`). The model is run with
+    transformers' ``sdpa`` attention unless its config names another. ``split_backward``: the
+    backward as ZB-H1 runs it, the executor's ``backward_input`` then ``backward_weight``.
+    """
+    from parallel3d.pipeline.executor import backward_input, backward_weight
+
+    if kind not in KINDS:
+        raise ValueError(f"chunk kind {kind!r}; allowed: {', '.join(KINDS)}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention {attention!r}; allowed: {', '.join(ATTENTION)}")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, info = _build(config, blocks, dtype, tp, sequence_parallel, checkpointing)
+        live = LiveBytes()
+        _hook(model, kind, live)
+        ids = torch.zeros(micro_batch, seq, dtype=torch.long)
+        live.exclude([*model.parameters(), *model.buffers()])
+        kernels = contextlib.nullcontext() if attention == "native" else _gpu_kernels(live, attention)
+        split = SplitBackward()
+        with live, kernels:
+            inputs: dict = {"input_ids": ids}
+            if kind in ("middle", "last"):  # no embedding lookup: the received activations stand in
+                inputs = {"inputs_embeds": torch.empty(micro_batch, seq, config.hidden_size, dtype=dtype)}
+            if kind != "only":
+                inputs["use_cache"] = False  # as the pipeline's stage programs call the blocks
+            try:
+                out = model(**inputs, labels=ids).loss
+            except _Stop as stop_at:
+                out = stop_at.output
+            at_rest, forward_peak, forward_in_block = live.live, live.peak, live.peak_in_block
+            live.reset_peak()
+            grad = None if out.dim() == 0 else torch.ones_like(out)
+            if split_backward:
+                _, work = backward_input(out, grad, live.received, [p for p in model.parameters() if p.requires_grad])
+                del out, grad
+                split = SplitBackward(live.peak, live.live)
+                live.reset_peak()
+                backward_weight(work)
+                del work
+                split = SplitBackward(split.input_peak, split.held, live.peak)
+            else:
+                torch.autograd.backward(out, grad_tensors=grad)
+                del out, grad
+    backward_peak = max(split.input_peak, split.weight_peak) if split_backward else live.peak
+    return PassProfile(kind, blocks, at_rest, forward_peak, backward_peak, live.marked or 0, forward_in_block,
+                       live.peak_in_block, tuple(live.ops[False]), tuple(live.ops[True]), tuple(info.log.calls), split)

@@ -1,0 +1,134 @@
+"""Enumerate the layouts of a workload on a cluster, keep those that fit, rank them by step time.
+
+Candidates: every tp dividing the devices of a node (the heads must split: ``local_tp`` says),
+every pp up to the block count with dp = devices / (tp x pp) dividing the global batch, every
+micro-batch dividing the per-replica batch, every ZeRO stage, and under pipeline stages every
+schedule the micro-batch count allows (interleaved with 2 and 4 chunks per rank where the
+blocks divide); activation checkpointing on and off; sequence parallelism with tp > 1 and one
+pipeline stage (what ``initialize`` accepts today). ``Choice`` pins any of them.
+
+The search prices model states first (no profile needed: ``states.model_state_bytes``) and drops
+what cannot fit before it profiles activations, so a large space stays cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from parallel3d.errors import ConfigError
+from parallel3d.pipeline.schedules import SCHEDULES
+from parallel3d.planner.hardware import Hardware
+from parallel3d.planner.predict import Layout, Planner, Prediction
+from parallel3d.planner.states import model_state_bytes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Pinned values (None: the planner chooses). ``micro_batch`` None tries powers of two up to
+    ``max_micro_batch``."""
+
+    tp: int | None = None
+    pp: int | None = None
+    zero_stage: int | None = None
+    micro_batch: int | None = None
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    checkpointing: bool | None = None
+    sequence_parallel: bool | None = None
+    max_micro_batch: int = 16
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _pick(pinned, options):
+    return [pinned] if pinned is not None else list(options)
+
+
+def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice()) -> Iterator[Layout]:
+    """Every layout of ``choice`` that ``initialize`` would accept for this model and workload."""
+    w = planner.workload
+    blocks = len(planner.shapes(1).block_params)
+    for tp in _pick(choice.tp, [d for d in _divisors(hw.gpus_per_node) if hw.gpus % d == 0]):
+        try:
+            planner.shapes(tp)
+        except (ConfigError, ValueError) as exc:
+            logger.info("tp %d skipped: %s", tp, exc)
+            continue
+        for pp in _pick(choice.pp, [d for d in _divisors(hw.gpus // tp) if d <= blocks]):
+            if hw.gpus % (tp * pp):
+                continue
+            dp = hw.gpus // (tp * pp)
+            if w.global_batch % dp:
+                continue
+            per_replica = w.global_batch // dp
+            micro = [b for b in _divisors(per_replica) if b <= choice.max_micro_batch and b & (b - 1) == 0]
+            for mb in _pick(choice.micro_batch, micro):
+                if per_replica % mb:
+                    continue
+                for sched, virtual in _schedules(pp, per_replica // mb, blocks, choice):
+                    for stage in _pick(choice.zero_stage, (0, 1, 2, 3)):
+                        for ac in _pick(choice.checkpointing, (False, True)):
+                            for sp in _pick(choice.sequence_parallel, (False, True) if tp > 1 and pp == 1 else (False,)):
+                                layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp)
+                                try:
+                                    planner.check(layout)
+                                except ConfigError:
+                                    continue
+                                yield layout
+
+
+def _schedules(pp: int, microbatches: int, blocks: int, choice: Choice) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = []
+    for name in _pick(choice.schedule, SCHEDULES):
+        if name == "interleaved_1f1b":
+            for v in _pick(choice.virtual_stages, (2, 4)):
+                if v > 1 and blocks % (pp * v) == 0 and microbatches % pp == 0:
+                    out.append((name, v))
+        elif (name == "gpipe" or microbatches >= pp) and choice.virtual_stages in (None, 1):
+            out.append((name, 1))
+    return out
+
+
+def model_states_fit(planner: Planner, layout: Layout, hw: Hardware) -> bool:
+    """Whether every rank's model states alone fit (a cheap first cut)."""
+    shapes = planner.shapes(layout.tp)
+    zero = planner.zero(layout)
+    if layout.pp == 1:
+        return sum(model_state_bytes(shapes.rank_params(stage3=layout.zero_stage == 3), zero).values()) <= hw.memory
+    stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=planner.workload.balance)
+    for rank in range(layout.pp):
+        params = shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=layout.zero_stage == 3)
+        if sum(model_state_bytes(params, zero, pipelined=True).values()) > hw.memory:
+            return False
+    return True
+
+
+def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int = 10) -> tuple[list[Prediction], int]:
+    """The ``top`` fastest layouts that fit, fastest first, and how many layouts were considered.
+
+    Two passes: every candidate whose model states fit is priced quickly (a few ranks of a long
+    pipeline, the schedule's closed-form makespan); the best ``3 x top`` of those that fit are
+    then priced exactly (every rank, the simulated table) and ranked again.
+    """
+    rough: list[Prediction] = []
+    considered = 0
+    for layout in candidates(planner, hw, choice):
+        considered += 1
+        if not model_states_fit(planner, layout, hw):
+            continue
+        prediction = planner.predict(layout, hw, exact=False)
+        if prediction.fits(hw.memory):
+            rough.append(prediction)
+    rough.sort(key=lambda p: (p.step_seconds, p.peak))
+    exact = [planner.predict(p.layout, hw) for p in rough[: 3 * top]]
+    exact = [p for p in exact if p.fits(hw.memory)]
+    exact.sort(key=lambda p: (p.step_seconds, p.peak))
+    return exact[:top], considered

@@ -1,0 +1,77 @@
+"""Model-state bytes per rank, as ``engine.memory_report()`` will count them, before any process runs.
+
+The units come from ``zero.sizing.plan_units`` (the function ``ZeroOptimizer`` builds its units
+with) over the rank's parameters from ``planner.inventory``; the bytes per unit from
+``zero.sizing.unit_state_bytes``. So the prediction equals ``memory_report()`` exactly, padding,
+straddling pieces and Adam's ``step`` scalars included (tests/test_planner_states.py).
+
+One rule here models behaviour that issue 11 (item 1) is about to change: under pipeline
+stages ZeRO accumulates *full* gradients for the whole step at every stage (``defer_reduction``,
+docs/design.md "Known limits"); :func:`full_gradients` is that rule, and the only line to edit
+when stages 2-3 reduce chunk by chunk inside the pipeline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from parallel3d.planner.inventory import Param, RankParams
+from zero.sizing import CATEGORIES, OptimizerStateShape, UnitPlan, padded_numel, plan_units, unit_state_bytes
+
+
+def full_gradients(stage: int, pipelined: bool) -> bool:
+    """Whether ZeRO holds full (padded) gradient buffers rather than the rank's shard.
+
+    Stages 0-1 always do. Under pipeline stages every stage does today: gradients are
+    accumulated whole through the step and reduced once after the tied-embedding sum.
+    """
+    return stage <= 1 or pipelined
+
+
+@dataclass(frozen=True)
+class ZeroSetup:
+    """The ZeRO settings that decide a rank's bytes (``zero_optimization`` and precision)."""
+
+    stage: int
+    dp: int
+    work_bytes: int = 2  # bytes per element of the working dtype: 2 bf16/fp16, 4 fp32
+    optimizer: OptimizerStateShape = OptimizerStateShape(2, 1)
+    bucket_size: int = 500_000_000
+    persistence_threshold: int = 100_000
+
+    @property
+    def world(self) -> int:
+        """The size ZeRO shards over: 1 at stage 0 (nothing sharded), else dp."""
+        return 1 if self.stage == 0 else self.dp
+
+
+@lru_cache(maxsize=4096)
+def units(params: RankParams, zero: ZeroSetup) -> list[UnitPlan[Param]]:
+    """The rank's units, as ``ZeroOptimizer`` lays them out (cached: ``RankParams`` hash by identity)."""
+    return plan_units([list(g) for g in params.groups], _numel, stage=zero.stage, world=zero.world,
+                      bucket_size=zero.bucket_size, persistence_threshold=zero.persistence_threshold,
+                      fetch_modules=[list(m) for m in params.fetch_modules])
+
+
+def model_state_bytes(params: RankParams, zero: ZeroSetup, *, dp_rank: int = 0, pipelined: bool = False) -> dict[str, int]:
+    """``memory_report()`` of the rank after a training step (gradients and optimizer states exist)."""
+    total = dict.fromkeys(CATEGORIES, 0)
+    rank = 0 if zero.stage == 0 else dp_rank
+    full = full_gradients(zero.stage, pipelined)
+    for unit in units(params, zero):
+        got = unit_state_bytes([p.numel for p in unit.params], world=zero.world, rank=rank,
+                               persistent=unit.persistent, work_bytes=zero.work_bytes, full_gradients=full,
+                               optimizer=zero.optimizer)
+        for key in CATEGORIES:
+            total[key] += got[key]
+    return total
+
+
+def padded(unit: UnitPlan[Param], zero: ZeroSetup) -> int:
+    """A unit's padded element count (what its collectives move)."""
+    return padded_numel(sum(p.numel for p in unit.params), zero.world)
+
+
+def _numel(p: Param) -> int:
+    return p.numel

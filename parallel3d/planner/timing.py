@@ -1,0 +1,101 @@
+"""A step's time, by cause: the pipeline, data-parallel collectives, the tied embedding, the optimizer.
+
+* **pipeline**: the makespan of the schedule's own table (``pipeline.simulate``) with the slowest
+  rank's forward and backward per micro-batch (roofline per op plus its tensor-parallel
+  collectives) and the activation transfer over the pp link as p2p latency; ZB-H1 splits the
+  backward into equal input- and weight-gradient halves. Without pipeline stages: micro-batches
+  times (forward + backward). The search's first pass uses the schedules' closed forms instead
+  (:func:`closed_form_makespan`), then simulates its best candidates.
+* **data parallel**: ZeRO's collectives over dp, unit by unit with ``comm_counter``'s payloads on
+  the dp link. Under pipeline stages every gradient is reduced once, after the pipeline drained
+  (``defer_reduction`` today), so all of it waits; without, the reduction of the window's last
+  micro-batch (stages 0-1) or of every micro-batch (2-3) overlaps that backward when
+  ``overlap_comm`` is on, and stage 3's gathers overlap the passes they serve.
+* **tied embedding**: its gradient exchanged between the first and the last pipeline rank.
+* **optimizer**: Adam reads and writes the fp32 master, its states and the gradient, and writes
+  the working copy: memory-bound, ``4 (2 states + 4) + working bytes`` per element of the shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel3d.pipeline.schedules import schedule_table
+from parallel3d.pipeline.simulate import Costs, simulate
+from parallel3d.planner.hardware import Hardware, Link
+from parallel3d.planner.inventory import RankParams
+from parallel3d.planner.states import ZeroSetup, full_gradients, padded, units
+
+
+@dataclass(frozen=True)
+class RankCost:
+    """One pipeline rank: seconds of forward and backward per micro-batch, and its parameters."""
+
+    forward: float
+    backward: float
+    params: RankParams
+
+
+def closed_form_makespan(schedule: str, pp: int, m: int, virtual: int, costs: Costs) -> float:
+    """The schedules' textbook makespans for equal stages (Narayanan et al. 2021; Qi et al. 2023)."""
+    f, b, w, lat = costs.f, costs.b, costs.w, costs.latency
+    if schedule == "interleaved_1f1b":
+        return (m + (pp - 1) / virtual) * (f + b + w) + 2 * (pp - 1) * lat
+    if schedule == "zb_h1":
+        return (m + pp - 1) * (f + b + w) - (pp - 1) * w + 2 * (pp - 1) * lat
+    return (m + pp - 1) * (f + b + w) + 2 * (pp - 1) * lat
+
+
+def pipeline_seconds(schedule: str, pp: int, m: int, virtual: int, costs: Costs, exact: bool) -> float:
+    if not exact:
+        return closed_form_makespan(schedule, pp, m, virtual, costs)
+    return simulate(schedule_table(schedule, pp, m, virtual, communication=False), costs).makespan
+
+
+def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, m: int, hidden_bytes: int,
+               overlap: bool, tied_numel: int, exact: bool) -> dict[str, float]:
+    """Seconds of one optimizer step by cause (see the module docstring)."""
+    fwd, bwd = max(c.forward for c in costs), max(c.backward for c in costs)
+    pp_link = hw.link(layout.tp * layout.dp, layout.pp)
+    if layout.pp == 1:
+        pipeline = m * (fwd + bwd)
+    else:
+        split = layout.schedule == "zb_h1"
+        step_costs = Costs(fwd, bwd / 2 if split else bwd, bwd / 2 if split else 0.0,
+                           pp_link.seconds("send", hidden_bytes, 2))
+        pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
+    dp_link = hw.link(layout.tp, layout.dp)
+    exposed = max(dp_seconds(c.params, zero, dp_link, m, pipelined=layout.pp > 1, overlap=overlap,
+                             compute=(c.forward, c.backward)) for c in costs)
+    per_element = 4 * (2 * zero.optimizer.elementwise + 4) + zero.work_bytes
+    optimizer = max(sum(padded(u, zero) // zero.world for u in units(c.params, zero)) for c in costs) \
+        * per_element / (hw.memory_bandwidth * hw.memory_efficiency)
+    tied = pp_link.seconds("send", tied_numel * zero.work_bytes, 2) if tied_numel else 0.0
+    return {"pipeline": pipeline, "data parallel": exposed, "tied embedding": tied, "optimizer": optimizer}
+
+
+def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipelined: bool, overlap: bool,
+               compute: tuple[float, float]) -> float:
+    """Seconds of ZeRO's collectives over dp that the step waits for (comm_counter's payloads)."""
+    if zero.dp == 1:
+        return 0.0
+    plan = units(params, zero)
+    n, work = zero.dp, zero.work_bytes
+
+    def calls(op: str, chosen) -> float:
+        return sum(link.seconds(op, padded(u, zero) * work, n) for u in chosen)
+
+    sharded = [u for u in plan if not u.persistent]
+    after_step = calls("all_gather", [u for u in plan if u.persistent]) if zero.stage >= 1 else 0.0
+    reduce_op = "all_reduce" if zero.stage == 0 else "reduce_scatter"
+    if pipelined:  # once per step, after the pipeline drained; stage 3 gathers everything first
+        return calls(reduce_op, plan) + calls("all_gather", sharded) + after_step
+    fwd, bwd = compute
+    if full_gradients(zero.stage, False):  # one reduction, during the window's last backward
+        reduce = calls(reduce_op, plan)
+        return (max(0.0, reduce - bwd) if overlap else reduce) + after_step
+    per_mb_bwd = calls("reduce_scatter", plan) + calls("all_gather", [u for u in sharded if not u.root])
+    per_mb_fwd = calls("all_gather", sharded)
+    if overlap:
+        return m * (max(0.0, per_mb_fwd - fwd) + max(0.0, per_mb_bwd - bwd)) + after_step
+    return m * (per_mb_fwd + per_mb_bwd) + after_step

@@ -1,0 +1,141 @@
+"""``zero3d plan`` and "auto" at initialize: arguments, errors, and what they choose.
+
+The choices are checked against the planner itself (the same search on the same inputs), and
+its ranking against its own predictions: every row fits the device memory, rows are ordered by
+predicted step time, and pinning a value keeps only layouts with it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from parallel3d.cli import main as zero3d
+from parallel3d.errors import ConfigError
+from parallel3d.planner.cli import parse_size
+from parallel3d.planner.search import Choice
+from tests.tiny import make_model
+
+CONFIG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    CONFIG.save_pretrained(path)
+    return path
+
+
+def _plan(capsys, *args) -> tuple[int, str, str]:
+    code = zero3d(["plan", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("text,value", [("80GB", 80e9), ("80 GiB", 80 * 2**30), ("81920MB", 81920e6), ("1.5tb", 1.5e12)])
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["80", "80XB", "-1GB", "GB", "0GB"])
+def test_bad_sizes(text):
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        parse_size(text)
+
+
+def test_ranked_layouts_fit_and_are_ordered(capsys, model_dir):
+    code, out, err = _plan(capsys, model_dir / "config.json", "--gpus", 8, "--gpu-memory", "2GB", "--seq-len", 64,
+                           "--global-batch", 16, "--json", "--top", 50)
+    assert code == 0, err
+    rows = json.loads(out)
+    assert rows and all(r["peak_gib"] <= 2e9 / 2**30 for r in rows)
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert len({r["layout"] for r in rows}) == len(rows)
+
+
+def test_pins_and_hostfile(capsys, model_dir, tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1 slots=2\nnode2 slots=2\n")
+    code, out, err = _plan(capsys, model_dir, "--hostfile", hosts, "--gpu-memory", "2GB", "--seq-len", 64,
+                           "--global-batch", 16, "--pp", 2, "--zero-stage", 1, "--json")
+    assert code == 0, err
+    rows = json.loads(out)
+    assert rows and all(r["layout"].startswith("pp2 ") and " z1 " in r["layout"] for r in rows)
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "--gpus N or as --hostfile"),
+    (["--gpus", 0], "--gpus must be >= 1"),
+    (["--gpus", 4, "--gpu-memory", "lots"], "--gpu-memory 'lots'"),
+    (["--gpus", 4, "--efficiency", 2], "--efficiency must be in (0, 1]"),
+    (["--gpus", 4, "--tp", 0], "--tp must be >= 1"),
+])
+def test_argument_errors(capsys, model_dir, args, message):
+    code, _, err = _plan(capsys, model_dir, "--seq-len", 64, "--global-batch", 16, *args)
+    assert code == 2 and message in err
+
+
+def test_missing_model_and_nothing_fits(capsys, model_dir, tmp_path):
+    code, _, err = _plan(capsys, tmp_path / "nope", "--gpus", 2, "--seq-len", 64, "--global-batch", 16)
+    assert code == 2 and "no such file or directory" in err
+    code, _, err = _plan(capsys, model_dir, "--gpus", 2, "--gpu-memory", "1MB", "--seq-len", 64, "--global-batch", 16)
+    assert code == 1 and "none of the" in err and "fits 2 x" in err
+
+
+def _auto_run(config: dict) -> dict:
+    """On every rank: initialize with "auto" and report what was chosen, plus the planner's own pick."""
+    from dataclasses import replace
+
+    import torch.distributed as dist
+
+    import parallel3d
+    from parallel3d.config import Zero3DConfig
+    from parallel3d.planner.auto import _workload, choose
+    from parallel3d.planner.hardware import cpu
+    from parallel3d.planner.predict import Planner
+
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama", num_hidden_layers=4), config=config)
+    mesh, cfg = engine.mesh, engine.config
+    with torch.device("meta"):
+        meta = make_model("llama", num_hidden_layers=4)
+    probe = {k: v for k, v in config.items() if k not in ("planner", "train_micro_batch_size_per_gpu")}
+    probe.update(zero_optimization={"stage": 0}, tensor_parallel={"size": 1}, pipeline={"stages": 1})
+    hw = replace(cpu(dist.get_world_size()), memory=parse_size(config["planner"]["device_memory"]))
+    best, _ = choose(Planner(meta, _workload(Zero3DConfig.from_dict(probe), 16)), hw, Choice())
+    return {"chosen": (mesh.pp, mesh.tp, cfg.zero_optimization.stage, cfg.train_micro_batch_size_per_gpu,
+                       cfg.gradient_accumulation_steps),
+            "planner": (best.layout.pp, best.layout.tp, best.layout.zero_stage, best.layout.micro_batch)}
+
+
+def test_auto_takes_the_planners_choice(dist):
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "auto"},
+              "tensor_parallel": {"size": "auto"}, "pipeline": {"stages": "auto"},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "planner": {"seq_length": 16, "device_memory": "2000MB"}}
+    results = dist.run(2, _auto_run, config)
+    assert all(r == results[0] for r in results)  # every rank made the same choice
+    pp, tp, stage, micro, gas = results[0]["chosen"]
+    assert (pp, tp, stage, micro) == results[0]["planner"]
+    assert micro * gas * (2 // (pp * tp)) == 8
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"train_batch_size": 8, "tensor_parallel": {"size": "auto"}}, "needs the sequence length"),
+    ({"train_batch_size": 8, "tensor_parallel": {"size": "auto"}, "planner": {"seq_length": 16, "gpus": 2}},
+     "unknown config key 'planner.gpus'"),
+    ({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 2, "train_batch_size": 8,
+      "planner": {"seq_length": 16}}, "needs train_batch_size and no gradient_accumulation_steps"),
+    ({"train_batch_size": 8, "planner": {"seq_length": 16}}, "no \"auto\" value"),
+    ({"train_batch_size": 8, "tensor_parallel": {"size": "auto"}, "planner": {"seq_length": 16, "device": "tpu"}},
+     "planner.device: 'tpu' is not allowed"),
+])
+def test_auto_errors(config, message):
+    import parallel3d
+
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **config}
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parallel3d.initialize(model=make_model("llama"), config=config)

@@ -1,0 +1,116 @@
+"""The planner's activation model: fake-tensor profiles against real runs, Korthikanti's count, schedules.
+
+* A profile on fake tensors equals the same pass on real CPU tensors: bytes kept for backward,
+  forward and backward peaks, FLOPs (the fake run executes the same code on shapes).
+* Per GPT-2 block, what the profile keeps for backward is Korthikanti et al. 2022's count
+  (Table 2, their GPT with fused kernels): 34 s b h + 5 a s^2 b bytes in 16-bit with
+  Megatron's attention and GPU dropout, sbh (10 + 24/t) + 5 a s^2 b / t under tensor
+  parallelism; plus the two LayerNorms' mean and rstd, which their count leaves out (8 s b bytes
+  with the CPU kernels' bf16 statistics; CUDA keeps them in fp32, 16 s b). Under sequence
+  parallelism Zero3D keeps each region's gathered input (4 s b h whole) where Megatron
+  re-gathers it in backward: sbh (4 + 30/t).
+* The activations a rank keeps alive follow its schedule: the memory walk counts p - r
+  micro-batches in flight on rank r under 1F1B, all m under GPipe, and for interleaving and
+  ZB-H1 what ``pipeline.simulate`` counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import GPT2Config, LlamaConfig
+
+from parallel3d.pipeline.schedules import schedule_table
+from parallel3d.pipeline.simulate import simulate
+from parallel3d.planner.memory import rank_peak
+from parallel3d.planner.profile import LiveBytes, profile_pass
+
+LLAMA = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2)
+
+
+def _real_pass(config, micro_batch: int, seq: int) -> tuple[int, int, int, int]:
+    """(kept after forward, forward peak, backward peak, FLOPs) of a real CPU run, counted like the profile."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    model.train()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+    live = LiveBytes()
+    live.exclude([*model.parameters(), *model.buffers()])
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq))
+    with live:
+        loss = model(input_ids=ids, labels=ids).loss
+        kept, forward_peak = live.live, live.peak
+        live.reset_peak()
+        loss.backward()
+    flops = sum(f for ops in live.ops.values() for f, _ in ops)
+    return kept, forward_peak, live.peak, flops
+
+
+@pytest.mark.parametrize("config", [LLAMA, GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4)],
+                         ids=["llama", "gpt2"])
+def test_fake_profile_equals_a_real_run(config):
+    fake = profile_pass(config, "only", 2, micro_batch=2, seq=32, dtype=torch.float32)
+    kept, forward_peak, backward_peak, flops = _real_pass(config, 2, 32)
+    assert (fake.at_rest, fake.forward_peak, fake.backward_peak, sum(fake.flops)) == \
+        (kept, forward_peak, backward_peak, flops)
+    assert kept > 0 and flops > 0
+
+
+def _per_block(tp: int, sp: bool = False, s: int = 64, b: int = 2, h: int = 64, a: int = 4) -> tuple[int, dict]:
+    config = GPT2Config(vocab_size=256, n_embd=h, n_layer=2, n_head=a, activation_function="gelu_pytorch_tanh")
+    runs = [profile_pass(config, "middle", n, micro_batch=b, seq=s, dtype=torch.bfloat16, tp=tp,
+                         sequence_parallel=sp, attention="materialized") for n in (1, 2)]
+    return runs[1].at_rest - runs[0].at_rest, {"s": s, "b": b, "h": h, "a": a}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_block_activations_are_korthikanti(tp):
+    got, d = _per_block(tp)
+    s, b, h, a = d["s"], d["b"], d["h"], d["a"]
+    want = s * b * h * (10 + 24 / tp) + 5 * a * s * s * b / tp + 8 * s * b
+    assert got == want
+
+
+def test_block_activations_under_sequence_parallel():
+    tp = 2
+    got, d = _per_block(tp, sp=True)
+    s, b, h, a = d["s"], d["b"], d["h"], d["a"]
+    assert got == s * b * h * (4 + 30 / tp) + 5 * a * s * s * b / tp + 8 * s * b / tp
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """A chunk whose every micro-batch keeps one byte: the walk's peak counts micro-batches in flight."""
+
+    kind: str = "middle"
+    at_rest: int = 1
+    forward_peak: int = 1
+    backward_peak: int = 1
+    after_first_grad: int = 0
+    input_grad_peak: int = 1
+    held_for_weights: int = 1
+    weight_grad_peak: int = 1
+    forward_peak_in_block: bool = False
+    backward_peak_in_block: bool = False
+
+
+def _in_flight(table: list) -> int:
+    return rank_peak({"params": 0}, (0, 0), 0, 0, table, lambda c: _Unit(), 0, pipelined=True).activations
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (3, 7), (2, 2)])
+def test_activations_follow_the_schedule(p, m):
+    one_f_one_b = schedule_table("1f1b", p, m, communication=False)
+    assert [_in_flight(one_f_one_b[r]) for r in range(p)] == [min(p - r, m) for r in range(p)]
+    gpipe = schedule_table("gpipe", p, m, communication=False)
+    assert [_in_flight(gpipe[r]) for r in range(p)] == [m] * p
+    for name, v in (("zb_h1", 1), ("interleaved_1f1b", 2)):
+        if name == "interleaved_1f1b" and m % p:
+            continue
+        table = schedule_table(name, p, m, v, communication=False)
+        assert [_in_flight(table[r]) for r in range(p)] == simulate(table).peak_live
