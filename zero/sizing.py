@@ -9,7 +9,7 @@ counts for one unit, on one rank:
 =================  ======================================================================
 params             full padded buffer (persistent unit) or the rank's shard, working dtype
 gradients          full padded buffer when full gradients are accumulated (stages 0-1, and
-                   every stage under pipeline stages today), else the shard; working dtype
+                   pipeline.keep_full_gradients), else the shard; working dtype
 master_params      the fp32 shard, 0 under fp32 (the master *is* the working shard)
 optimizer_states   per *piece* (a parameter's part of the shard, padding excluded): 4 bytes
                    per element per elementwise state (Adam's m and v) plus 4 bytes per

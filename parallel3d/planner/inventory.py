@@ -4,7 +4,8 @@
 pipeline split: in the model's order without pipeline stages (``apply._model_groups``), else in
 the order of the rank's chunks (each chunk: its blocks, then the embedding on global stage 0,
 then norm and head on the last; ``apply._stage_groups``). ``ZeroOptimizer`` then splits the
-group by (split over tp?, counted by another rank's norm?) and stage 3 groups by fetch module
+group by (split over tp?, counted by another rank's norm?), then by pipeline chunk with a tied
+copy on its own, and stage 3 groups by fetch module
 (the rank's blocks). This module reproduces that list from a meta model, for any rank, without
 a process group: tensor-parallel shapes from ``planner.local_tp``, stage contents from
 ``pipeline.stage.make_layout`` (the same partition, on the tp-local sizes, since ``apply_tp``
@@ -111,34 +112,48 @@ class ModelShapes:
 
     def _rank_params(self, tp_rank: int, pp: int, pp_rank: int, layout: StageLayout | None,
                      stage3: bool) -> RankParams:
+        chunk_of: dict[str, int] = {}
+        tied: set[str] = set()
         if pp == 1:
             ordered = list(self.params)
             blocks = list(range(len(self.block_params)))
             duplicates: set[str] = set()
         else:
-            ordered, blocks, duplicates = self._stage_params(layout, pp_rank)
+            ordered, blocks, duplicates, chunk_of, tied = self._stage_params(layout, pp_rank)
         duplicates |= {p.name for p in ordered if p.replicas > 1 and tp_rank % p.replicas}
-        groups = tuple(tuple(p for p in ordered if (p.sharded, p.name in duplicates) == kind)
-                       for kind in ((False, False), (True, False), (False, True), (True, True)))
+        groups = []
+        for kind in ((False, False), (True, False), (False, True), (True, True)):
+            # ZeroOptimizer's unit boundaries: never across chunks, a tied copy on its own
+            parts: dict[tuple, list[Param]] = {}
+            for p in ordered:
+                if (p.sharded, p.name in duplicates) == kind:
+                    parts.setdefault((chunk_of.get(p.name, 0), p.name if p.name in tied else None), []).append(p)
+            groups += [tuple(part) for part in parts.values()]
         modules = tuple(tuple(self.block_params[b]) for b in blocks) if stage3 else ()
-        return RankParams(tuple(g for g in groups if g), modules)
+        return RankParams(tuple(groups), modules)
 
-    def _stage_params(self, layout: StageLayout, rank: int) -> tuple[list[Param], list[int], set[str]]:
-        """The rank's parameters in chunk order, its blocks, and the tied copies it does not count."""
+    def _stage_params(self, layout: StageLayout,
+                      rank: int) -> tuple[list[Param], list[int], set[str], dict[str, int], set[str]]:
+        """The rank's parameters in chunk order, its blocks, the tied copies it does not count, each
+        parameter's chunk and the tied copies (shared with another pipeline rank)."""
         last = layout.total_stages - 1
         stages = [layout.stage_of(rank, c) for c in range(layout.virtual_stages)]
         ordered: list[Param] = []
-        for stage in stages:
-            for b in layout.block_range(stage):
-                ordered += self.block_params[b]
-            ordered += self.first if stage == 0 else []
-            ordered += self.last if stage == last else []
+        chunk_of: dict[str, int] = {}
+        for chunk, stage in enumerate(stages):
+            held = [p for b in layout.block_range(stage) for p in self.block_params[b]]
+            held += self.first if stage == 0 else []
+            held += self.last if stage == last else []
+            ordered += held
+            chunk_of.update((p.name, chunk) for p in held)
         seen: set[str] = set()
         ordered = [p for p in ordered if not (p.name in seen or seen.add(p.name))]
         blocks = sorted(b for s in stages for b in layout.block_range(s))
         holders = {0: layout.rank_of(0), last: layout.rank_of(last)}
-        duplicates = set()
-        if holders[0] != holders[last] and rank == holders[last]:
-            first_names = {p.name for p in self.first}
-            duplicates = {p.name for p in self.last if p.name in first_names}
-        return ordered, blocks, duplicates
+        duplicates: set[str] = set()
+        tied: set[str] = set()
+        if holders[0] != holders[last] and rank in holders.values():
+            tied = {p.name for p in self.first} & {p.name for p in self.last}
+            if rank == holders[last]:
+                duplicates = set(tied)
+        return ordered, blocks, duplicates, chunk_of, tied

@@ -28,6 +28,7 @@ from torch import nn
 from models.anatomy import fetch_unit_modules
 from models.tp_plans import TPPlanError, resolve_tp_plan
 from parallel3d.errors import ConfigError
+from parallel3d.tensor_parallel.experts import expert_specs
 from parallel3d.tensor_parallel.heads import head_layout, kv_projections, localize_head_counts
 from parallel3d.tensor_parallel.layers import _linear_parts, _matmul
 from parallel3d.tensor_parallel.regions import find_left_behind, split_params
@@ -221,13 +222,15 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
         vocab = model.get_input_embeddings().weight.shape[0]
         return LocalTP(1, specs, log, vocab)
     try:
-        plan = resolve_tp_plan(model)
+        plan = resolve_tp_plan(model, world)
     except TPPlanError as exc:
         raise ConfigError(str(exc)) from None
     layout = head_layout(model, plan, world)
     kv = dict.fromkeys(kv_projections(model, plan, layout), layout.kv_replicas) if layout else {}
     left = find_left_behind(model, plan, layout, world)
-    regions = {name.rpartition(".")[0] for name, layer in plan.layers.items() if layer.kind == "row"}
+    experts = {n: s for path, planned in sorted(plan.experts.items())
+               for n, s in expert_specs(model, path, planned, world).items()}
+    regions = plan.regions
     for name, layer in plan.layers.items():
         if layer.kind not in ("column", "row"):
             continue
@@ -237,8 +240,9 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
                            split_input=layer.split_input, seq=sequence_parallel)
         _replace(model, name, new)
         specs.update({f"{name}.{p}": s for p, s in new.specs.items()})
-    split_params(model, left.split, 0, world)
+    split_params(model, {**left.split, **experts}, 0, world)
     specs.update(left.split)
+    specs.update(experts)
     for name in plan.attention_modules:
         localize_head_counts(model.get_submodule(name), plan.divide_attrs.get(name, ()), layout, world)
     names = {id(m): n for n, m in model.named_modules()}

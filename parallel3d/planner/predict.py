@@ -10,9 +10,9 @@ Step time, for the slowest pipeline rank: the pipeline's makespan from ``pipelin
 the schedule's own table with that rank's forward and backward times per micro-batch (roofline
 per op plus its tensor-parallel collectives) and the activation transfer as p2p latency; then
 what ZeRO's data-parallel collectives leave exposed, the tied-embedding exchange and the
-optimizer step. Under pipeline stages today every gradient is reduced after the pipeline has
-drained (``defer_reduction``), so that time is all exposed (``states.full_gradients`` is the
-rule to change with issue 11 item 1).
+optimizer step. Under pipeline stages ZeRO's reductions run while the schedule goes on (a
+chunk's after its last backward pass at stages 0-1, after each pass at stages 2-3:
+``timing.dp_seconds``); stage 3's gather of the rank's stage before the schedule is exposed.
 """
 
 from __future__ import annotations

@@ -5,10 +5,8 @@ with) over the rank's parameters from ``planner.inventory``; the bytes per unit 
 ``zero.sizing.unit_state_bytes``. So the prediction equals ``memory_report()`` exactly, padding,
 straddling pieces and Adam's ``step`` scalars included (tests/test_planner_states.py).
 
-One rule here models behaviour that issue 11 (item 1) is about to change: under pipeline
-stages ZeRO accumulates *full* gradients for the whole step at every stage (``defer_reduction``,
-docs/design.md "Known limits"); :func:`full_gradients` is that rule, and the only line to edit
-when stages 2-3 reduce chunk by chunk inside the pipeline.
+Under pipeline stages ZeRO reduces a chunk's gradients after its own backward passes (stages
+2-3 keep only the shard, ``pipeline.keep_full_gradients`` aside): :func:`full_gradients`.
 """
 
 from __future__ import annotations
@@ -20,13 +18,14 @@ from parallel3d.planner.inventory import Param, RankParams
 from zero.sizing import CATEGORIES, OptimizerStateShape, UnitPlan, padded_numel, plan_units, unit_state_bytes
 
 
-def full_gradients(stage: int, pipelined: bool) -> bool:
+def full_gradients(stage: int, pipelined: bool, keep_full: bool = False) -> bool:
     """Whether ZeRO holds full (padded) gradient buffers rather than the rank's shard.
 
-    Stages 0-1 always do. Under pipeline stages every stage does today: gradients are
-    accumulated whole through the step and reduced once after the tied-embedding sum.
+    Stages 0-1 always do. Under pipeline stages stages 2-3 reduce-scatter each chunk's
+    gradients after each of its backward passes and keep the shard, unless
+    ``pipeline.keep_full_gradients`` (``keep_full``) asks for one reduction per step.
     """
-    return stage <= 1 or pipelined
+    return stage <= 1 or (pipelined and keep_full)
 
 
 @dataclass(frozen=True)

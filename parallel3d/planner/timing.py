@@ -7,10 +7,10 @@
   times (forward + backward). The search's first pass uses the schedules' closed forms instead
   (:func:`closed_form_makespan`), then simulates its best candidates.
 * **data parallel**: ZeRO's collectives over dp, unit by unit with ``comm_counter``'s payloads on
-  the dp link. Under pipeline stages every gradient is reduced once, after the pipeline drained
-  (``defer_reduction`` today), so all of it waits; without, the reduction of the window's last
-  micro-batch (stages 0-1) or of every micro-batch (2-3) overlaps that backward when
-  ``overlap_comm`` is on, and stage 3's gathers overlap the passes they serve.
+  the dp link. The reduction of the window's last micro-batch (stages 0-1; under pipeline stages
+  each chunk's after its last pass) or of every micro-batch (2-3) overlaps backward compute when
+  ``overlap_comm`` is on; stage 3's gathers overlap the passes they serve, except under
+  pipeline stages, where the rank's stage is gathered once before the schedule.
 * **tied embedding**: its gradient exchanged between the first and the last pipeline rank.
 * **optimizer**: Adam reads and writes the fp32 master, its states and the gradient, and writes
   the working copy: memory-bound, ``4 (2 states + 4) + working bytes`` per element of the shard.
@@ -88,9 +88,15 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipel
     sharded = [u for u in plan if not u.persistent]
     after_step = calls("all_gather", [u for u in plan if u.persistent]) if zero.stage >= 1 else 0.0
     reduce_op = "all_reduce" if zero.stage == 0 else "reduce_scatter"
-    if pipelined:  # once per step, after the pipeline drained; stage 3 gathers everything first
-        return calls(reduce_op, plan) + calls("all_gather", sharded) + after_step
     fwd, bwd = compute
+    if pipelined:
+        # stage 3 gathers the rank's stage once per step, before the schedule starts; stages 0-1
+        # reduce a chunk's gradients after its last backward pass, stages 2-3 reduce-scatter
+        # them after each pass, both while the schedule goes on
+        gather = calls("all_gather", sharded)
+        reduce = calls(reduce_op, plan) if full_gradients(zero.stage, True) else m * calls("reduce_scatter", plan)
+        busy = bwd if full_gradients(zero.stage, True) else m * bwd
+        return gather + (max(0.0, reduce - busy) if overlap else reduce) + after_step
     if full_gradients(zero.stage, False):  # one reduction, during the window's last backward
         reduce = calls(reduce_op, plan)
         return (max(0.0, reduce - bwd) if overlap else reduce) + after_step
