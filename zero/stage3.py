@@ -67,6 +67,7 @@ class ParamFetcher:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self._in_flight: dict[int, tuple[Pending, FlatUnit]] = {}
+        self._held: dict[int, int] = {}  # unit id -> open GatheredParameters contexts holding it
         self._order: list[int] = []  # fetch modules by first use (for prefetch)
         self._sequence: list[int] = []  # every fetch-module forward of one pass, recorded once
         self._cursor = 0
@@ -76,6 +77,12 @@ class ParamFetcher:
         for mi, (module, _) in enumerate(self.module_units if module_hooks else ()):
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mi)))
             self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, mi)))
+
+    def remove_hooks(self) -> None:
+        """Detach the gather/release hooks from the fetch modules (the engine is being destroyed)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def live_numel(self) -> int:
         gathered = sum(u.padded for _, us in self.module_units for u in us if u.is_materialized)
@@ -104,7 +111,22 @@ class ParamFetcher:
                 work, _ = self._in_flight.pop(id(unit))
                 work.wait()
                 unit.mark_materialized()
-            unit.release()
+            if id(unit) not in self._held:
+                unit.release()
+
+    def hold(self, units: Sequence[FlatUnit]) -> None:
+        """Materialize ``units`` and keep them so until ``unhold`` (module hooks do not release them)."""
+        self.gather(units)
+        for unit in units:
+            self._held[id(unit)] = self._held.get(id(unit), 0) + 1
+
+    def unhold(self, units: Sequence[FlatUnit], release: Sequence[FlatUnit]) -> None:
+        """End one ``hold`` of ``units``; release those of ``release`` that no other hold keeps."""
+        for unit in units:
+            count = self._held.pop(id(unit)) - 1
+            if count:
+                self._held[id(unit)] = count
+        self.release(release)
 
     def gather_root(self) -> None:
         self.gather(self.root_units)
