@@ -94,6 +94,8 @@ def apply_zero(
         param_persistence_threshold=z.stage3_param_persistence_threshold,
         max_live_parameters=z.stage3_max_live_parameters,
         gradient_clipping=cfg.gradient_clipping,
+        check_overflow=not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow),
+        gradient_sum=cfg.gradient_allreduce_op == "sum",
         defer_reduction=pipe is not None,
     )
     return ZeroOptimizer(

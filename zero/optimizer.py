@@ -46,6 +46,11 @@ class ZeroSettings:
     param_persistence_threshold: int = 100_000
     max_live_parameters: int = 1_000_000_000
     gradient_clipping: float = 0.0
+    check_overflow: bool = True
+    """Skip a step whose gradient norm is not finite (always under fp16; DeepSpeed's
+    ``bf16.check_grad_overflow`` turns it off for bf16)."""
+    gradient_sum: bool = False
+    """Step with the sum of the data-parallel ranks' gradients instead of their mean."""
     defer_reduction: bool = False
     """Accumulate full gradients through the whole step and reduce them once, when the caller
     says (``reduce_gradients``); stage 3 then holds its params gathered for the step. For
@@ -339,15 +344,16 @@ class ZeroOptimizer:
         Returns False when the step was skipped because the gradients overflowed.
         """
         grads = self._master_grads()
-        scale = self.loss_scaler.scale
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
+        factor = (self.dp_world if self.settings.gradient_sum else 1) / self.loss_scaler.scale
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
         clip = self.settings.gradient_clipping
+        check = self.settings.check_overflow or self.dtype == torch.float16
         overflow = False
-        if clip > 0 or self.loss_scaler.dynamic or self.dtype == torch.float16:
+        if clip > 0 or check or self.loss_scaler.dynamic:
             norm = self.global_grad_norm(grads)
             self.last_grad_norm = float(norm)
-            overflow = not torch.isfinite(norm).item()
+            overflow = check and not torch.isfinite(norm).item()
             if clip > 0 and not overflow:
                 coef = (clip / (norm + 1e-6)).clamp(max=1.0)
                 torch._foreach_mul_(grads, coef)
