@@ -110,7 +110,7 @@ class PipelineLoop:
         zero.start_backward(boundary=False)
         loss = self.executor.run(batches, loss_scale=zero.loss_scale)
         zero.reduce_gradients()
-        stepped = zero.step()
+        stepped = engine._step_applied = zero.step()
         zero.release_after_forward()
         if stepped and engine.lr_scheduler is not None:
             engine.lr_scheduler.step()

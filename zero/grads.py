@@ -248,6 +248,12 @@ class GradientReducer:
         self.start_backward(boundary=True)
         self.finish_backward()
 
+    def remove_hooks(self) -> None:
+        """Detach the gradient-readiness hooks from the parameters (the engine is being destroyed)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def zero_grad(self) -> None:
         if not self._allocated:
             return
