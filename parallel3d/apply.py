@@ -24,6 +24,7 @@ from parallel3d.meta_init import value_provider
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
+from zero.partition import parameter_leaves
 
 
 def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: Mesh3D) -> TensorParallelInfo | None:
@@ -105,7 +106,7 @@ def apply_zero(
         settings,
         dtype=dtype,
         loss_scaler=_loss_scaler(cfg),
-        fetch_modules=fetch_unit_modules(model) if z.stage == 3 else (),
+        fetch_modules=(fetch_unit_modules(model) or parameter_leaves(model)) if z.stage == 3 else (),
         model_parallel_params=tp_info.sharded_params if tp_info else (),
         model_parallel_group=mesh.group("tp") if tp_info else None,
         norm_groups=[mesh.group("pp")] if pipe else (),

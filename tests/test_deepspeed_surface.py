@@ -296,3 +296,58 @@ def bf16_overflow(check: bool) -> tuple[int, bool, bool]:
 def test_bf16_check_grad_overflow(dist):
     assert dist.run(1, bf16_overflow, True) == [(1, True, True)]  # DeepSpeed's default: skipped
     assert dist.run(1, bf16_overflow, False) == [(0, False, False)]  # applied, as DeepSpeed does
+
+
+# --- stage 3 fetch units of a model without _no_split_modules --------------------------------------
+
+
+class PlainModel(torch.nn.Module):
+    """No _no_split_modules: stage 3 gathers each Linear for its own forward; the tied pair stays whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 32 if i % 2 == 0 else 16) if i % 2 == 0
+                                          else torch.nn.Linear(32, 16) for i in range(4))
+        self.head = torch.nn.Linear(16, 16)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for i in (2, 3, 0, 1):  # not registration order
+            h = torch.relu(self.layers[i](h))
+        return torch.nn.functional.mse_loss(self.head(h), y)
+
+
+def plain_stage3(dp: int) -> dict:
+    import parallel3d
+
+    torch.manual_seed(0)
+    model = PlainModel()
+    config = ds_config(3, 1, dp, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    engine, *_ = parallel3d.initialize(model=model, config=config)
+    fetcher = engine.optimizer.fetcher
+    live = []
+    for layer in model.layers:
+        layer.register_forward_pre_hook(lambda *_: live.append(fetcher.live_numel()))  # after the gather
+    g = torch.Generator().manual_seed(7)  # the same batch on every rank: dp 2 then equals one process
+    losses = []
+    for _ in range(3):
+        loss = engine(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g))
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().clone()
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.AVG)
+        losses.append(t.item())
+    return {"losses": losses, "max_live": max(live), "total": sum(u.padded for u in engine.optimizer.units),
+            "params": engine.full_parameters()}
+
+
+def test_plain_model_stage3_gathers_one_layer_at_a_time(dist):
+    ours = dist.run(2, plain_stage3, 2)
+    (whole,) = dist.run(1, plain_stage3, 1)  # one process: nothing is sharded
+    for r in ours:
+        assert r["max_live"] == 16 * 32 + 32  # one Linear (weight and bias) at a time; the tied pair is a root unit
+        assert r["total"] > 4 * r["max_live"]
+        assert r["losses"] == pytest.approx(whole["losses"], rel=1e-6)
+        assert max_rel_param_error(r["params"], whole["params"])[0] < 1e-6

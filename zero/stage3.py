@@ -13,10 +13,10 @@ ends of the model, so gathering it once is also the cheapest.
 The execution order is recorded during the first forward and held fixed afterwards (as in
 DeepSpeed and FSDP); prefetch never holds more than ``max_live_numel`` gathered elements.
 Every gather is a collective, so all data-parallel ranks must run the same fetch modules in
-the same order: the first forward must run them in registration order (a module may run
-again), and every later forward must repeat that sequence. A rank that deviates (a block
-skipped by layer drop or early exit, say) raises ``FetchOrderError`` before it issues a
-gather that the other ranks would not match. Modules *inside* a fetch module (the experts
+the same order: the first forward checks that they agree, module by module (one small
+all-reduce each, first forward only), and every later forward must repeat that sequence. A
+rank that deviates (a block skipped by layer drop or early exit, say) raises
+``FetchOrderError`` before it issues a gather that the other ranks would not match. Modules *inside* a fetch module (the experts
 of a mixture-of-experts layer) may run or not as they like: the block is gathered whole.
 """
 
@@ -166,10 +166,8 @@ class ParamFetcher:
     def _follow_order(self, mi: int) -> None:
         """Record the first pass's sequence; check every later pass against it."""
         if self._recording:
+            self._agree(mi)
             if mi not in self._position:
-                expected = len(self._order)  # first uses must come in registration order
-                if mi != expected:
-                    self._order_error(mi, expected)
                 self._position[mi] = len(self._order)
                 self._order.append(mi)
             self._sequence.append(mi)
@@ -182,16 +180,31 @@ class ParamFetcher:
             self._order_error(mi, expected)
         self._cursor += 1
 
-    def _order_error(self, mi: int, expected: int) -> None:
+    def _agree(self, mi: int) -> None:
+        """First pass: every rank runs the same fetch module here, checked with one small all-reduce.
+
+        Later passes repeat the recorded sequence and are checked locally, without communication.
+        """
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return
+        seen = torch.tensor([mi, -mi], dtype=torch.int64, device=self.module_units[mi][1][0].device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        highest, lowest = int(seen[0]), -int(seen[1])
+        if highest != lowest:
+            self._order_error(mi, lowest if mi == highest else highest, elsewhere=True)
+
+    def _order_error(self, mi: int, expected: int, elsewhere: bool = False) -> None:
         def name(i: int) -> str:
             return f"fetch module #{i} ({type(self.module_units[i][0]).__name__})"
 
+        where = "ran on another data-parallel rank" if elsewhere else "was due"
         raise FetchOrderError(
-            f"ZeRO stage 3: {name(mi)} ran on this rank where {name(expected)} was due. Stage 3 "
+            f"ZeRO stage 3: {name(mi)} ran on this rank where {name(expected)} {where}. Stage 3 "
             "gathers each block's parameters with a collective, so every data-parallel rank must "
-            "run the same blocks in the same order (the first forward in registration order, "
-            "later forwards repeating it); a block skipped on some ranks (layer drop, early exit) "
-            "cannot be gathered in agreement. Run every block on every rank, or use ZeRO stage 2."
+            "run the same blocks in the same order (later forwards repeating the first one's); a "
+            "block skipped on some ranks (layer drop, early exit, an expert without tokens) cannot "
+            "be gathered in agreement. Run every block on every rank, name the module that holds "
+            "such blocks in the model's _no_split_modules (it is then gathered whole), or use ZeRO stage 2."
         )
 
     def _pre_forward(self, mi: int, module: nn.Module, args) -> None:
