@@ -53,7 +53,7 @@ _DS_TOP_LEVEL_UNIMPLEMENTED: dict[str, Any] = {
     # training semantics Zero3D does not offer: accepted at DeepSpeed's default only
     "managed_gradient_accumulation": True, "disable_allgather": False, "disable_python_gc": False,
     "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
-    "dataloader_drop_last": NOT_SET, "use_data_before_expert_parallelism": False, "sequence_parallel_size": 1,
+    "use_data_before_expert_parallelism": False, "sequence_parallel_size": 1,
     "vocabulary_size": None, "aio": {}, "datastates_ckpt": {},
     "compile": {}, "activation_checkpointing": NOT_SET, "weight_quantization": NOT_SET,
     "expert_parallel": NOT_SET,
@@ -86,6 +86,8 @@ class Zero3DConfig(Section):
     """Micro-batches whose gradients are summed before one optimizer step."""
     steps_per_print: PositiveInt = 10
     """Log progress every this many optimizer steps."""
+    dataloader_drop_last: bool = False
+    """The dataloader `initialize` builds from `training_data` drops a last incomplete micro-batch."""
     gradient_clipping: NonNegFloat = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off (DeepSpeed default 1.0)."""
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"

@@ -73,6 +73,9 @@ class DeepSpeedSurface:
     def steps_per_print(self) -> int:
         return self.config.steps_per_print
 
+    def dataloader_drop_last(self) -> bool:
+        return self.config.dataloader_drop_last
+
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 

@@ -123,7 +123,8 @@ def _dataloader(cfg: Zero3DConfig, mesh, training_data, collate_fn):
         return None
     sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=mesh.dp, rank=mesh.local_rank("dp"))
     return torch.utils.data.DataLoader(
-        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
     )
 
 

@@ -12,7 +12,7 @@ from tests.tiny import ds_config, make_model, max_rel_param_error, rank_micro_ba
 
 GETTERS = [
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-    "steps_per_print", "zero_optimization", "zero_optimization_stage", "zero_optimization_partition_gradients",
+    "steps_per_print", "dataloader_drop_last", "zero_optimization", "zero_optimization_stage", "zero_optimization_partition_gradients",
     "zero_optimization_partition_weights", "zero_reduce_bucket_size", "zero_allgather_bucket_size",
     "zero_overlap_comm", "zero_contiguous_gradients", "zero_reduce_scatter", "zero_allgather_partitions",
     "zero_round_robin_gradients", "zero_sub_group_size", "zero_prefetch_bucket_size",
@@ -34,6 +34,7 @@ def _getter_config(precision: str, stage: int) -> dict:
     config["optimizer"] = {"type": "Adam", "params": {"lr": 2e-3, "betas": [0.8, 0.9], "torch_adam": True}}
     config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 7, "warmup_max_lr": 2e-3}}
     config["steps_per_print"] = 77
+    config["dataloader_drop_last"] = stage == 2
     config["prescale_gradients"] = stage == 0  # DeepSpeed's ZeRO stages refuse prescaling and predivision
     config["gradient_predivide_factor"] = 2.0 if stage == 0 else 1.0
     if precision == "fp16":
@@ -351,3 +352,17 @@ def test_plain_model_stage3_gathers_one_layer_at_a_time(dist):
         assert r["total"] > 4 * r["max_live"]
         assert r["losses"] == pytest.approx(whole["losses"], rel=1e-6)
         assert max_rel_param_error(r["params"], whole["params"])[0] < 1e-6
+
+
+def dataloader_sizes(drop_last: bool) -> list[int]:
+    import parallel3d
+
+    config = {**ds_config(0, 1, 1), "dataloader_drop_last": drop_last}
+    data = torch.utils.data.TensorDataset(torch.arange(5))
+    _, _, loader, _ = parallel3d.initialize(model=make_model("llama"), config=config, training_data=data)
+    return [len(batch) for (batch,) in loader]
+
+
+def test_dataloader_drop_last(dist):
+    assert dist.run(1, dataloader_sizes, False) == [[2, 2, 1]]
+    assert dist.run(1, dataloader_sizes, True) == [[2, 2]]
