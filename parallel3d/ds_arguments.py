@@ -1,7 +1,8 @@
 """``deepspeed.initialize``'s keyword arguments, read by ``parallel3d.initialize``.
 
 So that a script moves over by changing its import, ``initialize`` takes DeepSpeed's argument
-names too: ``args`` (an argparse namespace whose ``deepspeed_config`` names the config file),
+names too: ``args`` (an argparse namespace whose ``deepspeed_config``, or the old
+``deepscale_config``, names the config file),
 ``config_params`` (the old name of ``config``), ``dist_init_required`` and
 ``distributed_port``. ``mpu`` and ``mesh_param`` (DeepSpeed's hooks for a model-parallel
 layout the script built itself) are refused: Zero3D builds its pp x dp x tp mesh from the
@@ -20,9 +21,8 @@ from parallel3d.errors import ConfigError
 
 def resolve_config(config: Any, config_params: Any, args: Any) -> Any:
     """The config source among ``config``, ``config_params`` and ``args.deepspeed_config`` (exactly one)."""
-    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
-    given = {name: value for name, value in
-             (("config", config), ("config_params", config_params), ("args.deepspeed_config", from_args))
+    from_args = [(f"args.{name}", getattr(args, name, None)) for name in ("deepspeed_config", "deepscale_config")]
+    given = {name: value for name, value in (("config", config), ("config_params", config_params), *from_args)
              if value is not None}
     if len(given) > 1:
         raise ConfigError(f"the config was given twice ({' and '.join(given)}); give it once, as config=")
