@@ -156,14 +156,16 @@ class DataTypesConfig(Section):
     paper's 2-byte gradients under mixed precision), so only that value (or unset) is accepted."""
 
 
-_OFFLOAD_KEYS = {"offload_optimizer": "optimizer states and fp32 master weights", "offload_param": "parameters"}
+_OFFLOAD_KEYS = {"offload_optimizer": "optimizer states and fp32 master weights", "offload_param": "parameters",
+                 "cpu_offload": "optimizer states and fp32 master weights",  # DeepSpeed's deprecated spellings
+                 "cpu_offload_param": "parameters"}
 
 
 class ZeroConfig(Section):
     """`zero_optimization`: which states are sharded over the data-parallel group, and how."""
 
     ds_unimplemented = {
-        "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": False,
+        "cpu_offload_use_pin_memory": False,
         "zenflow": None, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
         "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
         "mics_shard_size": NOT_SET, "mics_hierarchical_params_gather": NOT_SET, "zeropp_loco_param": NOT_SET,
@@ -226,9 +228,9 @@ class ZeroConfig(Section):
         data = dict(data)
         for key, what in _OFFLOAD_KEYS.items():
             value = data.pop(key, None)
-            if value is None or (isinstance(value, dict) and value.get("device") in (None, "none")):
+            if value in (None, False) or (isinstance(value, dict) and value.get("device") in (None, "none")):
                 continue
-            device = value.get("device") if isinstance(value, dict) else value
+            device = value.get("device") if isinstance(value, dict) else "cpu" if value is True else value
             raise key_rule(key, f"with device {show(device)}: Zero3D does not offload {what} yet; it keeps them "
                            "on the accelerator, sharded over the data-parallel ranks. Remove the key (or set "
                            'its device to "none"), and shard further instead: a higher ZeRO stage, more '

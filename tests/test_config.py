@@ -242,6 +242,8 @@ BAD_CONFIGS = [
      'zero_optimization.offload_optimizer with device "cpu": Zero3D does not offload optimizer states and fp32 master weights yet'),
     ({**MB, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, 1,
      'zero_optimization.offload_param with device "nvme": Zero3D does not offload parameters yet'),
+    ({**MB, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 1,
+     'zero_optimization.cpu_offload with device "cpu": Zero3D does not offload optimizer states'),
     ({**MB, "gradient_allreduce_op": "max"}, 1, 'gradient_allreduce_op: "max" is invalid'),
     ({**MB, "gradient_predivide_factor": 0}, 1, "gradient_predivide_factor: 0 must be > 0"),
     ({**MB, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, 1,
