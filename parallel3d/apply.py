@@ -86,6 +86,7 @@ def apply_zero(
         for p in model.parameters():
             if id(p) not in trainable and p.is_floating_point():
                 p.data = p.data.to(dtype)
+    _cast_buffers(model, cfg.data_types.buffer_dtype)
     z = cfg.zero_optimization
     settings = ZeroSettings(
         stage=z.stage,
@@ -114,6 +115,16 @@ def apply_zero(
         param_order=list(model.parameters()),
         initial_values=values,
     )
+
+
+def _cast_buffers(model: nn.Module, name: str | None) -> None:
+    """``data_types.buffer_dtype``: floating-point buffers in that dtype (unset: as they are)."""
+    if name is None:
+        return
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            buffer.data = buffer.data.to(dtype)
 
 
 def _norm_duplicates(pipe: PipelineModel | None, tp_info: TensorParallelInfo | None) -> list[nn.Parameter]:

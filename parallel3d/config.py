@@ -134,11 +134,14 @@ class Zero3DConfig(Section):
         return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
-    def _grad_accum_in_working_dtype(self) -> "Zero3DConfig":
-        wanted = self.data_types.grad_accum_dtype
-        if wanted is not None and wanted != self.precision:
-            raise problem(f"data_types.grad_accum_dtype: \"{wanted}\" with {self.precision} working params: Zero3D "
-                          f"accumulates gradients in the working precision; leave it unset or set \"{self.precision}\"")
+    def _data_types_match_precision(self) -> "Zero3DConfig":
+        why = {"grad_accum_dtype": "Zero3D accumulates gradients in the working precision",
+               "param_dtype": "the working precision is chosen by fp16.enabled / bf16.enabled"}
+        for key, reason in why.items():
+            wanted = getattr(self.data_types, key)
+            if wanted is not None and wanted != self.precision:
+                raise problem(f"data_types.{key}: \"{wanted}\" with {self.precision} working params: {reason}; "
+                              f"leave it unset or set \"{self.precision}\"")
         return self
 
     @model_validator(mode="after")

@@ -148,12 +148,37 @@ class BF16Config(Section):
     such a step (the parameters become inf/nan), as DeepSpeed does."""
 
 
-class DataTypesConfig(Section):
-    """`data_types`: DeepSpeed's dtype choices besides the working precision."""
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+                "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+                "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+"""DeepSpeed's DtypeEnum spellings -> fp32 / fp16 / bf16."""
 
-    grad_accum_dtype: Optional[Literal["fp32", "fp16", "bf16"]] = None
+
+def _dtype_name(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.lower() not in _DTYPE_NAMES:
+        raise rule("is not a dtype; must be one of fp32, fp16, bf16 (or DeepSpeed's other spellings: "
+                   "float32, float16, half, bfloat16, torch.float32, ...)")
+    return _DTYPE_NAMES[value.lower()]
+
+
+DtypeName = Annotated[Optional[str], BeforeValidator(_dtype_name)]
+
+
+class DataTypesConfig(Section):
+    """`data_types`: DeepSpeed's dtype choices besides the fp16/bf16 switch."""
+
+    ds_unimplemented = {"keep_in_fp32_modules": None}
+
+    grad_accum_dtype: DtypeName = None
     """dtype of accumulated gradients: Zero3D keeps them in the working precision (the ZeRO
     paper's 2-byte gradients under mixed precision), so only that value (or unset) is accepted."""
+    param_dtype: DtypeName = None
+    """dtype of the working params; it must match the fp16/bf16 switch (as DeepSpeed requires)."""
+    buffer_dtype: DtypeName = None
+    """Cast the model's floating-point buffers to this dtype; unset keeps them as loaded
+    (a rotary inv_freq stays fp32 under bf16), DeepSpeed's default."""
 
 
 _OFFLOAD_KEYS = {"offload_optimizer": "optimizer states and fp32 master weights", "offload_param": "parameters",

@@ -244,6 +244,10 @@ BAD_CONFIGS = [
      'zero_optimization.offload_param with device "nvme": Zero3D does not offload parameters yet'),
     ({**MB, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 1,
      'zero_optimization.cpu_offload with device "cpu": Zero3D does not offload optimizer states'),
+    ({**MB, "data_types": {"param_dtype": "half"}}, 1,
+     'data_types.param_dtype: "fp16" with fp32 working params: the working precision is chosen by fp16.enabled / '
+     'bf16.enabled; leave it unset or set "fp32"'),
+    ({**MB, "data_types": {"buffer_dtype": "int8"}}, 1, 'data_types.buffer_dtype: "int8" is not a dtype'),
     ({**MB, "gradient_allreduce_op": "max"}, 1, 'gradient_allreduce_op: "max" is invalid'),
     ({**MB, "gradient_predivide_factor": 0}, 1, "gradient_predivide_factor: 0 must be > 0"),
     ({**MB, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, 1,

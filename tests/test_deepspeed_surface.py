@@ -366,3 +366,19 @@ def dataloader_sizes(drop_last: bool) -> list[int]:
 def test_dataloader_drop_last(dist):
     assert dist.run(1, dataloader_sizes, False) == [[2, 2, 1]]
     assert dist.run(1, dataloader_sizes, True) == [[2, 2]]
+
+
+def buffer_dtypes(buffer_dtype: str | None) -> tuple[str, str]:
+    import parallel3d
+
+    config = {**ds_config(3, 1, 1), "bf16": {"enabled": True}}
+    if buffer_dtype is not None:
+        config["data_types"] = {"buffer_dtype": buffer_dtype, "param_dtype": "bfloat16"}
+    engine, *_ = parallel3d.initialize(model=make_model("llama"), config=config)
+    inv_freq = next(b for n, b in engine.module.named_buffers() if n.endswith("inv_freq"))
+    return str(inv_freq.dtype), str(next(engine.module.parameters()).dtype)
+
+
+def test_buffer_dtype(dist):
+    assert dist.run(1, buffer_dtypes, None) == [("torch.float32", "torch.bfloat16")]  # buffers kept as loaded
+    assert dist.run(1, buffer_dtypes, "bf16") == [("torch.bfloat16", "torch.bfloat16")]
