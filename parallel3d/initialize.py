@@ -23,7 +23,7 @@ from parallel3d.apply import apply_pipeline, apply_tp, apply_zero
 from parallel3d.config import Zero3DConfig, load_config
 from parallel3d.ds_arguments import check_distributed_arguments, refuse_deepspeed_partitioned, resolve_config
 from parallel3d.engine import Engine
-from parallel3d.errors import ConfigError
+from parallel3d.errors import ConfigError, UsageError
 from parallel3d.gathered import register
 from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
@@ -80,10 +80,25 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
     if optimizer is not None:
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable(param_groups), got {type(optimizer).__name__}")
     if cfg.optimizer is None:
-        raise ConfigError("no optimizer: add an 'optimizer' section to the config (type Adam, AdamW or SGD) or pass optimizer=")
+        if cfg.scheduler is not None:
+            raise ConfigError("the config has a 'scheduler' section but no 'optimizer' section and initialize() got "
+                              "no optimizer=: a learning-rate schedule needs an optimizer")
+        return ForwardOnly
     cls = _TORCH_OPTIMIZERS[cfg.optimizer.torch_optimizer_class_name()]
     kwargs = cfg.optimizer.torch_optimizer_kwargs()
     return lambda inner_groups: cls(inner_groups, **kwargs)
+
+
+class ForwardOnly(torch.optim.Optimizer):
+    """The inner optimizer of an engine built without one (DeepSpeed allows that for evaluation)."""
+
+    def __init__(self, param_groups: list[dict]) -> None:
+        super().__init__(param_groups, {})
+
+    def step(self, closure=None):
+        raise UsageError("this engine was built without an optimizer (the config has no 'optimizer' section and "
+                         "initialize() got no optimizer=), so it runs forward passes and eval_batch only; add an "
+                         "'optimizer' section (type Adam, AdamW or SGD) or pass optimizer= to train")
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, inner_groups: list[dict]) -> torch.optim.Optimizer:

@@ -382,3 +382,25 @@ def buffer_dtypes(buffer_dtype: str | None) -> tuple[str, str]:
 def test_buffer_dtype(dist):
     assert dist.run(1, buffer_dtypes, None) == [("torch.float32", "torch.bfloat16")]  # buffers kept as loaded
     assert dist.run(1, buffer_dtypes, "bf16") == [("torch.bfloat16", "torch.bfloat16")]
+
+
+def without_optimizer() -> tuple[float, str]:
+    import parallel3d
+
+    config = ds_config(3, 1, 1)
+    del config["optimizer"]
+    engine, *_ = parallel3d.initialize(model=make_model("llama"), config=config)
+    loss = engine.eval_batch(iter(rank_micro_batches(token_batches(1, 1, 1), 0)))
+    batch = rank_micro_batches(token_batches(1, 1, 1), 0)[0]
+    engine.backward(engine(**batch).loss)
+    try:
+        engine.step()
+    except parallel3d.UsageError as err:
+        return loss, str(err)
+    return loss, "no error"
+
+
+def test_engine_without_optimizer_evaluates_and_refuses_to_step(dist):
+    ((loss, message),) = dist.run(1, without_optimizer)
+    assert loss > 0
+    assert message.startswith("this engine was built without an optimizer")

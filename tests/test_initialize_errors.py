@@ -95,9 +95,10 @@ CASES = {
     "negative_clipping": (
         lambda: dict(model=_model(), config=_cfg(gradient_clipping=-1)),
         "gradient_clipping: -1 must be >= 0"),
-    "missing_optimizer": (
-        lambda: dict(model=_model(), config=_no_optimizer()),
-        "no optimizer: add an 'optimizer' section to the config (type Adam, AdamW or SGD) or pass optimizer="),
+    "scheduler_without_optimizer": (
+        lambda: dict(model=_model(), config={**_no_optimizer(), "scheduler": {"type": "WarmupLR"}}),
+        "the config has a 'scheduler' section but no 'optimizer' section and initialize() got no optimizer=: a "
+        "learning-rate schedule needs an optimizer"),
     "optimizer_wrong_type": (
         lambda: dict(model=_model(), config=_no_optimizer(), optimizer=42),
         "optimizer must be a torch.optim.Optimizer or a callable(param_groups), got int"),
