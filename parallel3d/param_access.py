@@ -9,9 +9,10 @@ outside ZeRO.
   parameter); setters take the whole value, the same on every rank, and communicate nothing.
 * A parameter is the one this rank's model holds: under tensor parallelism its tp shard.
 * ``safe_get_full_grad`` is the gradient the next ``engine.step()`` uses: after the backward
-  that ends an accumulation window, reduced over data parallelism, fp32, with the fp16 loss
-  scale divided out (DeepSpeed's still carries the scale); None outside that window or for a
-  parameter no rank gave a gradient. ``safe_set_full_grad`` takes an unscaled gradient.
+  that ends an accumulation window, reduced over data parallelism, in the working precision
+  (as DeepSpeed's); under fp16 in fp32 with the loss scale divided out (DeepSpeed's is fp16 and
+  still carries the scale). None outside that window or for a parameter no rank gave a
+  gradient. ``safe_set_full_grad`` takes an unscaled gradient.
 * Optimizer states are the inner ``torch.optim`` optimizer's elementwise ones (``exp_avg``,
   ``exp_avg_sq``, ``momentum_buffer``); they exist after the first step.
 """
@@ -50,7 +51,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
-    """The reduced, unscaled fp32 gradient of ``param``, whole (a collective over data parallelism)."""
+    """The reduced, unscaled gradient of ``param``, whole (a collective over data parallelism)."""
     return _call(full_state.full_grad, param)
 
 

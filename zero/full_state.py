@@ -8,8 +8,9 @@ owns and an all-gather of the unit-sized buffer assembles the whole. Each writer
 whole value (the same on every rank) and keeps this rank's slice; it communicates nothing.
 
 Gradients are the ones the optimizer will step with: after the backward that ends an
-accumulation window and before ``step``, reduced over data parallelism, in fp32 and with
-the fp16 loss scale divided out (DeepSpeed returns them still multiplied by the scale).
+accumulation window and before ``step``, reduced over data parallelism, in the working
+precision; under fp16 in fp32 with the loss scale divided out (DeepSpeed returns them in fp16,
+still multiplied by the scale).
 """
 
 from __future__ import annotations
@@ -89,7 +90,11 @@ def _grad_shard(optimizer: ZeroOptimizer, unit: FlatUnit) -> torch.Tensor | None
 
 
 def full_grad(optimizer: ZeroOptimizer, param: nn.Parameter) -> torch.Tensor | None:
-    """The reduced, unscaled fp32 gradient of ``param``, whole; None when it got none in this window."""
+    """The reduced, unscaled gradient of ``param``, whole; None when it got none in this window.
+
+    In the dtype gradients accumulate in (the working precision, as DeepSpeed returns it), except
+    under fp16, where dividing out the loss scale could underflow: fp32 there.
+    """
     unit, index = locate(optimizer, param)
     received = optimizer.reducer.received[optimizer.units.index(unit)][index]
     if optimizer.dp_world > 1:  # a param may get a gradient on some ranks only
@@ -99,7 +104,9 @@ def full_grad(optimizer: ZeroOptimizer, param: nn.Parameter) -> torch.Tensor | N
     shard = _grad_shard(optimizer, unit)
     if not received or shard is None:
         return None
-    return _assemble(optimizer, unit, index, shard.float() / optimizer.loss_scale)
+    if unit.dtype == torch.float16:
+        return _assemble(optimizer, unit, index, shard.float() / optimizer.loss_scale)
+    return _assemble(optimizer, unit, index, shard)
 
 
 def set_full_grad(optimizer: ZeroOptimizer, param: nn.Parameter, value: torch.Tensor) -> None:
