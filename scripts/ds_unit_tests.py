@@ -198,12 +198,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="where tests, baselines and results are kept")
     parser.add_argument("--files", nargs="*", help="only these test files (relative to tests/)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one test may take")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="CPU 'devices' DeepSpeed's harness may use (its LOCAL_SIZE): by default it counts NUMA "
+                             "nodes and skips tests of larger world sizes; 2 or 4 runs those too (slower)")
     parser.add_argument("--baseline-only", action="store_true", help="stop after the DeepSpeed baseline")
     parser.add_argument("--report", help="also write the results as JSON here")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    work = Path(opts.work).expanduser() / opts.rev
+    work = Path(opts.work).expanduser() / opts.rev / (f"ranks{opts.ranks}" if opts.ranks else "")
+    if opts.ranks:
+        os.environ["LOCAL_SIZE"] = str(opts.ranks)
     tests = obtain_tests(Path(opts.work).expanduser(), opts.rev, opts.archive, opts.git_dir)
     files = opts.files or select_files(tests)
     subset = baseline(tests, files, work, opts.timeout, opts.pytest_args)
