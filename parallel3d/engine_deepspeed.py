@@ -50,6 +50,8 @@ class DeepSpeedSurface:
     optimizer: ZeroOptimizer
     mesh: Mesh3D
     module: torch.nn.Module
+    client_optimizer: torch.optim.Optimizer | None
+    _step_applied: bool
 
     # -- attribute forwarding ------------------------------------------------------------
 
@@ -86,7 +88,7 @@ class DeepSpeedSurface:
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step updated the parameters (False after an fp16 overflow)."""
-        return getattr(self, "_step_applied", False)
+        return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step (before clipping), or None before the first one."""
@@ -101,9 +103,8 @@ class DeepSpeedSurface:
 
     def optimizer_name(self) -> str | None:
         """The client optimizer's class name, else the config's type (lower case, as DeepSpeed keeps it)."""
-        client = getattr(self, "client_optimizer", None)
-        if client is not None:
-            return type(client).__name__
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
         return self.config.optimizer.type.lower() if self.config.optimizer is not None else None
 
     def optimizer_params(self) -> dict | None:
