@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import checkpoint
-from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface, KeptState, checkpoint_arguments
+from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface
+from parallel3d.partial_load import KeptState, checkpoint_arguments
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.mesh import Mesh3D
 from parallel3d.pipeline.stage import PipelineModel
