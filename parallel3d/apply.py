@@ -24,6 +24,7 @@ from parallel3d.meta_init import value_provider
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
+from zero.partition import parameter_leaves
 
 
 def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: Mesh3D) -> TensorParallelInfo | None:
@@ -85,6 +86,7 @@ def apply_zero(
         for p in model.parameters():
             if id(p) not in trainable and p.is_floating_point():
                 p.data = p.data.to(dtype)
+    _cast_buffers(model, cfg.data_types.buffer_dtype)
     z = cfg.zero_optimization
     settings = ZeroSettings(
         stage=z.stage,
@@ -96,6 +98,8 @@ def apply_zero(
         gradient_clipping=cfg.gradient_clipping,
         pipelined=pipe is not None,
         keep_full_gradients=cfg.pipeline.keep_full_gradients,
+        check_overflow=not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow),
+        gradient_sum=cfg.gradient_allreduce_op == "sum",
     )
     return ZeroOptimizer(
         groups,
@@ -104,7 +108,7 @@ def apply_zero(
         settings,
         dtype=dtype,
         loss_scaler=_loss_scaler(cfg),
-        fetch_modules=fetch_unit_modules(model) if z.stage == 3 else (),
+        fetch_modules=(fetch_unit_modules(model) or parameter_leaves(model)) if z.stage == 3 else (),
         model_parallel_params=tp_info.sharded_params if tp_info else (),
         model_parallel_group=mesh.group("tp") if tp_info else None,
         norm_groups=[mesh.group("pp")] if pipe else (),
@@ -114,6 +118,16 @@ def apply_zero(
         chunk_of={p: ci for ci, chunk in enumerate(pipe.chunks) for p in chunk.parameters()} if pipe else None,
         isolated_params=[t.param for t in pipe.tied] if pipe else (),
     )
+
+
+def _cast_buffers(model: nn.Module, name: str | None) -> None:
+    """``data_types.buffer_dtype``: floating-point buffers in that dtype (unset: as they are)."""
+    if name is None:
+        return
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+    for buffer in model.buffers():
+        if buffer.is_floating_point():
+            buffer.data = buffer.data.to(dtype)
 
 
 def _norm_duplicates(pipe: PipelineModel | None, tp_info: TensorParallelInfo | None) -> list[nn.Parameter]:

@@ -125,9 +125,10 @@ def _chunks_to_save(engine) -> list[Chunk]:
     return chunks
 
 
-def _chunks_to_load(engine, metadata, manifest: dict) -> tuple[list[Chunk], list[dict]]:
-    """Chunks that load into the masters in place and into fresh optimizer states (returned per piece)."""
-    saved_states = _state_index(metadata, manifest)
+def _chunks_to_load(engine, metadata, manifest: dict, optimizer_states: bool) -> tuple[list[Chunk], list[dict]]:
+    """Chunks that load into the masters in place and into the optimizer states (returned per piece;
+    none without ``optimizer_states``)."""
+    saved_states = _state_index(metadata, manifest) if optimizer_states else {}
     chunks: list[Chunk] = []
     states = []
     current = engine.optimizer.piece_states()
@@ -462,8 +463,12 @@ def _names_everywhere(engine) -> set[str]:
     return {n for names in every for n in names}
 
 
-def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[str, dict]:
+def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
+         optimizer_states: bool = True) -> tuple[str, dict]:
     """Restore ``engine`` from ``load_dir``, whatever layout wrote it; returns the path and client state.
+
+    Without ``optimizer_states`` the optimizer is left as it is (its states, group options, loss
+    scaler and skip count); the states are not read.
 
     Every rank reads the JSON and checks the model first; the ranks agree (one all-reduce)
     before DCP reads any tensor, so a checkpoint unfit on one rank stops all of them with a
@@ -484,12 +489,13 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None) -> tuple[s
     if extra := sorted(saved - _names_everywhere(engine)):
         raise ConfigError(f"checkpoint {path} holds parameters this model lacks ({', '.join(extra[:5])}"
                           f"{', ...' if len(extra) > 5 else ''}): it was written for another model")
-    chunks, states = _chunks_to_load(engine, metadata, manifest)
+    chunks, states = _chunks_to_load(engine, metadata, manifest, optimizer_states)
     with torch.no_grad():
         load_chunks(path, chunks, None)
     zero = engine.optimizer
-    zero.set_piece_states(states)
-    zero.load_extra_state(decode_value(manifest["optimizer"]))
+    if optimizer_states:
+        zero.set_piece_states(states)
+        zero.load_extra_state(decode_value(manifest["optimizer"]))
     zero.publish_params()
     if engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(decode_value(manifest["lr_scheduler"]))

@@ -22,14 +22,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import yaml
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from parallel3d.config_sections import (
-    NOT_SET, BF16Config, CheckpointConfig, FP16Config, NonNegFloat, OptimizerConfig, PipelineConfig, PositiveInt,
-    SchedulerConfig, Section, TensorParallelConfig, ZeroConfig, describe_validation_error, disabled_block,
+    NOT_SET, BF16Config, CheckpointConfig, DataTypesConfig, FP16Config, NonNegFloat, OptimizerConfig, PipelineConfig,
+    PositiveFloat, PositiveInt, SchedulerConfig, Section, TensorParallelConfig, ZeroConfig, describe_validation_error, disabled_block,
     problem)
 from parallel3d.errors import ConfigError
 
@@ -51,11 +51,10 @@ IGNORED_KEYS: dict[str, str] = {
 
 _DS_TOP_LEVEL_UNIMPLEMENTED: dict[str, Any] = {
     # training semantics Zero3D does not offer: accepted at DeepSpeed's default only
-    "managed_gradient_accumulation": True, "prescale_gradients": False, "gradient_predivide_factor": 1.0,
-    "gradient_allreduce_op": "mean", "disable_allgather": False, "disable_python_gc": False,
+    "managed_gradient_accumulation": True, "disable_allgather": False, "disable_python_gc": False,
     "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
-    "dataloader_drop_last": NOT_SET, "use_data_before_expert_parallelism": False, "sequence_parallel_size": 1,
-    "vocabulary_size": None, "data_types": {}, "aio": {}, "datastates_ckpt": {},
+    "use_data_before_expert_parallelism": False, "sequence_parallel_size": 1,
+    "vocabulary_size": None, "aio": {}, "datastates_ckpt": {},
     "compile": {}, "activation_checkpointing": NOT_SET, "weight_quantization": NOT_SET,
     "expert_parallel": NOT_SET,
     # feature blocks with an `enabled` switch: accepted while switched off
@@ -87,8 +86,22 @@ class Zero3DConfig(Section):
     """Micro-batches whose gradients are summed before one optimizer step."""
     steps_per_print: PositiveInt = 10
     """Log progress every this many optimizer steps."""
+    dataloader_drop_last: bool = False
+    """The dataloader `initialize` builds from `training_data` drops a last incomplete micro-batch."""
     gradient_clipping: NonNegFloat = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off (DeepSpeed default 1.0)."""
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    """How gradients are combined over data-parallel ranks: their mean, or (DeepSpeed's "sum") their
+    sum, which is the mean times the data-parallel size (upper case is read too)."""
+    prescale_gradients: bool = False
+    """DeepSpeed divides gradients by the data-parallel size before its sum rather than after.
+    Zero3D averages with one ReduceOp.AVG collective either way: the same mean, rounded in the
+    collective; the value is kept for `engine.postscale_gradients()`."""
+    gradient_predivide_factor: PositiveFloat = 1.0
+    """DeepSpeed's split of that division (before / after the sum); like prescale_gradients it
+    moves rounding only, and Zero3D's AVG collective gives the same mean for every value."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """`data_types.grad_accum_dtype`: the dtype gradients accumulate in."""
     optimizer: Optional[OptimizerConfig] = None
     """The optimizer to build; unset means the caller passes one to initialize()."""
     scheduler: Optional[SchedulerConfig] = None
@@ -113,6 +126,22 @@ class Zero3DConfig(Section):
     def _one_precision(self) -> "Zero3DConfig":
         if self.fp16.enabled and self.bf16.enabled:
             raise problem("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return self
+
+    @field_validator("gradient_allreduce_op", mode="before")
+    @classmethod
+    def _lower_case_op(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _data_types_match_precision(self) -> "Zero3DConfig":
+        why = {"grad_accum_dtype": "Zero3D accumulates gradients in the working precision",
+               "param_dtype": "the working precision is chosen by fp16.enabled / bf16.enabled"}
+        for key, reason in why.items():
+            wanted = getattr(self.data_types, key)
+            if wanted is not None and wanted != self.precision:
+                raise problem(f"data_types.{key}: \"{wanted}\" with {self.precision} working params: {reason}; "
+                              f"leave it unset or set \"{self.precision}\"")
         return self
 
     @model_validator(mode="after")

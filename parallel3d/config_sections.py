@@ -138,20 +138,59 @@ class FP16Config(Section):
 class BF16Config(Section):
     """`bf16` (DeepSpeed also reads the old name `bfloat16`): bfloat16 working weights."""
 
-    ds_unimplemented = {"immediate_grad_update": False, "check_grad_overflow": True, "check_overflow": False,
+    ds_unimplemented = {"immediate_grad_update": False, "check_overflow": False,
                         "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False}
 
     enabled: bool = False
     """Train with bfloat16 working params and an fp32 master copy (no loss scaling)."""
+    check_grad_overflow: bool = True
+    """Skip an optimizer step whose gradients hold inf or nan (DeepSpeed's default). False applies
+    such a step (the parameters become inf/nan), as DeepSpeed does."""
+
+
+_DTYPE_NAMES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+                "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+                "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16"}
+"""DeepSpeed's DtypeEnum spellings -> fp32 / fp16 / bf16."""
+
+
+def _dtype_name(value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.lower() not in _DTYPE_NAMES:
+        raise rule("is not a dtype; must be one of fp32, fp16, bf16 (or DeepSpeed's other spellings: "
+                   "float32, float16, half, bfloat16, torch.float32, ...)")
+    return _DTYPE_NAMES[value.lower()]
+
+
+DtypeName = Annotated[Optional[str], BeforeValidator(_dtype_name)]
+
+
+class DataTypesConfig(Section):
+    """`data_types`: DeepSpeed's dtype choices besides the fp16/bf16 switch."""
+
+    ds_unimplemented = {"keep_in_fp32_modules": None}
+
+    grad_accum_dtype: DtypeName = None
+    """dtype of accumulated gradients: Zero3D keeps them in the working precision (the ZeRO
+    paper's 2-byte gradients under mixed precision), so only that value (or unset) is accepted."""
+    param_dtype: DtypeName = None
+    """dtype of the working params; it must match the fp16/bf16 switch (as DeepSpeed requires)."""
+    buffer_dtype: DtypeName = None
+    """Cast the model's floating-point buffers to this dtype; unset keeps them as loaded
+    (a rotary inv_freq stays fp32 under bf16), DeepSpeed's default."""
+
+
+_OFFLOAD_KEYS = {"offload_optimizer": "optimizer states and fp32 master weights", "offload_param": "parameters",
+                 "cpu_offload": "optimizer states and fp32 master weights",  # DeepSpeed's deprecated spellings
+                 "cpu_offload_param": "parameters"}
 
 
 class ZeroConfig(Section):
     """`zero_optimization`: which states are sharded over the data-parallel group, and how."""
 
     ds_unimplemented = {
-        "offload_optimizer": lambda v: v is None or (isinstance(v, dict) and v.get("device") in (None, "none")),
-        "offload_param": lambda v: v is None or (isinstance(v, dict) and v.get("device") in (None, "none")),
-        "cpu_offload": False, "cpu_offload_param": False, "cpu_offload_use_pin_memory": False,
+        "cpu_offload_use_pin_memory": False,
         "zenflow": None, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
         "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
         "mics_shard_size": NOT_SET, "mics_hierarchical_params_gather": NOT_SET, "zeropp_loco_param": NOT_SET,
@@ -200,6 +239,28 @@ class ZeroConfig(Section):
     """Stage 3: keep a gathered param if it is reused within this many elements."""
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Stage 3: gather full 16-bit weights when the model is saved."""
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        return [*super().known_keys(), *_OFFLOAD_KEYS]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_offload(cls, data: Any) -> Any:
+        """offload_optimizer / offload_param: accepted only while off (no device, or "none")."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key, what in _OFFLOAD_KEYS.items():
+            value = data.pop(key, None)
+            if value in (None, False) or (isinstance(value, dict) and value.get("device") in (None, "none")):
+                continue
+            device = value.get("device") if isinstance(value, dict) else "cpu" if value is True else value
+            raise key_rule(key, f"with device {show(device)}: Zero3D does not offload {what} yet; it keeps them "
+                           "on the accelerator, sharded over the data-parallel ranks. Remove the key (or set "
+                           'its device to "none"), and shard further instead: a higher ZeRO stage, more '
+                           "data-parallel ranks, tensor_parallel.size or pipeline.stages")
+        return data
 
     @field_validator("stage", mode="after")
     @classmethod
@@ -450,17 +511,64 @@ class WarmupCosineLRParams(Section):
     """Warmup curve: "log" or "linear"."""
 
 
+NonNegFloatOrList = Union[NonNegFloat, list[NonNegFloat]]
+
+
+class OneCycleParams(Section):
+    """`scheduler.params` of OneCycle: one lr triangle (momentum the other way), then decay."""
+
+    cycle_min_lr: NonNegFloatOrList
+    """Lower lr of the cycle (one value, or one per param group)."""
+    cycle_max_lr: NonNegFloatOrList
+    """Upper lr of the cycle."""
+    decay_lr_rate: NonNegFloat = 0.0
+    """After the cycle: lr = cycle_min_lr / (1 + decay_lr_rate * steps / decay_step_size)."""
+    cycle_first_step_size: PositiveInt = 2000
+    """Steps of the rising half."""
+    cycle_second_step_size: Optional[NonNegInt] = None
+    """Steps of the falling half (unset: as the rising one)."""
+    cycle_first_stair_count: NonNegInt = 0
+    """Stairs of the rising half (0: continuous)."""
+    cycle_second_stair_count: Optional[NonNegInt] = None
+    """Stairs of the falling half (unset: as the rising one)."""
+    decay_step_size: NonNegInt = 0
+    """Steps per decay interval after the cycle (0: no decay)."""
+    cycle_momentum: bool = True
+    """Cycle the first beta inversely to the lr (optimizers with betas)."""
+    cycle_min_mom: NonNegFloatOrList = 0.8
+    """Lower first beta."""
+    cycle_max_mom: NonNegFloatOrList = 0.9
+    """Upper first beta."""
+    decay_mom_rate: NonNegFloat = 0.0
+    """After the cycle: beta = cycle_max_mom * (1 + decay_mom_rate * steps / decay_step_size)."""
+
+
+class LRRangeTestParams(Section):
+    """`scheduler.params` of LRRangeTest: lr = min_lr * (1 + step_rate * steps / step_size)."""
+
+    lr_range_test_min_lr: NonNegFloatOrList = 0.001
+    """lr at the start."""
+    lr_range_test_step_size: PositiveInt = 2000
+    """Steps per increase interval."""
+    lr_range_test_step_rate: NonNegFloat = 1.0
+    """Increase per interval."""
+    lr_range_test_staircase: bool = False
+    """Increase in stairs instead of continuously."""
+
+
 SCHEDULER_PARAMS: dict[str, type[Section]] = {
-    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams}
+    "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams,
+    "OneCycle": OneCycleParams, "LRRangeTest": LRRangeTestParams}
 
 
 class SchedulerConfig(Section):
     """`scheduler`: one of DeepSpeed's warmup schedules, stepped once per optimizer step."""
 
     type: str
-    """WarmupLR, WarmupDecayLR or WarmupCosineLR (OneCycle and LRRangeTest are not implemented)."""
+    """WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest."""
     params: dict[str, Any] = {}
-    """The schedule's parameters; see WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams."""
+    """The schedule's parameters; see WarmupLRParams, WarmupDecayLRParams, WarmupCosineLRParams,
+    OneCycleParams, LRRangeTestParams."""
 
     @field_validator("type", mode="before")
     @classmethod
@@ -468,10 +576,7 @@ class SchedulerConfig(Section):
         names = {n.lower(): n for n in SCHEDULER_PARAMS}
         if isinstance(value, str) and value.lower() in names:
             return names[value.lower()]
-        if value in ("OneCycle", "LRRangeTest"):
-            raise rule("is a DeepSpeed scheduler Zero3D does not implement yet; "
-                       "use one of WarmupLR, WarmupDecayLR, WarmupCosineLR")
-        raise rule("is not allowed; must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR")
+        raise rule(f"is not allowed; must be one of {', '.join(SCHEDULER_PARAMS)}")
 
     @model_validator(mode="after")
     def _check_params(self) -> "SchedulerConfig":

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import checkpoint
+from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface
+from parallel3d.partial_load import KeptState, checkpoint_arguments
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.mesh import Mesh3D
 from parallel3d.pipeline.stage import PipelineModel
@@ -25,12 +27,14 @@ from zero import ZeroOptimizer
 logger = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(DeepSpeedSurface):
     """Wraps a model and its ZeRO optimizer; one instance per rank.
 
     ``train_batch`` runs a whole ``gradient_accumulation_steps`` window on every layout. Without
     pipeline stages the model can also be called directly: ``engine(batch)``, ``backward``
     then ``step`` every micro-batch (the optimizer steps at the end of each window).
+    DeepSpeed's engine getters, ``destroy`` and attribute forwarding to ``module`` come from
+    ``DeepSpeedSurface`` (parallel3d/engine_deepspeed.py).
     """
 
     def __init__(
@@ -42,18 +46,21 @@ class Engine:
         lr_scheduler=None,
         tp_info=None,
         pipe: PipelineModel | None = None,
+        client_optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         self.module = module
+        self.client_optimizer = client_optimizer
         self.config = config
         self.mesh = mesh
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.tp_info = tp_info
-        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.gradient_accumulation_steps = CallableInt(config.gradient_accumulation_steps)  # also DeepSpeed's getter
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
         self.device = mesh.device
+        self._step_applied = False  # whether the last optimizer step updated the parameters
         self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
@@ -83,15 +90,23 @@ class Engine:
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); returns the divided loss.
+
+        DeepSpeed's order of operations, so that fp16 overflows the same way: the loss is
+        divided by the accumulation steps in its own dtype first, then multiplied by the loss
+        scale (multiplying once by scale / steps would let a scale of 2**16 through where
+        DeepSpeed's gradient overflows). ``scale_wrt_gas=False`` skips the division.
+        """
         self._per_micro_batch_call("backward")
         if self._backward_pending:
             raise UsageError("engine.backward() was called twice for one micro-batch; call engine.step() "
                              "after each engine.backward() (the loop is engine(batch) -> backward(loss) -> step())")
-        scale = self.optimizer.loss_scale / self.gradient_accumulation_steps
+        if scale_wrt_gas:
+            loss = loss / self.gradient_accumulation_steps
+        scale = self.optimizer.loss_scale
         self.optimizer.start_backward(self.is_gradient_accumulation_boundary())
-        (loss * scale).backward()
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.optimizer.finish_backward()
         self._backward_pending = True
         return loss
@@ -104,7 +119,7 @@ class Engine:
                              "engine(batch) -> engine.backward(loss) -> engine.step()")
         self._backward_pending = False
         if self.is_gradient_accumulation_boundary():
-            stepped = self.optimizer.step()
+            stepped = self._step_applied = self.optimizer.step()
             if stepped and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1
@@ -213,13 +228,17 @@ class Engine:
                     full[name] = spec.unshard(shards)
         return full
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None) -> str:
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Save the training state under ``save_dir/tag`` (default ``global_step{N}``); collective.
 
         Mesh-free: every tensor under its Hugging Face name and full shape (parallel3d/checkpoint.py).
         ``client_state`` (None, bool, int, float, str, lists, dicts with string keys, tensors) is
         stored as rank 0 passes it and handed back by ``load_checkpoint``. Returns the tag.
+        Frozen parameters are never written (they come from the model the loading script builds),
+        so ``exclude_frozen_parameters`` is accepted with either value; ``save_latest`` must be True.
         """
+        checkpoint_arguments(save_latest=save_latest)
         if self.micro_steps % self.gradient_accumulation_steps:
             raise ConfigError(
                 f"save_checkpoint in the middle of a gradient accumulation window (micro-step "
@@ -254,11 +273,21 @@ class Engine:
         if done.item():
             self.wait_for_checkpoint()
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> tuple[str, dict]:
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None) -> tuple[str, dict]:
         """Restore the state written by ``save_checkpoint`` on any layout, ZeRO stage and world size.
 
         Returns ``(checkpoint_path, client_state)`` like DeepSpeed (``client_state`` as rank 0
-        saved it).
+        saved it). As in DeepSpeed, ``load_optimizer_states=False`` loads the weights but keeps
+        the optimizer's states, options and loss scaler; ``load_lr_scheduler_states=False`` keeps
+        the LR scheduler; ``load_module_only=True`` loads the weights alone (step counters and
+        RNG states stay as well).
         """
+        checkpoint_arguments(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
         self.wait_for_checkpoint()
-        return checkpoint.load(self, load_dir, tag)
+        kept = KeptState(self, scheduler=load_module_only or not load_lr_scheduler_states, training=load_module_only)
+        path, client_state = checkpoint.load(self, load_dir, tag,
+                                             optimizer_states=load_optimizer_states and not load_module_only)
+        kept.restore()
+        return path, client_state

@@ -21,8 +21,10 @@ from torch import nn
 
 from parallel3d.apply import apply_pipeline, apply_tp, apply_zero
 from parallel3d.config import Zero3DConfig, load_config
+from parallel3d.ds_arguments import check_distributed_arguments, refuse_deepspeed_partitioned, resolve_config
 from parallel3d.engine import Engine
-from parallel3d.errors import ConfigError
+from parallel3d.errors import ConfigError, UsageError
+from parallel3d.gathered import register
 from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
@@ -60,9 +62,13 @@ def _param_groups(model: nn.Module, model_parameters: Iterable | None) -> list[d
 
 
 def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) -> Callable[[list[dict]], torch.optim.Optimizer]:
-    """How to build the inner optimizer over master shards: from the argument or the config."""
+    """How to build the inner optimizer over master shards: from the argument or the config.
+
+    An optimizer passed to initialize() wins over the config's 'optimizer' section, as in DeepSpeed.
+    """
     if optimizer is not None and cfg.optimizer is not None:
-        raise ConfigError("an optimizer was passed to initialize() and the config has an 'optimizer' section; give one")
+        logger.info("initialize() got an optimizer and the config an 'optimizer' section: using the one passed "
+                    "(as DeepSpeed does)")
     if isinstance(optimizer, torch.optim.Optimizer):
         # Like DeepSpeed, reuse the client's optimizer object over the master shards, so an
         # lr scheduler the user built on it keeps driving the lr that is used.
@@ -75,10 +81,25 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
     if optimizer is not None:
         raise ConfigError(f"optimizer must be a torch.optim.Optimizer or a callable(param_groups), got {type(optimizer).__name__}")
     if cfg.optimizer is None:
-        raise ConfigError("no optimizer: add an 'optimizer' section to the config (type Adam, AdamW or SGD) or pass optimizer=")
+        if cfg.scheduler is not None:
+            raise ConfigError("the config has a 'scheduler' section but no 'optimizer' section and initialize() got "
+                              "no optimizer=: a learning-rate schedule needs an optimizer")
+        return ForwardOnly
     cls = _TORCH_OPTIMIZERS[cfg.optimizer.torch_optimizer_class_name()]
     kwargs = cfg.optimizer.torch_optimizer_kwargs()
     return lambda inner_groups: cls(inner_groups, **kwargs)
+
+
+class ForwardOnly(torch.optim.Optimizer):
+    """The inner optimizer of an engine built without one (DeepSpeed allows that for evaluation)."""
+
+    def __init__(self, param_groups: list[dict]) -> None:
+        super().__init__(param_groups, {})
+
+    def step(self, closure=None):
+        raise UsageError("this engine was built without an optimizer (the config has no 'optimizer' section and "
+                         "initialize() got no optimizer=), so it runs forward passes and eval_batch only; add an "
+                         "'optimizer' section (type Adam, AdamW or SGD) or pass optimizer= to train")
 
 
 def _rebind_optimizer(optimizer: torch.optim.Optimizer, inner_groups: list[dict]) -> torch.optim.Optimizer:
@@ -100,6 +121,7 @@ def _check_optimizer_options(factory: Callable, groups: list[dict]) -> None:
 
 
 def _lr_scheduler(cfg: Zero3DConfig, lr_scheduler: Any, optimizer: ZeroOptimizer):
+    """The caller's scheduler (or what its callable builds) wins over the config's, as in DeepSpeed."""
     if lr_scheduler is not None:
         if hasattr(lr_scheduler, "step"):
             return lr_scheduler
@@ -117,13 +139,14 @@ def _dataloader(cfg: Zero3DConfig, mesh, training_data, collate_fn):
         return None
     sampler = torch.utils.data.DistributedSampler(training_data, num_replicas=mesh.dp, rank=mesh.local_rank("dp"))
     return torch.utils.data.DataLoader(
-        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn
+        training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn,
+        drop_last=cfg.dataloader_drop_last,
     )
 
 
 def initialize(
-    model: nn.Module,
-    config: Any,
+    model: nn.Module = None,
+    config: Any = None,
     model_parameters: Iterable | None = None,
     optimizer: Any = None,
     lr_scheduler: Any = None,
@@ -131,6 +154,13 @@ def initialize(
     collate_fn: Callable | None = None,
     device: torch.device | str | None = None,
     pretrained: str | os.PathLike | None = None,
+    *,
+    args: Any = None,
+    config_params: Any = None,
+    dist_init_required: bool | None = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    mesh_param: Any = None,
 ):
     """Build a training engine for ``model`` from ``config`` (DeepSpeed JSON/YAML path or dict).
 
@@ -144,9 +174,16 @@ def initialize(
     then fills in only what it holds, with the values eager construction under the same seed
     gives, or with ``pretrained`` weights: a Hugging Face directory (``model.safetensors`` or
     shards with ``model.safetensors.index.json``) of which each rank reads only its slices.
+
+    DeepSpeed's keyword arguments are read as ``deepspeed.initialize`` reads them (``args``,
+    ``config_params``, ``dist_init_required``, ``distributed_port``; parallel3d/ds_arguments.py).
+    An ``optimizer`` or ``lr_scheduler`` passed here wins over the config's section, as there.
     """
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    refuse_deepspeed_partitioned(model)
+    check_distributed_arguments(mpu, mesh_param, dist_init_required, distributed_port)
+    config = resolve_config(config, config_params, args)
     device = torch.device(device) if device is not None else default_device()
     ensure_process_group(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -160,7 +197,8 @@ def initialize(
     if not isinstance(optimizer, torch.optim.Optimizer):
         _check_optimizer_options(factory, groups)
     if lr_scheduler is not None and cfg.scheduler is not None:
-        raise ConfigError("an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one")
+        logger.info("initialize() got an lr_scheduler and the config a 'scheduler' section: using the one passed "
+                    "(as DeepSpeed does)")
     weights = pretrained_source(pretrained, model) if pretrained is not None else None
     source = None  # where a meta model's parameters come from
     if on_meta(model):
@@ -175,6 +213,8 @@ def initialize(
     tp_info = apply_tp(model, cfg.tensor_parallel, mesh)
     pipe = apply_pipeline(model, cfg.pipeline, mesh, tp_info)
     zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source)
+    register(zero_opt)
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
-    engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe)
+    client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+    engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe, client_optimizer=client)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

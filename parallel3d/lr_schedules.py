@@ -1,5 +1,7 @@
 """DeepSpeed-compatible learning-rate schedules: WarmupLR, WarmupDecayLR, WarmupCosineLR.
 
+(OneCycle and LRRangeTest are in parallel3d/lr_cycles.py; ``build_lr_scheduler`` builds all five.)
+
 The numbers, keyword names, defaults and checkpoint format (``{"last_batch_iteration": n}``)
 match ``deepspeed.runtime.lr_schedules`` so that a DeepSpeed JSON ``"scheduler"`` section and a
 DeepSpeed checkpoint carry over unchanged. Differences: invalid arguments raise
@@ -62,8 +64,47 @@ def _apply_lrs(param_groups: list[dict], lrs: Sequence[float]) -> list:
     return [group["lr"] for group in param_groups]
 
 
-class _WarmupSchedule:
-    """Step counting, lr application, state dict and the warmup fraction shared by all three."""
+class ScheduleBase:
+    """Step counting, lr application and the state dict that every DeepSpeed schedule shares."""
+
+    def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
+        if isinstance(last_batch_iteration, bool) or not isinstance(last_batch_iteration, int) \
+                or last_batch_iteration < -1:
+            raise ConfigError(f"last_batch_iteration={last_batch_iteration!r} is invalid: "
+                              f"it must be an integer >= -1")
+        self.optimizer = optimizer
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr: list | None = None
+
+    def get_lr(self) -> list[float]:
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        """What a schedule sets besides the lr (OneCycle's momentum)."""
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """Advance to ``last_batch_iteration`` (default: previous + 1) and apply its lrs."""
+        if last_batch_iteration is None:
+            last_batch_iteration = self.last_batch_iteration + 1
+        self.last_batch_iteration = last_batch_iteration
+        self._last_lr = _apply_lrs(self.optimizer.param_groups, self.get_lr())
+        self._after_step()
+
+    def get_last_lr(self) -> list:
+        """The lrs last written into the param groups."""
+        if self._last_lr is None:
+            raise RuntimeError("get_last_lr(): no lr applied yet; call step() first")
+        return self._last_lr
+
+    def state_dict(self) -> dict[str, int]:
+        return {"last_batch_iteration": int(self.last_batch_iteration)}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        self.last_batch_iteration = int(sd["last_batch_iteration"])
+
+
+class _WarmupSchedule(ScheduleBase):
+    """The warmup fraction and total-steps check shared by the three warmups."""
 
     def __init__(self, optimizer: Any, warmup_num_steps: int, warmup_type: str,
                  last_batch_iteration: int) -> None:
@@ -71,16 +112,10 @@ class _WarmupSchedule:
         if warmup_type not in WARMUP_TYPES:
             raise ConfigError(f"warmup_type={warmup_type!r} is invalid: it must be one of "
                               f"{', '.join(repr(t) for t in WARMUP_TYPES)}")
-        if isinstance(last_batch_iteration, bool) or not isinstance(last_batch_iteration, int) \
-                or last_batch_iteration < -1:
-            raise ConfigError(f"last_batch_iteration={last_batch_iteration!r} is invalid: "
-                              f"it must be an integer >= -1")
-        self.optimizer = optimizer
+        super().__init__(optimizer, last_batch_iteration)
         self.warmup_type = warmup_type
         self.warmup_num_steps = max(2, warmup_num_steps)  # DeepSpeed: keeps log(n) > 0
         self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
-        self.last_batch_iteration = last_batch_iteration
-        self._last_lr: list | None = None
 
     @staticmethod
     def _check_total(total_num_steps: int, warmup_num_steps: int) -> None:
@@ -100,28 +135,6 @@ class _WarmupSchedule:
         if self.warmup_type == "log":
             return self.inverse_log_warm_up * math.log(self.last_batch_iteration + 1)
         return self.last_batch_iteration / self.warmup_num_steps
-
-    def get_lr(self) -> list[float]:
-        raise NotImplementedError
-
-    def step(self, last_batch_iteration: int | None = None) -> None:
-        """Advance to ``last_batch_iteration`` (default: previous + 1) and apply its lrs."""
-        if last_batch_iteration is None:
-            last_batch_iteration = self.last_batch_iteration + 1
-        self.last_batch_iteration = last_batch_iteration
-        self._last_lr = _apply_lrs(self.optimizer.param_groups, self.get_lr())
-
-    def get_last_lr(self) -> list:
-        """The lrs last written into the param groups."""
-        if self._last_lr is None:
-            raise RuntimeError("get_last_lr(): no lr applied yet; call step() first")
-        return self._last_lr
-
-    def state_dict(self) -> dict[str, int]:
-        return {"last_batch_iteration": int(self.last_batch_iteration)}
-
-    def load_state_dict(self, sd: dict[str, int]) -> None:
-        self.last_batch_iteration = int(sd["last_batch_iteration"])
 
 
 class WarmupLR(_WarmupSchedule):
@@ -225,15 +238,23 @@ LR_SCHEDULES: dict[str, type] = {
 }
 
 
-def build_lr_scheduler(optimizer: Any, type: str, params: dict | None) -> _WarmupSchedule:
+def all_schedules() -> dict[str, type]:
+    """Every schedule by its DeepSpeed name: the warmups here and the cycles of parallel3d/lr_cycles.py."""
+    from parallel3d.lr_cycles import LRRangeTest, OneCycle
+
+    return {**LR_SCHEDULES, "OneCycle": OneCycle, "LRRangeTest": LRRangeTest}
+
+
+def build_lr_scheduler(optimizer: Any, type: str, params: dict | None) -> ScheduleBase:
     """Build a schedule from a DeepSpeed ``"scheduler": {"type": ..., "params": {...}}`` section."""
-    if type not in LR_SCHEDULES:
+    schedules = all_schedules()
+    if type not in schedules:
         raise ConfigError(f"scheduler.type={type!r} is invalid: it must be one of "
-                          f"{', '.join(LR_SCHEDULES)}")
+                          f"{', '.join(schedules)}")
     params = {} if params is None else params
     if not isinstance(params, dict):
         raise ConfigError(f"scheduler.params={params!r} is invalid: it must be a dict")
-    cls = LR_SCHEDULES[type]
+    cls = schedules[type]
     sig = list(inspect.signature(cls).parameters.values())[1:]  # drop optimizer
     allowed = [p.name for p in sig]
     for key in params:

@@ -126,7 +126,7 @@ class PipelineLoop:
         loss = self.executor.run(batches, loss_scale=zero.loss_scale)
         sum_tied_grads(self.pipe, self.executor.group, grads=zero.tied_gradients([t.param for t in self.pipe.tied]))
         zero.finish_window()
-        stepped = zero.step()
+        stepped = engine._step_applied = zero.step()
         zero.end_window()
         if stepped and engine.lr_scheduler is not None:
             engine.lr_scheduler.step()

@@ -50,6 +50,14 @@ sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 deepspeed.utils.logger.setLevel(logging.WARNING)
 
 
+def allow_fp16_on_cpu() -> None:
+    """DeepSpeed's CPU accelerator reports fp16 as unsupported (its fused kernels are not built for
+    it) and initialize refuses; the ZeRO optimizers and the loss scaler run on CPU all the same."""
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().is_fp16_supported = lambda: True
+
+
 def _prepare_config(config: dict, micro_batches: list) -> dict:
     cfg = copy.deepcopy(config)
     cfg.setdefault("train_micro_batch_size_per_gpu", int(micro_batches[0]["input_ids"].shape[0]))

@@ -239,7 +239,20 @@ BAD_CONFIGS = [
     ({**MB, "zero_optimization": {"stage": 2, "overlap_com": True}}, 1,
      "unknown config key 'zero_optimization.overlap_com'; did you mean 'zero_optimization.overlap_comm'?"),
     ({**MB, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, 1,
-     "zero_optimization.offload_optimizer is a DeepSpeed key Zero3D does not implement yet"),
+     'zero_optimization.offload_optimizer with device "cpu": Zero3D does not offload optimizer states and fp32 master weights yet'),
+    ({**MB, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, 1,
+     'zero_optimization.offload_param with device "nvme": Zero3D does not offload parameters yet'),
+    ({**MB, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 1,
+     'zero_optimization.cpu_offload with device "cpu": Zero3D does not offload optimizer states'),
+    ({**MB, "data_types": {"param_dtype": "half"}}, 1,
+     'data_types.param_dtype: "fp16" with fp32 working params: the working precision is chosen by fp16.enabled / '
+     'bf16.enabled; leave it unset or set "fp32"'),
+    ({**MB, "data_types": {"buffer_dtype": "int8"}}, 1, 'data_types.buffer_dtype: "int8" is not a dtype'),
+    ({**MB, "gradient_allreduce_op": "max"}, 1, 'gradient_allreduce_op: "max" is invalid'),
+    ({**MB, "gradient_predivide_factor": 0}, 1, "gradient_predivide_factor: 0 must be > 0"),
+    ({**MB, "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, 1,
+     'data_types.grad_accum_dtype: "fp32" with bf16 working params: Zero3D accumulates gradients in the working '
+     'precision; leave it unset or set "bf16"'),
     ({**MB, "activation_checkpointing": {"partition_activations": True}}, 1,
      "activation_checkpointing is a DeepSpeed key Zero3D does not implement yet"),
     ({**MB, "wandb": {"enabled": True}}, 1, "wandb is a DeepSpeed key Zero3D does not implement yet"),
@@ -265,9 +278,8 @@ BAD_CONFIGS = [
      'optimizer.type: "OneBitAdam" is a DeepSpeed optimizer Zero3D does not implement yet; use Adam, AdamW or SGD'),
     ({**MB, "optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}}, 1,
      "optimizer.params.max_grad_norm is not supported (as in DeepSpeed); use the top-level gradient_clipping"),
-    ({**MB, "scheduler": {"type": "OneCycle", "params": {}}}, 1,
-     'scheduler.type: "OneCycle" is a DeepSpeed scheduler Zero3D does not implement yet; '
-     "use one of WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+    ({**MB, "scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}}, 1,
+     "scheduler.params.cycle_min_lr is required"),
     ({**MB, "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}}, 1,
      "scheduler.params.total_num_steps is required"),
     ({**MB, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}, 1,
@@ -285,7 +297,7 @@ BAD_CONFIGS = [
     ({**MB, "checkpoint": {"use_node_local_storage": True}}, 1,
      "checkpoint.use_node_local_storage is a DeepSpeed key Zero3D does not implement yet"),
     ({**MB, "checkpoint": {"async": True}}, 1, "unknown config key 'checkpoint.async'"),
-    ({**MB, "seed": 1234}, 1, "unknown config key 'seed'; keys Zero3D implements: bf16, checkpoint, fp16,"),
+    ({**MB, "seed": 1234}, 1, "unknown config key 'seed'; keys Zero3D implements: bf16, checkpoint, data_types, dataloader_drop_last, fp16,"),
 ]
 
 

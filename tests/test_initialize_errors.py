@@ -46,15 +46,17 @@ def _no_optimizer() -> dict:
     return cfg
 
 
-def _with_optimizer_argument() -> dict:
+def _deepspeed_partitioned() -> dict:
+    """A model whose params look as deepspeed.zero.Init leaves them: empty, with a ds_id."""
     model = _model()
-    return dict(model=model, config=_cfg(), optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    for i, p in enumerate(model.parameters()):
+        p.data = torch.empty(0)
+        p.ds_id = i
+    return dict(model=model, config=_cfg())
 
 
-def _with_scheduler_argument() -> dict:
-    warmup = {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}
-    return dict(model=_model(), config=_cfg(scheduler=warmup),
-                lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0))
+class _Args:
+    deepspeed_config = "ds_config.json"
 
 
 def _foreign_parameter() -> dict:
@@ -89,16 +91,14 @@ CASES = {
         "fp16.enabled and bf16.enabled are both true; enable at most one"),
     "offload_not_implemented": (
         lambda: dict(model=_model(), config=_cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}})),
-        "zero_optimization.offload_optimizer is a DeepSpeed key Zero3D does not implement yet"),
+        'zero_optimization.offload_optimizer with device "cpu": Zero3D does not offload optimizer states and fp32 master weights yet...'),
     "negative_clipping": (
         lambda: dict(model=_model(), config=_cfg(gradient_clipping=-1)),
         "gradient_clipping: -1 must be >= 0"),
-    "missing_optimizer": (
-        lambda: dict(model=_model(), config=_no_optimizer()),
-        "no optimizer: add an 'optimizer' section to the config (type Adam, AdamW or SGD) or pass optimizer="),
-    "optimizer_twice": (
-        _with_optimizer_argument,
-        "an optimizer was passed to initialize() and the config has an 'optimizer' section; give one"),
+    "scheduler_without_optimizer": (
+        lambda: dict(model=_model(), config={**_no_optimizer(), "scheduler": {"type": "WarmupLR"}}),
+        "the config has a 'scheduler' section but no 'optimizer' section and initialize() got no optimizer=: a "
+        "learning-rate schedule needs an optimizer"),
     "optimizer_wrong_type": (
         lambda: dict(model=_model(), config=_no_optimizer(), optimizer=42),
         "optimizer must be a torch.optim.Optimizer or a callable(param_groups), got int"),
@@ -126,13 +126,31 @@ CASES = {
         "config file ds_config.txt: unsupported extension '.txt'; use .json, .yaml or .yml"),
     "bad_scheduler_type": (
         lambda: dict(model=_model(), config=_cfg(scheduler={"type": "Cosine"})),
-        'scheduler.type: "Cosine" is not allowed; must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR'),
+        'scheduler.type: "Cosine" is not allowed; must be one of WarmupLR, WarmupDecayLR, WarmupCosineLR, '
+        "OneCycle, LRRangeTest"),
+    "deepspeed_zero_init": (
+        _deepspeed_partitioned,
+        "21 parameters of the model (model.embed_tokens.weight, model.layers.0.self_attn.q_proj.weight, "
+        "model.layers.0.self_attn.k_proj.weight, ...) were partitioned by deepspeed.zero.Init: each rank holds an "
+        "empty DeepSpeed shard that Zero3D cannot train. Build the model without deepspeed.zero.Init; for a model "
+        "too big for one rank, build it on the meta device..."),
+    "mpu": (
+        lambda: dict(model=_model(), config=_cfg(), mpu=object()),
+        "mpu= is not supported: Zero3D builds its tensor- and pipeline-parallel groups itself from "
+        "tensor_parallel.size and pipeline.stages in the config; pass no mpu"),
+    "config_twice": (
+        lambda: dict(model=_model(), config=_cfg(), args=_Args()),
+        "the config was given twice (config and args.deepspeed_config); give it once, as config="),
+    "no_config": (
+        lambda: dict(model=_model()),
+        "no config: pass config= (a DeepSpeed JSON/YAML path or a dict), or args with a deepspeed_config "
+        "attribute as deepspeed.initialize reads it"),
+    "dist_init_not_done": (
+        lambda: dict(model=_model(), config=_cfg(), dist_init_required=False),
+        "dist_init_required=False but torch.distributed is not initialized..."),
     "scheduler_param_typo": (
         lambda: dict(model=_model(), config=_cfg(scheduler={"type": "WarmupLR", "params": {"warmup_num_step": 3}})),
         "unknown config key 'scheduler.params.warmup_num_step'; did you mean 'scheduler.params.warmup_num_steps'?"),
-    "scheduler_twice": (
-        _with_scheduler_argument,
-        "an lr_scheduler was passed to initialize() and the config has a 'scheduler' section; give one"),
     "batch_arithmetic": (
         lambda: dict(model=_model(), config=_cfg(train_batch_size=6, train_micro_batch_size_per_gpu=4)),
         "train_batch_size 6 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 x data-parallel size 1"),

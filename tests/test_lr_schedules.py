@@ -10,6 +10,7 @@ import torch
 from deepspeed.runtime import lr_schedules as ds
 
 from parallel3d.errors import ConfigError
+from parallel3d.lr_cycles import LRRangeTest, OneCycle
 from parallel3d.lr_schedules import (WarmupCosineLR, WarmupDecayLR, WarmupLR,
                                      build_lr_scheduler)
 
@@ -82,6 +83,53 @@ def test_matches_deepspeed(ours, oracle, kwargs, warmup_type):
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         _same(g, e)
+
+
+CYCLE_CASES = [
+    (OneCycle, ds.OneCycle, dict(cycle_min_lr=1e-4, cycle_max_lr=1e-2, cycle_first_step_size=10)),
+    (OneCycle, ds.OneCycle, dict(cycle_min_lr=[1e-4, 1e-5], cycle_max_lr=(1e-2, 1e-3), cycle_first_step_size=7,
+                                 cycle_second_step_size=13, decay_lr_rate=0.1, decay_step_size=3,
+                                 cycle_min_mom=0.85, cycle_max_mom=0.95, decay_mom_rate=0.01)),
+    (OneCycle, ds.OneCycle, dict(cycle_min_lr=0.0, cycle_max_lr=1.0, cycle_first_step_size=12,
+                                 cycle_second_step_size=5, cycle_first_stair_count=4, cycle_second_stair_count=2)),
+    (OneCycle, ds.OneCycle, dict(cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=5,
+                                 cycle_second_step_size=0, cycle_momentum=False)),
+    (LRRangeTest, ds.LRRangeTest, dict()),
+    (LRRangeTest, ds.LRRangeTest, dict(lr_range_test_min_lr=[1e-4, 1e-3], lr_range_test_step_size=4,
+                                       lr_range_test_step_rate=0.5)),
+    (LRRangeTest, ds.LRRangeTest, dict(lr_range_test_min_lr=1e-3, lr_range_test_step_size=3,
+                                       lr_range_test_step_rate=2.0, lr_range_test_staircase=True)),
+]
+
+
+def _adam() -> torch.optim.Optimizer:
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    return torch.optim.Adam([{"params": [a], "lr": 0.1}, {"params": [b], "lr": 0.02}], lr=0.1, betas=(0.8, 0.9))
+
+
+@pytest.mark.parametrize("make_optimizer", [_optimizer, _adam], ids=["sgd", "adam"])
+@pytest.mark.parametrize("ours,oracle,kwargs", CYCLE_CASES, ids=[f"{c[0].__name__}-{i}" for i, c in enumerate(CYCLE_CASES)])
+def test_cycles_match_deepspeed(ours, oracle, kwargs, make_optimizer):
+    """lr and (Adam's) betas after every step, 50 steps: through the cycle, its stairs and the decay."""
+    opt, ds_opt = make_optimizer(), make_optimizer()
+    mine, theirs = ours(opt, **kwargs), oracle(ds_opt, **kwargs)
+    for _ in range(STEPS):
+        assert [g.get("betas") for g in opt.param_groups] == [g.get("betas") for g in ds_opt.param_groups]
+        _same(_lrs(opt), _lrs(ds_opt))
+        mine.step()
+        theirs.step()
+        _same(list(mine.get_last_lr()), list(theirs.get_last_lr()))
+    assert mine.state_dict() == theirs.state_dict() == {"last_batch_iteration": STEPS - 1}
+
+
+def test_one_cycle_from_a_config_section():
+    opt = _adam()
+    sched = build_lr_scheduler(opt, "OneCycle", {"cycle_min_lr": 0.001, "cycle_max_lr": 0.01,
+                                                 "cycle_first_step_size": 4})
+    for _ in range(4):
+        sched.step()
+    assert _lrs(opt) == pytest.approx([0.01, 0.01])  # the top of the cycle after its first half
+    assert [g["betas"] for g in opt.param_groups] == [(pytest.approx(0.8), 0.99)] * 2
 
 
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
@@ -189,9 +237,13 @@ def test_build_lr_scheduler():
      "warmup_num_steps=2.5 is invalid: it must be a positive integer"),
     (lambda o: WarmupLR(o, warmup_min_lr=[0.0, 0.0, 0.0]),
      "warmup_min_lr=[0.0, 0.0, 0.0] is invalid: a list must have one value per param group (2)"),
-    (lambda o: build_lr_scheduler(o, "OneCycle", {}),
-     "scheduler.type='OneCycle' is invalid: it must be one of WarmupLR, WarmupDecayLR, "
-     "WarmupCosineLR"),
+    (lambda o: build_lr_scheduler(o, "Cyclic", {}),
+     "scheduler.type='Cyclic' is invalid: it must be one of WarmupLR, WarmupDecayLR, "
+     "WarmupCosineLR, OneCycle, LRRangeTest"),
+    (lambda o: OneCycle(o, 0.1, 1.0, cycle_first_step_size=0),
+     "cycle_first_step_size=0 is invalid: it must be positive"),
+    (lambda o: LRRangeTest(o, lr_range_test_step_size=0),
+     "lr_range_test_step_size=0 is invalid: it must be a positive integer"),
     (lambda o: build_lr_scheduler(o, "WarmupLR", {"warmup_steps": 10}),
      "scheduler.params.warmup_steps=10 is invalid: WarmupLR accepts only warmup_min_lr"),
     (lambda o: build_lr_scheduler(o, "WarmupDecayLR", {"warmup_num_steps": 10}),

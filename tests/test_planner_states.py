@@ -10,9 +10,8 @@ planner predicts that rank's report from the model and the layout alone (no proc
   parallelism and the pipeline split): params 2 or 4 Psi_r (/dp at stage 3), gradients the
   same (/dp from stage 2), fp32 master 4 Psi_r/dp and Adam's m and v 8 Psi_r/dp from stage 1,
   within per-unit padding, plus 4 bytes of ``step`` per piece; stage 3 keeps parameters under
-  the persistence threshold whole. Under pipeline stages the
-  gradients are full at every stage today (``defer_reduction``, docs/design.md Known limits),
-  which ``planner.states.full_gradients`` models; the formula is checked with that rule.
+  the persistence threshold whole. Under pipeline stages, too, gradients are full at stages
+  0-1 and the shard from stage 2 (``planner.states.full_gradients``).
 """
 
 from __future__ import annotations

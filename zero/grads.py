@@ -17,6 +17,12 @@ param that got no gradient here contributes zeros) and waits for everything; DDP
 same with its bucket order. The launch order is the expected arrival order (reverse
 registration), so a dense model loses no overlap.
 
+A parameter whose gradient arrives more than once in one backward (it took part in several
+nested ``torch.autograd.backward`` calls) has the parts summed while its unit waits; a part
+that arrives after the unit was reduced raises ``GradientArrivalError`` instead of being lost.
+DeepSpeed's ``param.ds_grad_is_ready = False`` (set by its TiledMLP between chunks) defers the
+hook to the last part.
+
 The reducer also records which parameters received a gradient during the accumulation
 window (``received``), so the optimizer can leave a parameter that got none on any rank
 untouched, as ``torch.optim`` skips a parameter whose ``.grad`` is None.
@@ -34,6 +40,10 @@ from zero.comm import Pending, reduce_to_shard
 from zero.flat import FlatUnit
 
 AVG = dist.ReduceOp.AVG
+
+
+class GradientArrivalError(RuntimeError):
+    """A parameter's gradient arrived after its unit had been reduced in the same backward."""
 
 
 class GradientReducer:
@@ -83,7 +93,7 @@ class GradientReducer:
         self._next = 0  # position in _order of the next unit to launch
         self._staging: list[torch.Tensor | None] = [None] * len(self.units)
         self._shard_fresh = [True] * len(self.units)
-        self._arrived: set[nn.Parameter] = set()  # stages 2-3: params whose grad is staged
+        self._arrived: set[nn.Parameter] = set()  # params whose gradient arrived in this backward
         self._views: dict[nn.Parameter, torch.Tensor] = {}  # stages 0-1: the installed .grad views
         self._handles: list = []
         # received[ui][pi]: param pi of unit ui got a gradient in this accumulation window
@@ -166,18 +176,31 @@ class GradientReducer:
         self._arrived.clear()
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if getattr(p, "ds_grad_is_ready", True) is False:
+            return  # DeepSpeed's protocol (TiledMLP): more of this gradient follows in this backward
         ui, pi = self._unit_index[p]
         unit = self.units[ui]
         self.received[ui][pi] = True
+        again = p in self._arrived
+        if again and self._launched[ui]:
+            raise GradientArrivalError(
+                f"a gradient of a parameter of shape {tuple(p.shape)} arrived again after its ZeRO unit was "
+                "reduced in this backward: it took part in two separate autograd backward passes (a custom "
+                "autograd function running backward per chunk, say), and the later part would be lost. "
+                "Set param.ds_grad_is_ready = False before every backward but the last (DeepSpeed's protocol, "
+                "which its TiledMLP follows), or compute the gradient in one backward")
+        self._arrived.add(p)
         if self.accumulate_full:
-            if not self.boundary:
+            if not self.boundary or again:  # autograd added into the .grad view: nothing to do
                 return
         else:
             staging = self._staging_for(ui)
             off, n = unit.offsets[pi], unit.numels[pi]
-            staging[off : off + n].copy_(p.grad.reshape(-1))
+            target = staging[off : off + n]
+            target.add_(p.grad.reshape(-1)) if again else target.copy_(p.grad.reshape(-1))
             p.grad = None
-            self._arrived.add(p)
+            if again:
+                return
         self._ready[ui] += 1
         self._launch_in_order()
 
@@ -260,6 +283,12 @@ class GradientReducer:
     def wait(self) -> None:
         """Wait for every reduction launched so far."""
         self._drain()
+
+    def remove_hooks(self) -> None:
+        """Detach the gradient-readiness hooks from the parameters (the engine is being destroyed)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def zero_grad(self) -> None:
         if not self._allocated:

@@ -56,6 +56,11 @@ class ZeroSettings:
     """Under ``pipelined``, stages 2-3: accumulate full gradients through the step and reduce
     each chunk's once, after its last pass (one reduction per step instead of one per pass, at
     a full gradient buffer's memory). Stages 0-1 always do."""
+    check_overflow: bool = True
+    """Skip a step whose gradient norm is not finite (always under fp16; DeepSpeed's
+    ``bf16.check_grad_overflow`` turns it off for bf16)."""
+    gradient_sum: bool = False
+    """Step with the sum of the data-parallel ranks' gradients instead of their mean."""
 
 
 @dataclass(frozen=True)
@@ -414,15 +419,16 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         Returns False when the step was skipped because the gradients overflowed.
         """
         grads = self._master_grads()
-        scale = self.loss_scaler.scale
-        if scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
+        factor = (self.dp_world if self.settings.gradient_sum else 1) / self.loss_scaler.scale
+        if factor != 1.0:
+            torch._foreach_mul_(grads, factor)
         clip = self.settings.gradient_clipping
+        check = self.settings.check_overflow or self.dtype == torch.float16
         overflow = False
-        if clip > 0 or self.loss_scaler.dynamic or self.dtype == torch.float16:
+        if clip > 0 or check or self.loss_scaler.dynamic:
             norm = self.global_grad_norm(grads)
             self.last_grad_norm = float(norm)
-            overflow = not torch.isfinite(norm).item()
+            overflow = check and not torch.isfinite(norm).item()
             if clip > 0 and not overflow:
                 coef = (clip / (norm + 1e-6)).clamp(max=1.0)
                 torch._foreach_mul_(grads, coef)

@@ -42,6 +42,29 @@ def bucketed_layout(
                                       device=device) for u in plans])
 
 
+def parameter_leaves(model: nn.Module) -> list[nn.Module]:
+    """Submodules that hold parameters themselves and none in their children, in registration order.
+
+    Stage 3's fetch units for a model that names no repeated block (no ``_no_split_modules``):
+    each ``nn.Linear``, ``nn.Embedding``, norm... is gathered just for its own forward, as
+    DeepSpeed gathers per submodule. A module holding parameters next to children that hold
+    some keeps its own with the root units, and so does a module sharing a parameter with
+    another (a tied weight is needed whole by both).
+    """
+    owners: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    leaves = []
+    for name, module in model.named_modules():
+        own = list(module.parameters(recurse=False))
+        if not name or not own or any(owners[id(p)] > 1 for p in own):
+            continue
+        if all(next(child.parameters(), None) is None for child in module.children()):
+            leaves.append(module)
+    return leaves
+
+
 def fetch_unit_layout(
     param_groups: Sequence[Sequence[nn.Parameter]],
     fetch_modules: Iterable[nn.Module],

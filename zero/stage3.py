@@ -13,10 +13,10 @@ ends of the model, so gathering it once is also the cheapest.
 The execution order is recorded during the first forward and held fixed afterwards (as in
 DeepSpeed and FSDP); prefetch never holds more than ``max_live_numel`` gathered elements.
 Every gather is a collective, so all data-parallel ranks must run the same fetch modules in
-the same order: the first forward must run them in registration order (a module may run
-again), and every later forward must repeat that sequence. A rank that deviates (a block
-skipped by layer drop or early exit, say) raises ``FetchOrderError`` before it issues a
-gather that the other ranks would not match. Modules *inside* a fetch module (the experts
+the same order: the first forward checks that they agree, module by module (one small
+all-reduce each, first forward only), and every later forward must repeat that sequence. A
+rank that deviates (a block skipped by layer drop or early exit, say) raises
+``FetchOrderError`` before it issues a gather that the other ranks would not match. Modules *inside* a fetch module (the experts
 of a mixture-of-experts layer) may run or not as they like: the block is gathered whole.
 """
 
@@ -67,6 +67,7 @@ class ParamFetcher:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self._in_flight: dict[int, tuple[Pending, FlatUnit]] = {}
+        self._held: dict[int, int] = {}  # unit id -> open GatheredParameters contexts holding it
         self._order: list[int] = []  # fetch modules by first use (for prefetch)
         self._sequence: list[int] = []  # every fetch-module forward of one pass, recorded once
         self._cursor = 0
@@ -76,6 +77,12 @@ class ParamFetcher:
         for mi, (module, _) in enumerate(self.module_units if module_hooks else ()):
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mi)))
             self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, mi)))
+
+    def remove_hooks(self) -> None:
+        """Detach the gather/release hooks from the fetch modules (the engine is being destroyed)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     def live_numel(self) -> int:
         gathered = sum(u.padded for _, us in self.module_units for u in us if u.is_materialized)
@@ -104,7 +111,22 @@ class ParamFetcher:
                 work, _ = self._in_flight.pop(id(unit))
                 work.wait()
                 unit.mark_materialized()
-            unit.release()
+            if id(unit) not in self._held:
+                unit.release()
+
+    def hold(self, units: Sequence[FlatUnit]) -> None:
+        """Materialize ``units`` and keep them so until ``unhold`` (module hooks do not release them)."""
+        self.gather(units)
+        for unit in units:
+            self._held[id(unit)] = self._held.get(id(unit), 0) + 1
+
+    def unhold(self, units: Sequence[FlatUnit], release: Sequence[FlatUnit]) -> None:
+        """End one ``hold`` of ``units``; release those of ``release`` that no other hold keeps."""
+        for unit in units:
+            count = self._held.pop(id(unit)) - 1
+            if count:
+                self._held[id(unit)] = count
+        self.release(release)
 
     def gather_root(self) -> None:
         self.gather(self.root_units)
@@ -144,10 +166,8 @@ class ParamFetcher:
     def _follow_order(self, mi: int) -> None:
         """Record the first pass's sequence; check every later pass against it."""
         if self._recording:
+            self._agree(mi)
             if mi not in self._position:
-                expected = len(self._order)  # first uses must come in registration order
-                if mi != expected:
-                    self._order_error(mi, expected)
                 self._position[mi] = len(self._order)
                 self._order.append(mi)
             self._sequence.append(mi)
@@ -160,16 +180,31 @@ class ParamFetcher:
             self._order_error(mi, expected)
         self._cursor += 1
 
-    def _order_error(self, mi: int, expected: int) -> None:
+    def _agree(self, mi: int) -> None:
+        """First pass: every rank runs the same fetch module here, checked with one small all-reduce.
+
+        Later passes repeat the recorded sequence and are checked locally, without communication.
+        """
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return
+        seen = torch.tensor([mi, -mi], dtype=torch.int64, device=self.module_units[mi][1][0].device)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        highest, lowest = int(seen[0]), -int(seen[1])
+        if highest != lowest:
+            self._order_error(mi, lowest if mi == highest else highest, elsewhere=True)
+
+    def _order_error(self, mi: int, expected: int, elsewhere: bool = False) -> None:
         def name(i: int) -> str:
             return f"fetch module #{i} ({type(self.module_units[i][0]).__name__})"
 
+        where = "ran on another data-parallel rank" if elsewhere else "was due"
         raise FetchOrderError(
-            f"ZeRO stage 3: {name(mi)} ran on this rank where {name(expected)} was due. Stage 3 "
+            f"ZeRO stage 3: {name(mi)} ran on this rank where {name(expected)} {where}. Stage 3 "
             "gathers each block's parameters with a collective, so every data-parallel rank must "
-            "run the same blocks in the same order (the first forward in registration order, "
-            "later forwards repeating it); a block skipped on some ranks (layer drop, early exit) "
-            "cannot be gathered in agreement. Run every block on every rank, or use ZeRO stage 2."
+            "run the same blocks in the same order (later forwards repeating the first one's); a "
+            "block skipped on some ranks (layer drop, early exit, an expert without tokens) cannot "
+            "be gathered in agreement. Run every block on every rank, name the module that holds "
+            "such blocks in the model's _no_split_modules (it is then gathered whole), or use ZeRO stage 2."
         )
 
     def _pre_forward(self, mi: int, module: nn.Module, args) -> None:

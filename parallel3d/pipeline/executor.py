@@ -6,8 +6,9 @@
 * ``F``: run the chunk on its input -- the micro-batch's ``input_ids`` on global stage 0, else
   the received (or, with P = 1, locally handed over) hidden states, made a leaf that requires
   grad -- and keep the output and its graph. On the last stage the output is the micro-batch
-  loss (HF's causal-LM loss, mean over its valid tokens); it is scaled by ``1 / m`` (and by
-  ``loss_scale``) before backward, so the accumulated gradients equal the gradient of the mean
+  loss (HF's causal-LM loss, mean over its valid tokens); it is divided by ``m`` and then
+  multiplied by ``loss_scale`` before backward (DeepSpeed's order, which decides where an fp16
+  gradient overflows), so the accumulated gradients equal the gradient of the mean
   of the micro-batch losses -- the full-batch gradient when micro-batches have equal numbers
   of valid tokens.
 * ``B``: backward of the chunk with the received output gradient; the input gradient is
@@ -286,7 +287,7 @@ class PipelineExecutor:
             if a.kind == weight_kind:
                 last_pass[a.chunk] = i
         last_of_step = max(last_pass.values(), default=-1)
-        scale = loss_scale / m if self.scale_by_microbatches else loss_scale
+        divisor = m if self.scale_by_microbatches else 1
         chunk_params = [list(c.parameters()) for c in chunks]  # per run: the engine may swap parameters
 
         inputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -336,7 +337,8 @@ class PipelineExecutor:
                             labels=mb["labels"] if chunk.is_last else None)
                 if chunk.is_last:
                     losses.append(out.detach().float())
-                    out = out * scale
+                    out = out / divisor if divisor != 1 else out  # DeepSpeed's order: divide, then scale
+                    out = out * loss_scale if loss_scale != 1.0 else out
                 else:
                     produced_f[key] = out.detach()
                 inputs[key], outputs[key] = x, out

@@ -1,0 +1,124 @@
+"""pytest plugin for DeepSpeed's own unit tests, loaded by scripts/ds_unit_tests.py (``-p ds_unit_plugin``).
+
+Environment (set by the runner):
+  ZERO3D_DS_ENGINE   "deepspeed" (DeepSpeed itself, the baseline) or "zero3d" (the shim)
+  ZERO3D_DS_RECORD   a directory: ``results.jsonl`` gets one line per test phase,
+                     ``collected.json`` the collected test ids, ``calls`` the test ids
+                     during which ``deepspeed.initialize`` was called (by any process)
+
+The shim (engine "zero3d") replaces DeepSpeed's public entry points by Zero3D's objects of
+the same name, as a user's script would by changing its imports (``SHIMMED``):
+``deepspeed.initialize``, ``deepspeed.zero.GatheredParameters``,
+``deepspeed.utils.safe_{get,set}_full_*`` and the five LR schedule classes of
+``deepspeed.runtime.lr_schedules``. Everything else a test touches stays DeepSpeed's.
+
+DeepSpeed's test harness starts its ranks through a ``forkserver``. The plugin preloads
+itself there, so every rank starts with torch, DeepSpeed (and Zero3D) imported and the shim
+installed. It also stubs DeepSpeed's CPU shared-memory all-reduce op, which DeepSpeed would
+otherwise JIT-compile with ninja in every fresh rank (tests/ds_oracle.py says why it is not
+needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+ENGINE = os.environ.get("ZERO3D_DS_ENGINE", "deepspeed")
+RECORD = Path(os.environ["ZERO3D_DS_RECORD"]) if os.environ.get("ZERO3D_DS_RECORD") else None
+
+SHIMMED = {
+    "deepspeed.initialize": "parallel3d.initialize",
+    "deepspeed.zero.GatheredParameters": "parallel3d.GatheredParameters",
+    **{f"deepspeed.utils.{name}": f"parallel3d.{name}" for name in (
+        "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad", "safe_set_full_grad",
+        "safe_get_full_optimizer_state", "safe_set_full_optimizer_state")},
+    **{f"deepspeed.runtime.lr_schedules.{name}": f"parallel3d.lr_schedules.{name}" for name in (
+        "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")},
+    **{f"deepspeed.runtime.lr_schedules.{name}": f"parallel3d.lr_cycles.{name}" for name in (
+        "OneCycle", "LRRangeTest")},
+}
+"""DeepSpeed's public name -> the Zero3D object that replaces it under the shim (same name)."""
+
+
+def _resolve(dotted: str):
+    """The object a dotted name reaches: attributes from the top package, importing submodules on the way."""
+    import importlib
+
+    parts = dotted.split(".")
+    target = importlib.import_module(parts[0])
+    for i, part in enumerate(parts[1:], start=2):
+        target = getattr(target, part) if hasattr(target, part) else importlib.import_module(".".join(parts[:i]))
+    return target
+
+
+def _record_call() -> None:
+    """Note that the current test called deepspeed.initialize (the runner keeps only such tests)."""
+    if RECORD is None:
+        return
+    current = RECORD / "current"
+    test_id = current.read_text() if current.exists() else "?"
+    with open(RECORD / "calls", "a") as f:
+        f.write(test_id + "\n")
+
+
+def _recording(initialize):
+    def wrapper(*args, **kwargs):
+        _record_call()
+        return initialize(*args, **kwargs)
+
+    wrapper.__wrapped__ = initialize
+    return wrapper
+
+
+def _install() -> None:
+    import deepspeed
+    import deepspeed.comm.torch  # noqa: F401
+
+    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    if ENGINE == "zero3d":
+        for theirs, ours in SHIMMED.items():
+            owner, _, name = theirs.rpartition(".")
+            setattr(_resolve(owner), name, _resolve(ours))
+    deepspeed.initialize = _recording(deepspeed.initialize)
+
+
+_install()
+
+
+def pytest_configure(config) -> None:
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload([__name__])
+    if RECORD is not None:
+        RECORD.mkdir(parents=True, exist_ok=True)
+
+
+def pytest_collection_finish(session) -> None:
+    if RECORD is not None:
+        (RECORD / "collected.json").write_text(json.dumps([item.nodeid for item in session.items]))
+
+
+def pytest_runtest_setup(item) -> None:
+    if RECORD is not None:
+        (RECORD / "current").write_text(item.nodeid)
+
+
+def pytest_runtest_logreport(report) -> None:
+    if RECORD is None:
+        return
+    reason = ""
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        reason = crash.message if crash is not None else str(report.longrepr)[-2000:]
+    elif report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2])
+    line = {"id": report.nodeid, "when": report.when, "outcome": report.outcome, "reason": reason,
+            "seconds": round(report.duration, 2), "time": time.time()}
+    with open(RECORD / "results.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
