@@ -60,9 +60,13 @@ def _steps_done(prep) -> int | None:
     return int(match[1]) if match else None
 
 
-def train_main(argv: Sequence[str]) -> int:
-    """``zero3d train``: validate and prepare here, then train in N local workers."""
+def train_main(argv: Sequence[str], as_program: bool = False) -> int:
+    """``zero3d train``: validate and prepare here, then train in N local workers.
+
+    ``as_program``: this is the ``zero3d`` process itself, which may end without teardown.
+    """
     from parallel3d.job import run as job_run
+    from parallel3d.job.stop import JobStopped
 
     args = train_parser().parse_intermixed_args(list(argv))
     positional = ([args.config] if args.config else []) + list(args.overrides)
@@ -99,15 +103,21 @@ def train_main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"zero3d train: error: {exc}", file=sys.stderr)
         return 2
+    except (JobStopped, KeyboardInterrupt) as exc:
+        return job_run.report_stop(exc, 0)
     from parallel3d.launcher import run_local
+    from parallel3d.lifeline import exit_now
 
     logger.info("starting %d local workers", nproc)
-    return run_local(["parallel3d.job.run", *positional], nproc, module=True)
+    code = run_local(["parallel3d.job.run", *positional], nproc, module=True)
+    if as_program:  # the job is over: skip tearing down what prepare imported (seconds under load)
+        exit_now(code)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zero3d`` console script; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv_given, argv = argv, list(sys.argv[1:] if argv is None else argv)
     others = "\n".join(f"  {name:<8} {text}" for name, (_, text) in _DISPATCH.items())
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE.format(others=others))
@@ -115,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         try:
-            return train_main(rest)
+            return train_main(rest, as_program=argv_given is None)
         except SystemExit as exc:  # argparse: --help or a usage error, already printed
             return int(exc.code or 0)
     if command in _DISPATCH:

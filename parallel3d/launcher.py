@@ -1,11 +1,14 @@
 """``zero3d launch``: start a training script on one or many nodes through torchrun.
 
-We do not write a process manager: every node runs ``python -m torch.distributed.run`` with
-the static rendezvous flags (``--nnodes/--node-rank/--master-addr/--master-port``), and this
-module only works out those flags from the command line, a DeepSpeed-style hostfile or the
-Slurm environment. With a multi-host hostfile and no Slurm, the head node starts each node's
-torchrun over ssh (like DeepSpeed's ssh runner); under Slurm, ``srun`` has already put one
-``zero3d launch`` on every node, so each starts only its own torchrun.
+We do not write a process manager: every node runs torchrun's agent (through
+``python -m parallel3d.agent``, which takes torchrun's arguments and ends cleanly on signals)
+with the static rendezvous flags (``--nnodes/--node-rank/--master-addr/--master-port``), and
+this module only works out those flags from the command line, a DeepSpeed-style hostfile or
+the Slurm environment. With a multi-host hostfile and no Slurm, the head node starts each
+node's torchrun over ssh (like DeepSpeed's ssh runner); under Slurm, ``srun`` has already put
+one ``zero3d launch`` on every node, so each starts only its own torchrun. Locally the agent
+runs under `parallel3d.lifeline.run_supervised`: stop signals are forwarded and nothing the job
+started outlives the launcher.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import logging
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -24,6 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from parallel3d.errors import ConfigError
+from parallel3d.lifeline import STOP_SIGNALS, run_supervised
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ def torchrun_command(
     if not 0 < master_port < 65536:
         raise ConfigError(f"--master-port must be in 1..65535, got {master_port}")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "parallel3d.agent",
         "--nproc-per-node", str(nproc_per_node),
         "--nnodes", str(nnodes),
         "--node-rank", str(node_rank),
@@ -94,16 +99,7 @@ def run_local(target: list[str], nproc_per_node: int, module: bool = False) -> i
     """
     cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=free_port(), module=module)
     logger.info("running %s", shlex.join(cmd))
-    return _run(cmd, worker_env(nproc_per_node))
-
-
-def _run(cmd: list[str], env: Mapping[str, str]) -> int:
-    proc = subprocess.Popen(cmd, env=dict(env))
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
+    return run_supervised(cmd, worker_env(nproc_per_node))
 
 
 # -- hosts: DeepSpeed hostfile, --include/--exclude, Slurm nodelist ------------------------
@@ -315,17 +311,25 @@ def ssh_command(node: NodeCommand, env: Mapping[str, str], cwd: str) -> list[str
 
 
 def _run_ssh(plan: Plan, env: Mapping[str, str]) -> int:
-    """Start every node over ssh; if one fails, stop the others and return its exit code."""
+    """Start every node over ssh; if one fails or a stop signal comes, stop the others.
+
+    Returns the failed node's exit code (128 + the signal after a stop signal). Ending an ssh
+    client ends its remote session, and the remote agent dies with it (`parallel3d.agent`).
+    """
     procs = [subprocess.Popen(ssh_command(n, env, os.getcwd()), env=dict(env)) for n in plan.nodes]
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in STOP_SIGNALS}
     try:
-        while True:
+        while not received:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed or all(c == 0 for c in codes):
                 break
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        failed = [130]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = [128 + received[0]] if received else failed
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -380,4 +384,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_ssh(plan, env)
     node = plan.nodes[plan.own]
     logger.info("node %s (rank %d of %d): %s", node.host, node.node_rank, len(plan.nodes), shlex.join(node.argv))
-    return _run(node.argv, worker_env(nproc, env) | node.env)
+    return run_supervised(node.argv, worker_env(nproc, env) | node.env)

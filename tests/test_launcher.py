@@ -33,14 +33,14 @@ def dry_run(capsys, *argv: str) -> dict[str, list[str]]:
 
 
 def torchrun_flags(argv: list[str]) -> dict[str, str]:
-    i = argv.index("torch.distributed.run")
+    i = argv.index("parallel3d.agent")
     return {argv[j]: argv[j + 1] for j in range(i + 1, argv.index("--master-port") + 2, 2)}
 
 
 def test_torchrun_command_exact():
     cmd = torchrun_command(["train.py", "--config", "ds.json"], nproc_per_node=8, nnodes=2, node_rank=1,
                            master_addr="h0", master_port=1234)
-    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "2",
+    assert cmd == [sys.executable, "-m", "parallel3d.agent", "--nproc-per-node", "8", "--nnodes", "2",
                    "--node-rank", "1", "--master-addr", "h0", "--master-port", "1234", "train.py", "--config", "ds.json"]
     assert torchrun_command(["pkg.mod", "-x"], nproc_per_node=1, module=True)[-3:] == ["-m", "pkg.mod", "-x"]
 

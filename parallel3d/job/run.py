@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from parallel3d.errors import ConfigError
+from parallel3d.errors import CollectiveError, ConfigError
 from parallel3d.job.config import JobConfig, load_job_config
 from parallel3d.job.metrics import TqdmHandler
 from parallel3d.job.prepare import Prepared, prepare
+from parallel3d.job.stop import JobStopped
+from parallel3d.lifeline import die_with_agent, exit_now
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +98,18 @@ def split_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
+def report_stop(exc: JobStopped | KeyboardInterrupt, rank: int) -> int:
+    """One line (rank 0 only) for a job stopped by a signal; returns the exit code."""
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C before training started
+        exc = JobStopped(signal.SIGINT, 0, None)
+    if rank == 0:
+        print(f"zero3d train: {exc}", file=sys.stderr, flush=True)
+    return exc.exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
+    die_with_agent()
     setup_logging(rank)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -107,6 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"zero3d train: error: {exc}", file=sys.stderr)
         return 2
+    except (JobStopped, KeyboardInterrupt) as exc:
+        return report_stop(exc, rank)
+    except CollectiveError as exc:  # each rank says what it saw: which operation, who did not arrive
+        print(f"zero3d train: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -114,4 +132,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())
