@@ -39,6 +39,8 @@ commands:
 
 
 def train_parser() -> argparse.ArgumentParser:
+    from parallel3d.launcher import whole_number
+
     p = argparse.ArgumentParser(
         prog="zero3d train", allow_abbrev=False,
         description="Train a Hugging Face causal LM from a job config (YAML/JSON). Without CONFIG, the built-in "
@@ -47,7 +49,7 @@ def train_parser() -> argparse.ArgumentParser:
                "engine.zero_optimization.stage=3 data.seq_len=256")
     p.add_argument("config", nargs="?", help="job config file (.yaml/.yml/.json); default: the built-in quickstart")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
-    p.add_argument("--nproc-per-node", type=int, help="local worker processes (default: train.nproc_per_node)")
+    p.add_argument("--nproc-per-node", type=whole_number(1), help="local worker processes (default: train.nproc_per_node)")
     p.add_argument("--print-config", action="store_true", help="print the resolved job config and exit")
     return p
 
@@ -84,9 +86,7 @@ def train_main(argv: Sequence[str], as_program: bool = False) -> int:
 
             print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="")
             return 0
-        nproc = args.nproc_per_node or job.train.nproc_per_node
-        if nproc < 1:
-            raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+        nproc = args.nproc_per_node if args.nproc_per_node is not None else job.train.nproc_per_node
         from parallel3d.job.prepare import prepare
 
         prep = prepare(job, nproc)

@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -126,6 +126,9 @@ def parse_hostfile(path: str | os.PathLike) -> list[Host]:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
         raise ConfigError(f"hostfile {path} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"hostfile {path} is not text (byte {exc.start} is not UTF-8); expected lines of "
+                          f"{HOSTFILE_FORMAT}") from None
     hosts: dict[str, Host] = {}
     for lineno, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
@@ -262,18 +265,19 @@ def build_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         if args.nproc_per_node is not None and args.nproc_per_node > slots:
             raise ConfigError(f"--nproc-per-node {args.nproc_per_node} exceeds the hostfile's slots={slots}")
     elif slurm is not None:
-        hosts = filter_hosts([Host(h, args.nproc_per_node or 1) for h in slurm[0]], args.include, args.exclude)
+        slots = args.nproc_per_node if args.nproc_per_node is not None else 1
+        hosts = filter_hosts([Host(h, slots) for h in slurm[0]], args.include, args.exclude)
     elif args.include or args.exclude:
         raise ConfigError("--include/--exclude need a --hostfile (or a Slurm allocation)")
-    nproc = args.nproc_per_node or (hosts[0].nproc if hosts else 1)
-    nnodes = len(hosts) if hosts else (args.nnodes or 1)
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else (hosts[0].nproc if hosts else 1)
+    nnodes = len(hosts) if hosts else (args.nnodes if args.nnodes is not None else 1)
     if hosts and args.nnodes is not None and args.nnodes != nnodes:
         raise ConfigError(f"--nnodes {args.nnodes} disagrees with the {nnodes} hosts of the "
                           + ("hostfile" if args.hostfile else "Slurm nodelist"))
     if not hosts and nnodes > 1 and not args.master_addr:
         raise ConfigError(f"--nnodes {nnodes} needs --master-addr (the address of node 0), or use --hostfile")
     master = args.master_addr or (hosts[0].name if hosts and nnodes > 1 else "127.0.0.1")
-    port = args.master_port or (free_port() if nnodes == 1 else DEFAULT_PORT)
+    port = args.master_port if args.master_port is not None else (free_port() if nnodes == 1 else DEFAULT_PORT)
     names = [h.name for h in hosts] if hosts else [f"node{r}" for r in range(nnodes)]
     target = [args.script, *args.script_args]
     nodes = []
@@ -340,16 +344,34 @@ def _run_ssh(plan: Plan, env: Mapping[str, str]) -> int:
 
 # -- command line --------------------------------------------------------------------------
 
+def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high]; anything else is one usage error saying so
+    (``--nproc-per-node 0`` used to be read as "not given")."""
+    allowed = f">= {low}" if high is None else f"in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be a whole number {allowed}, got {text!r}")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zero3d launch", allow_abbrev=False,
         description="Run a training script on one or many nodes through torchrun "
                     "(hostfile in DeepSpeed's format, or Slurm's SLURM_* variables).")
-    p.add_argument("--nproc-per-node", type=int, help="workers per node (default: hostfile slots, else 1)")
-    p.add_argument("--nnodes", type=int, help="number of nodes (default: hosts in the hostfile/Slurm, else 1)")
-    p.add_argument("--node-rank", type=int, help="this node's rank: run only its part (no ssh)")
+    p.add_argument("--nproc-per-node", type=whole_number(1), help="workers per node (default: hostfile slots, else 1)")
+    p.add_argument("--nnodes", type=whole_number(1), help="number of nodes (default: hosts in the hostfile/Slurm, else 1)")
+    p.add_argument("--node-rank", type=whole_number(0), help="this node's rank: run only its part (no ssh)")
     p.add_argument("--master-addr", help="node 0's address (default: first host, else 127.0.0.1)")
-    p.add_argument("--master-port", type=int, help=f"rendezvous port (default {DEFAULT_PORT}; a free one on one node)")
+    p.add_argument("--master-port", type=whole_number(1, 65535),
+                   help=f"rendezvous port (default {DEFAULT_PORT}; a free one on one node)")
     p.add_argument("--hostfile", help="DeepSpeed hostfile: lines of 'HOSTNAME slots=N'")
     p.add_argument("--include", help="only these hosts/slots, e.g. 'host1@host2:0,1'")
     p.add_argument("--exclude", help="leave out these hosts/slots, e.g. 'host3' or 'host1:0'")

@@ -85,6 +85,24 @@ def test_hostfile_missing_empty_duplicate_unequal(tmp_path):
         launcher.build_plan(launcher.build_parser().parse_args(["--hostfile", str(tmp_path / "uneq"), "t.py"]), {})
 
 
+def test_binary_hostfile_is_one_message(tmp_path, capsys):
+    f = tmp_path / "hosts"
+    f.write_bytes(b"\x81\xe8\x00garbage\xff" * 20)
+    assert main(["--hostfile", str(f), "--dry-run", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"zero3d launch: error: hostfile {f} is not text (byte 0 is not UTF-8); expected lines of "
+                   f"{launcher.HOSTFILE_FORMAT}\n")
+
+
+@pytest.mark.parametrize("flag,value,allowed", [("--nproc-per-node", "0", ">= 1"), ("--nnodes", "0", ">= 1"),
+                                                ("--node-rank", "-1", ">= 0"), ("--master-port", "0", "in 1..65535")])
+def test_bad_numbers_are_refused_not_replaced(capsys, flag, value, allowed):
+    """A zero used to be read as "not given" and replaced by the default."""
+    assert main([flag, value, "--dry-run", "t.py"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"zero3d launch: error: argument {flag}: must be a whole number {allowed}, got '{value}'"
+
+
 def test_hostfile_ssh_dry_run(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     f = tmp_path / "hosts"
@@ -159,7 +177,7 @@ def test_slurm_dry_run(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--nproc-per-node", "x", "t.py"], "invalid int value"),
+    (["--nproc-per-node", "x", "t.py"], "must be a whole number >= 1, got 'x'"),
     (["--nnodes", "2", "t.py"], "needs --master-addr"),
     (["--nnodes", "2", "--master-addr", "h", "--node-rank", "5", "t.py"], "--node-rank must be in [0, 2)"),
     (["--nproc-per-node", "2"], "required: script"),

@@ -166,6 +166,9 @@ def test_cli_bad_input_is_one_message_before_launch(tmp_path, capsys):
     assert "Traceback" not in err and not (tmp_path / "run").exists()
     assert cli.main(["train", str(config), "train.max_stepz=3"]) == 2
     assert "did you mean 'train.max_steps'?" in capsys.readouterr().err
+    assert cli.main(["train", str(config), "--nproc-per-node", "0"]) == 2  # not read as "not given"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zero3d train: error: argument --nproc-per-node: must be a whole number >= 1, got '0'")
 
 
 def test_cli_print_config_and_dispatch(capsys, monkeypatch):
