@@ -1,11 +1,12 @@
 """``python -m parallel3d.agent [torchrun arguments]``: torchrun's elastic agent, made to end cleanly.
 
 `zero3d train` and `zero3d launch` start this instead of ``python -m torch.distributed.run``;
-it takes the same arguments and runs the same agent in-process, with four differences:
+it takes the same arguments and runs the same agent in-process, with five differences:
 
 * it dies with its parent (the launcher, or the ssh session that started it): the kernel sends
   it SIGTERM, and torchrun's own handler stops the workers (parallel3d/lifeline.py);
 * its workers learn its pid (``ZERO3D_AGENT_PID``), so each can ask to die with it too;
+* each round of an elastic job (restarts, ``--nnodes MIN:MAX``) gets a fresh store;
 * a stop signal ends it with exit code 128 + signal and no output: the workers say what
   they did (torchrun prints a traceback and a failure table);
 * failed workers end it with the first failure's exit code and one line per failed rank
@@ -62,6 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parent = os.environ.pop(PARENT_PID_ENV, None)
     die_with_parent(int(parent) if parent and parent.isdigit() else os.getppid())
     os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers inherit this environment
+    # Each rendezvous round of an elastic job gets a store of its own (hosted by its rank 0): a
+    # restarted round that shares the agent's store reads the dead round's gloo addresses from
+    # it and hangs in ProcessGroupGloo's connect (torch 2.13). The static rendezvous ignores it.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

@@ -1,6 +1,6 @@
 """The ``zero3d`` command: ``train``, ``launch``, ``export``, ``plot``.
 
-    zero3d train [CONFIG] [--nproc-per-node N] [--print-config] [key.sub=value ...]
+    zero3d train [CONFIG] [--nproc-per-node N] [--max-restarts N] [--print-config] [key.sub=value ...]
     zero3d launch ...   (parallel3d.launcher)    zero3d export ...   (parallel3d.export)
     zero3d plot ...     (parallel3d.plot)
 
@@ -50,6 +50,9 @@ def train_parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="job config file (.yaml/.yml/.json); default: the built-in quickstart")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
     p.add_argument("--nproc-per-node", type=whole_number(1), help="local worker processes (default: train.nproc_per_node)")
+    p.add_argument("--max-restarts", type=whole_number(0), default=0,
+                   help="after a worker dies, restart all workers up to this many times; they resume from the "
+                        "latest checkpoint (default 0)")
     p.add_argument("--print-config", action="store_true", help="print the resolved job config and exit")
     return p
 
@@ -95,7 +98,7 @@ def train_main(argv: Sequence[str], as_program: bool = False) -> int:
             logger.info("nothing to train: %s is at step %d and the job asks for %d steps; raise train.max_steps "
                         "(or train.epochs) to continue it", prep.resume_from, done, prep.total_steps)
             return 0
-        if nproc == 1:
+        if nproc == 1 and not args.max_restarts:  # restarts need torchrun's agent, even for one worker
             from parallel3d.job.trainer import train
 
             train(prep)
@@ -109,7 +112,7 @@ def train_main(argv: Sequence[str], as_program: bool = False) -> int:
     from parallel3d.lifeline import exit_now
 
     logger.info("starting %d local workers", nproc)
-    code = run_local(["parallel3d.job.run", *positional], nproc, module=True)
+    code = run_local(["parallel3d.job.run", *positional], nproc, module=True, max_restarts=args.max_restarts)
     if as_program:  # the job is over: skip tearing down what prepare imported (seconds under load)
         exit_now(code)
     return code

@@ -60,6 +60,11 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and bool(_FAILURE.search(str(exc))))
 
 
+def backend_reason(exc: BaseException) -> str:
+    """The first sentence of a backend's message, without its source location."""
+    return str(exc).split("] ", 1)[-1].splitlines()[0].split(". ")[0][:160]
+
+
 def last_collective(thread_ident: int | None) -> dict | None:
     """The last collective the thread ``thread_ident`` entered, from torch's flight recorder."""
     try:
@@ -145,7 +150,7 @@ class Watchdog:
         timed_out = "imed out" in str(exc) or "Timeout" in str(exc)
         how = (f"did not complete within {self.timeout_s:g} s (comm.timeout_s)" if timed_out else
                "failed: a peer closed its connection (it ended or was killed)")
-        backend = str(exc).split("] ", 1)[-1].splitlines()[0].split(". ")[0][:160]
+        backend = backend_reason(exc)
         if mine is None:
             return f"rank {self.rank}: a collective {how} ({backend})"
         label, ranks = describe_group(mine["group"], mine["desc"])

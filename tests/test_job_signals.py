@@ -47,9 +47,14 @@ def job_processes(mark: str) -> dict[int, tuple[str, dict[str, str]]]:
 
 
 class Job:
-    """A `zero3d train` of the tiny job on two local processes, started in the background."""
+    """A `zero3d train` of the tiny job on two local processes, started in the background.
 
-    def __init__(self, tmp_path: Path, cache_dir: Path, *overrides: str) -> None:
+    It trains "for ever" (100000 steps) and saves every 2 steps unless ``args`` (overrides and
+    flags, later ones win) say otherwise.
+    """
+
+    def __init__(self, tmp_path: Path, cache_dir: Path, *args: str) -> None:
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.run = tmp_path / "run"
         self.mark = uuid.uuid4().hex
         config = tmp_path / "job.yaml"
@@ -59,7 +64,7 @@ class Job:
         self.err = open(self.err_path, "w")
         self.launcher = subprocess.Popen(
             [sys.executable, "-m", "parallel3d.cli", "train", str(config), "--nproc-per-node", "2",
-             "train.max_steps=100000", "train.save_interval=2", *overrides],
+             "train.max_steps=100000", "train.save_interval=2", *args],
             cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=self.err)
 
     def wait_for_step(self, step: int, timeout: float = 300.0) -> None:

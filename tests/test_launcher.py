@@ -94,7 +94,7 @@ def test_binary_hostfile_is_one_message(tmp_path, capsys):
                    f"{launcher.HOSTFILE_FORMAT}\n")
 
 
-@pytest.mark.parametrize("flag,value,allowed", [("--nproc-per-node", "0", ">= 1"), ("--nnodes", "0", ">= 1"),
+@pytest.mark.parametrize("flag,value,allowed", [("--nproc-per-node", "0", ">= 1"), ("--max-restarts", "-1", ">= 0"),
                                                 ("--node-rank", "-1", ">= 0"), ("--master-port", "0", "in 1..65535")])
 def test_bad_numbers_are_refused_not_replaced(capsys, flag, value, allowed):
     """A zero used to be read as "not given" and replaced by the default."""
@@ -185,6 +185,25 @@ def test_slurm_dry_run(capsys, monkeypatch):
 def test_bad_arguments(capsys, argv, msg):
     assert main(["--dry-run", *argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_elastic_flags_dry_run(capsys):
+    """--max-restarts or --nnodes MIN:MAX: torchrun's c10d rendezvous at node 0's address, one id for every node."""
+    out = dry_run(capsys, "--nnodes", "1:2", "--max-restarts", "3", "--master-addr", "10.0.0.1", "--master-port", "6000",
+                  "--nproc-per-node", "2", "t.py", "--lr", "1")
+    argv = out["node0"]
+    assert argv[argv.index("parallel3d.agent") + 1:] == [
+        "--nproc-per-node", "2", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:6000",
+        "--rdzv-id", "zero3d-10.0.0.1-6000", "--max-restarts", "3", "t.py", "--lr", "1"]
+    restarts_only = dry_run(capsys, "--max-restarts", "1", "--master-port", "6001", "t.py")["node0"]
+    assert restarts_only[restarts_only.index("--nnodes") + 1] == "1" and "--rdzv-backend" in restarts_only
+
+
+@pytest.mark.parametrize("value", ["0", "3:2", "0:2", "a:b", "2:", ":2"])
+def test_bad_node_range(capsys, value):
+    assert main(["--nnodes", value, "--dry-run", "t.py"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"zero3d launch: error: argument --nnodes: must be N or MIN:MAX with 1 <= MIN <= MAX, got '{value}'")
 
 
 def test_multinode_flags_dry_run(capsys):

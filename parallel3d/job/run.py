@@ -22,6 +22,7 @@ from parallel3d.job.metrics import TqdmHandler
 from parallel3d.job.prepare import Prepared, prepare
 from parallel3d.job.stop import JobStopped
 from parallel3d.lifeline import die_with_agent, exit_now
+from parallel3d.watchdog import backend_reason, is_collective_failure
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +77,23 @@ def prepare_all_ranks(job: JobConfig, world_size: int) -> Prepared:
 
 
 def run_job(job: JobConfig) -> dict:
-    """Join the job's process group (torchrun's environment), prepare, train; returns the summary."""
+    """Join the job's process group (torchrun's environment), prepare, train; returns the summary.
+
+    Workers that torchrun restarted after a failure (``--max-restarts``) continue the run from
+    its latest checkpoint, whatever ``train.resume`` says: the checkpoints are this run's own.
+    """
+    from parallel3d.config import Zero3DConfig
+    from parallel3d.job.config import engine_dict
     from parallel3d.job.trainer import train
     from parallel3d.mesh import default_device, ensure_process_group
 
-    ensure_process_group(default_device())
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart > 0:
+        logger.info("torchrun restarted the workers after a failure (restart %d of %s); continuing from the "
+                    "latest checkpoint", restart, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
+        if job.train.resume is False:
+            job = job.model_copy(update={"train": job.train.model_copy(update={"resume": "auto"})})
+    ensure_process_group(default_device(), Zero3DConfig.from_dict(engine_dict(job)).comm.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return train(prepare_all_ranks(job, world))
 
@@ -124,6 +137,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return report_stop(exc, rank)
     except CollectiveError as exc:  # each rank says what it saw: which operation, who did not arrive
         print(f"zero3d train: error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # a peer lost while preparing, before the engine's watchdog exists
+        if not is_collective_failure(exc):
+            raise
+        print(f"zero3d train: error: rank {rank}: a collective failed while the job was starting "
+              f"({backend_reason(exc)})", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():
