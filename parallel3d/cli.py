@@ -1,6 +1,6 @@
 """The ``zero3d`` command: ``train``, ``launch``, ``export``, ``plot``, ``plan``.
 
-    zero3d train [CONFIG] [--nproc-per-node N] [--print-config] [key.sub=value ...]
+    zero3d train [CONFIG] [--nproc-per-node N] [--max-restarts N] [--print-config] [key.sub=value ...]
     zero3d launch ...   (parallel3d.launcher)    zero3d export ...   (parallel3d.export)
     zero3d plot ...     (parallel3d.plot)        zero3d plan ...     (parallel3d.planner.cli)
 
@@ -40,6 +40,8 @@ commands:
 
 
 def train_parser() -> argparse.ArgumentParser:
+    from parallel3d.launcher import whole_number
+
     p = argparse.ArgumentParser(
         prog="zero3d train", allow_abbrev=False,
         description="Train a Hugging Face causal LM from a job config (YAML/JSON). Without CONFIG, the built-in "
@@ -48,7 +50,10 @@ def train_parser() -> argparse.ArgumentParser:
                "engine.zero_optimization.stage=3 data.seq_len=256")
     p.add_argument("config", nargs="?", help="job config file (.yaml/.yml/.json); default: the built-in quickstart")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="config overrides")
-    p.add_argument("--nproc-per-node", type=int, help="local worker processes (default: train.nproc_per_node)")
+    p.add_argument("--nproc-per-node", type=whole_number(1), help="local worker processes (default: train.nproc_per_node)")
+    p.add_argument("--max-restarts", type=whole_number(0), default=0,
+                   help="after a worker dies, restart all workers up to this many times; they resume from the "
+                        "latest checkpoint (default 0)")
     p.add_argument("--print-config", action="store_true", help="print the resolved job config and exit")
     return p
 
@@ -61,9 +66,13 @@ def _steps_done(prep) -> int | None:
     return int(match[1]) if match else None
 
 
-def train_main(argv: Sequence[str]) -> int:
-    """``zero3d train``: validate and prepare here, then train in N local workers."""
+def train_main(argv: Sequence[str], as_program: bool = False) -> int:
+    """``zero3d train``: validate and prepare here, then train in N local workers.
+
+    ``as_program``: this is the ``zero3d`` process itself, which may end without teardown.
+    """
     from parallel3d.job import run as job_run
+    from parallel3d.job.stop import JobStopped
 
     args = train_parser().parse_intermixed_args(list(argv))
     positional = ([args.config] if args.config else []) + list(args.overrides)
@@ -81,9 +90,7 @@ def train_main(argv: Sequence[str]) -> int:
 
             print(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False), end="")
             return 0
-        nproc = args.nproc_per_node or job.train.nproc_per_node
-        if nproc < 1:
-            raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+        nproc = args.nproc_per_node if args.nproc_per_node is not None else job.train.nproc_per_node
         from parallel3d.job.prepare import prepare
 
         prep = prepare(job, nproc)
@@ -92,7 +99,7 @@ def train_main(argv: Sequence[str]) -> int:
             logger.info("nothing to train: %s is at step %d and the job asks for %d steps; raise train.max_steps "
                         "(or train.epochs) to continue it", prep.resume_from, done, prep.total_steps)
             return 0
-        if nproc == 1:
+        if nproc == 1 and not args.max_restarts:  # restarts need torchrun's agent, even for one worker
             from parallel3d.job.trainer import train
 
             train(prep)
@@ -100,15 +107,21 @@ def train_main(argv: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"zero3d train: error: {exc}", file=sys.stderr)
         return 2
+    except (JobStopped, KeyboardInterrupt) as exc:
+        return job_run.report_stop(exc, 0)
     from parallel3d.launcher import run_local
+    from parallel3d.lifeline import exit_now
 
     logger.info("starting %d local workers", nproc)
-    return run_local(["parallel3d.job.run", *positional], nproc, module=True)
+    code = run_local(["parallel3d.job.run", *positional], nproc, module=True, max_restarts=args.max_restarts)
+    if as_program:  # the job is over: skip tearing down what prepare imported (seconds under load)
+        exit_now(code)
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``zero3d`` console script; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv_given, argv = argv, list(sys.argv[1:] if argv is None else argv)
     others = "\n".join(f"  {name:<8} {text}" for name, (_, text) in _DISPATCH.items())
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE.format(others=others))
@@ -116,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command, rest = argv[0], argv[1:]
     if command == "train":
         try:
-            return train_main(rest)
+            return train_main(rest, as_program=argv_given is None)
         except SystemExit as exc:  # argparse: --help or a usage error, already printed
             return int(exc.code or 0)
     if command in _DISPATCH:

@@ -28,9 +28,9 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from parallel3d.config_sections import (
-    NOT_SET, BF16Config, CheckpointConfig, DataTypesConfig, FP16Config, NonNegFloat, OptimizerConfig, PipelineConfig,
-    PositiveFloat, PositiveInt, SchedulerConfig, Section, TensorParallelConfig, ZeroConfig, describe_validation_error, disabled_block,
-    problem)
+    NOT_SET, BF16Config, CheckpointConfig, CommConfig, DataTypesConfig, FP16Config, NonNegFloat, OptimizerConfig,
+    PipelineConfig, PositiveFloat, PositiveInt, SchedulerConfig, Section, TensorParallelConfig, ZeroConfig,
+    describe_validation_error, disabled_block, problem)
 from parallel3d.errors import ConfigError
 
 __all__ = ["Zero3DConfig", "load_config", "IGNORED_KEYS", "BATCH_KEYS"]
@@ -118,6 +118,8 @@ class Zero3DConfig(Section):
     """Pipeline stages of the mesh."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """How checkpoints are written (`async_save`)."""
+    comm: CommConfig = Field(default_factory=CommConfig)
+    """The collective timeout (`timeout_s`)."""
 
     _world_size: Optional[int] = PrivateAttr(default=None)
     _given_batch: Optional[tuple] = PrivateAttr(default=None)

@@ -375,6 +375,16 @@ class CheckpointConfig(Section):
     `engine.wait_for_checkpoint()`, wait for it."""
 
 
+class CommConfig(Section):
+    """`comm`: how long a collective may wait for the other ranks (Zero3D's own section)."""
+
+    timeout_s: PositiveFloat = 300.0
+    """Seconds a collective or a pipeline transfer waits for the other ranks of its group. Then
+    the job stops with a message naming the group, the operation and the ranks that did not
+    arrive. Set on every group Zero3D creates, and on the default group when Zero3D creates it
+    or this key is given (torch's own defaults are 30 minutes for gloo, 10 for NCCL)."""
+
+
 # --- optimizer -----------------------------------------------------------------------------
 
 _TORCH_OPTIMIZERS = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}

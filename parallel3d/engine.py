@@ -7,8 +7,11 @@ stages is how a window of micro-batches runs, and that is the step loop it holds
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,9 +25,23 @@ from parallel3d.errors import ConfigError, UsageError
 from parallel3d.mesh import Mesh3D
 from parallel3d.pipeline.stage import PipelineModel
 from parallel3d.step_loops import MicroBatchLoop, PipelineLoop
+from parallel3d.watchdog import Watchdog
 from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
+
+
+def _explained(method: Callable) -> Callable:
+    """A collective that times out or loses a peer inside ``method`` raises an explained
+    `CollectiveError` (parallel3d/watchdog.py) instead of the backend's bare message."""
+    @functools.wraps(method)
+    def wrapper(self: Engine, *args, **kwargs):
+        if self.watchdog is None:
+            return method(self, *args, **kwargs)
+        with self.watchdog.explaining():
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class Engine(DeepSpeedSurface):
@@ -47,6 +64,7 @@ class Engine(DeepSpeedSurface):
         tp_info=None,
         pipe: PipelineModel | None = None,
         client_optimizer: torch.optim.Optimizer | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self.module = module
         self.client_optimizer = client_optimizer
@@ -66,6 +84,9 @@ class Engine(DeepSpeedSurface):
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
         self._staging: checkpoint.StagingBuffer | None = None  # async saves' CPU copy, reused
+        self.watchdog = watchdog
+        if watchdog is not None:
+            weakref.finalize(self, watchdog.close)  # the heartbeat thread ends with the engine
 
     # -- the DeepSpeed loop --------------------------------------------------------------
 
@@ -79,6 +100,7 @@ class Engine(DeepSpeedSurface):
                 "through its schedule; use engine.train_batch(data_iter) or engine.eval_batch(data_iter)"
             )
 
+    @_explained
     def forward(self, *args, **kwargs):
         self._per_micro_batch_call("forward (engine(...))")
         self.optimizer.gather_for_forward()
@@ -90,6 +112,7 @@ class Engine(DeepSpeedSurface):
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
+    @_explained
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); returns the divided loss.
 
@@ -111,6 +134,7 @@ class Engine(DeepSpeedSurface):
         self._backward_pending = True
         return loss
 
+    @_explained
     def step(self) -> None:
         """Count a micro-batch; at a window's end, step the optimizer and the LR schedule."""
         self._per_micro_batch_call("step")
@@ -127,6 +151,7 @@ class Engine(DeepSpeedSurface):
             self._surface_finished_save()
         self.micro_steps += 1
 
+    @_explained
     def train_batch(self, data_iter: Iterator) -> float:
         """Run one optimizer step over ``gradient_accumulation_steps`` micro-batches.
 
@@ -141,6 +166,7 @@ class Engine(DeepSpeedSurface):
             logger.info("step %d loss %.6f lr %s", self.global_steps, value, self.get_lr())
         return value
 
+    @_explained
     def eval_batch(self, data_iter: Iterator, num_micro_batches: int | None = None) -> float:
         """Forward only over ``num_micro_batches`` micro-batches (default: one window's worth).
 
@@ -212,6 +238,7 @@ class Engine(DeepSpeedSurface):
             raise ConfigError("engine.write_timeline needs pipeline.stages > 1 (it records the pipeline schedule)")
         return self.loop.write_timeline(path)
 
+    @_explained
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter by name, whole and in fp32 (collective over dp and tp).
 
@@ -228,6 +255,7 @@ class Engine(DeepSpeedSurface):
                     full[name] = spec.unshard(shards)
         return full
 
+    @_explained
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """Save the training state under ``save_dir/tag`` (default ``global_step{N}``); collective.
@@ -248,13 +276,15 @@ class Engine(DeepSpeedSurface):
         self.wait_for_checkpoint()
         background = self.config.checkpoint.async_save
         if background and self._save_group is None and dist.is_initialized():
-            self._save_group = dist.new_group(backend="gloo")
+            timeout = timedelta(seconds=self.mesh.timeout_s) if self.mesh.timeout_s is not None else None
+            self._save_group = dist.new_group(backend="gloo", timeout=timeout)
         if background and self._staging is None:
             self._staging = checkpoint.StagingBuffer()
         tag, self._pending_save = checkpoint.save(self, save_dir, tag, client_state or {}, self._save_group,
                                                   staging=self._staging if background else None)
         return tag
 
+    @_explained
     def wait_for_checkpoint(self) -> None:
         """Wait until a background save (``checkpoint.async_save``) is written and published."""
         pending, self._pending_save = self._pending_save, None
@@ -273,6 +303,7 @@ class Engine(DeepSpeedSurface):
         if done.item():
             self.wait_for_checkpoint()
 
+    @_explained
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None) -> tuple[str, dict]:

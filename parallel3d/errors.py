@@ -14,3 +14,8 @@ class UsageError(RuntimeError):
 
     Not a config problem: the message says which call was expected instead.
     """
+
+
+class CollectiveError(RuntimeError):
+    """A collective that timed out or lost a peer, explained: which operation on which group,
+    and which ranks did not arrive (parallel3d/watchdog.py)."""

@@ -39,19 +39,27 @@ DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16"), "fp1
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
 
+def _latest_tag(latest: Path) -> str:
+    tag = latest.read_text(errors="replace").strip()
+    if not tag:
+        raise ConfigError(f"{latest} is empty; it should name the newest checkpoint directory beside it (such as "
+                          "global_step12): write that name into it, or delete it to start fresh")
+    return check_tag(tag)
+
+
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The tag directory for a tag dir, a ``latest`` pointer file, a ``checkpoints/`` save dir
     (its newest tag) or a run dir containing ``checkpoints/``."""
     p = Path(path)
     if p.is_file() and p.name == "latest":
-        p = p.parent / check_tag(p.read_text().strip())
+        p = p.parent / _latest_tag(p)
     elif p.is_dir() and not (p / MANIFEST).is_file():
         if (p / "checkpoints" / "latest").is_file():
             p = p / "checkpoints"
         if (p / "latest").is_file():
-            p = p / check_tag((p / "latest").read_text().strip())
+            p = p / _latest_tag(p / "latest")
     if not p.exists():
-        raise ConfigError(f"checkpoint {path} does not exist" + (f" (resolved to {p})" if str(p) != str(path) else ""))
+        raise ConfigError(f"checkpoint {p} does not exist" + (f" ({path} points to it)" if str(p) != str(path) else ""))
     if not p.is_dir():
         raise ConfigError(f"{p} is not a zero3d checkpoint: expected a checkpoint directory (written by "
                           "engine.save_checkpoint), a 'latest' file or a checkpoints/ directory")
@@ -165,6 +173,8 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
     if not (tag_dir / "config.json").is_file():
         raise ConfigError(f"checkpoint {tag_dir} has no config.json (the Hugging Face model config); "
                           "was the engine's model a transformers model?")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output {out} is a file; give the directory to write (a new or an empty one)")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"output directory {out} is not empty (pass --overwrite to replace it)")
     try:

@@ -1,10 +1,13 @@
 """``parallel3d.initialize``: validate the config, build the mesh, shard the model, return an engine.
 
 The order matters and is fixed: (1) validate everything that can be validated without
-talking to other ranks (config, optimizer options, a pretrained directory against the model),
-so bad input fails the same way on every rank before any collective; (2) a meta model gets
-its buffers and storage-less params (parallel3d/meta_init.py); (3) build the pp x dp x tp
-mesh; (4) ``apply_tp`` -> ``apply_pipeline`` -> ``apply_zero`` (parallel3d/apply.py).
+talking to other ranks (config, optimizer options, a pretrained directory against the model);
+(2) join the process group (collective timeout ``comm.timeout_s``) and agree, in one small
+collective, that every rank has the same resolved config, world size and model signature, or
+that one rank's input was bad (parallel3d/agreement.py), so every rank stops with the same
+message; (3) a meta model gets its buffers and storage-less params (parallel3d/meta_init.py);
+(4) build the pp x dp x tp mesh; (5) ``apply_tp`` -> ``apply_pipeline`` -> ``apply_zero``
+(parallel3d/apply.py).
 """
 
 from __future__ import annotations
@@ -13,15 +16,18 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel3d.agreement import agree, describe
 from parallel3d.apply import apply_pipeline, apply_tp, apply_zero
 from parallel3d.config import Zero3DConfig, load_config
 from parallel3d.ds_arguments import check_distributed_arguments, refuse_deepspeed_partitioned, resolve_config
+from parallel3d.config_sections import CommConfig
 from parallel3d.engine import Engine
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.gathered import register
@@ -29,6 +35,7 @@ from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
 from parallel3d.planner.auto import resolve_auto
+from parallel3d.watchdog import Watchdog, set_timeout
 from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -144,6 +151,35 @@ def _dataloader(cfg: Zero3DConfig, mesh, training_data, collate_fn):
     )
 
 
+@dataclass
+class _Checked:
+    """What `_validate` found valid: the resolved config, param groups, optimizer factory, weights."""
+
+    cfg: Zero3DConfig
+    groups: list[dict]
+    named_groups: list[dict]
+    factory: Callable
+    weights: Any
+
+
+def _validate(model, config, world, device, model_parameters, optimizer, lr_scheduler, pretrained) -> _Checked:
+    """Everything checked without talking to other ranks; raises ConfigError (see `initialize`)."""
+    cfg = load_config(resolve_auto(config, model, world, device), world)
+    if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
+        model_parameters = optimizer.param_groups  # a client optimizer names its params
+    groups = _param_groups(model, model_parameters)
+    names = {p: n for n, p in model.named_parameters()}
+    named_groups = [dict(g, params=[names[p] for p in g["params"]]) for g in groups]
+    factory = _optimizer_factory(cfg, optimizer, groups)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        _check_optimizer_options(factory, groups)
+    if lr_scheduler is not None and cfg.scheduler is not None:
+        logger.info("initialize() got an lr_scheduler and the config a 'scheduler' section: using the one passed "
+                    "(as DeepSpeed does)")
+    weights = pretrained_source(pretrained, model) if pretrained is not None else None
+    return _Checked(cfg, groups, named_groups, factory, weights)
+
+
 def initialize(
     model: nn.Module = None,
     config: Any = None,
@@ -185,21 +221,20 @@ def initialize(
     check_distributed_arguments(mpu, mesh_param, dist_init_required, distributed_port)
     config = resolve_config(config, config_params, args)
     device = torch.device(device) if device is not None else default_device()
-    ensure_process_group(device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    cfg = load_config(resolve_auto(config, model, world, device), world)
-    if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
-        model_parameters = optimizer.param_groups  # a client optimizer names its params
-    groups = _param_groups(model, model_parameters)
-    names = {p: n for n, p in model.named_parameters()}
-    named_groups = [dict(g, params=[names[p] for p in g["params"]]) for g in groups]
-    factory = _optimizer_factory(cfg, optimizer, groups)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        _check_optimizer_options(factory, groups)
-    if lr_scheduler is not None and cfg.scheduler is not None:
-        logger.info("initialize() got an lr_scheduler and the config a 'scheduler' section: using the one passed "
-                    "(as DeepSpeed does)")
-    weights = pretrained_source(pretrained, model) if pretrained is not None else None
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        checked = _validate(model, config, world, device, model_parameters, optimizer, lr_scheduler, pretrained)
+    except ConfigError as exc:  # the other ranks learn it in the agreement instead of waiting there
+        ensure_process_group(device, CommConfig().timeout_s)
+        agree(exc, None)
+        raise
+    cfg, groups, named_groups, factory, weights = (
+        checked.cfg, checked.groups, checked.named_groups, checked.factory, checked.weights)
+    timeout_s = cfg.comm.timeout_s
+    if dist.is_initialized() and "comm" in cfg.model_fields_set:
+        set_timeout([dist.group.WORLD], timeout_s)  # the caller's own group: only when the config says so
+    ensure_process_group(device, timeout_s)
+    agree(None, describe(cfg.model_dump(mode="json"), {"world size": world}, model))
     source = None  # where a meta model's parameters come from
     if on_meta(model):
         replay = take_source(model)  # before anything changes the model
@@ -207,7 +242,7 @@ def initialize(
         detach_from_meta(model, buffer_values(replay, source), device)
     elif weights is not None:
         load_in_place(model, weights)
-    mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device)
+    mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s)
     if source is None:
         model.to(device)
     tp_info = apply_tp(model, cfg.tensor_parallel, mesh)
@@ -216,5 +251,6 @@ def initialize(
     register(zero_opt)
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
     client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe, client_optimizer=client)
+    engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe, client_optimizer=client,
+                    watchdog=Watchdog.for_default_group(timeout_s))
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

@@ -1,11 +1,15 @@
 """``zero3d launch``: start a training script on one or many nodes through torchrun.
 
-We do not write a process manager: every node runs ``python -m torch.distributed.run`` with
-the static rendezvous flags (``--nnodes/--node-rank/--master-addr/--master-port``), and this
-module only works out those flags from the command line, a DeepSpeed-style hostfile or the
-Slurm environment. With a multi-host hostfile and no Slurm, the head node starts each node's
-torchrun over ssh (like DeepSpeed's ssh runner); under Slurm, ``srun`` has already put one
-``zero3d launch`` on every node, so each starts only its own torchrun.
+We do not write a process manager: every node runs torchrun's agent (through
+``python -m parallel3d.agent``, which takes torchrun's arguments and ends cleanly on signals)
+with the static rendezvous flags (``--nnodes/--node-rank/--master-addr/--master-port``), or
+the c10d rendezvous when the job is elastic (``--max-restarts``, ``--nnodes MIN:MAX``), and
+this module only works out those flags from the command line, a DeepSpeed-style hostfile or
+the Slurm environment. With a multi-host hostfile and no Slurm, the head node starts each
+node's torchrun over ssh (like DeepSpeed's ssh runner); under Slurm, ``srun`` has already put
+one ``zero3d launch`` on every node, so each starts only its own torchrun. Locally the agent
+runs under `parallel3d.lifeline.run_supervised`: stop signals are forwarded and nothing the job
+started outlives the launcher.
 """
 
 from __future__ import annotations
@@ -15,15 +19,17 @@ import logging
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from parallel3d.errors import ConfigError
+from parallel3d.lifeline import STOP_SIGNALS, run_supervised
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +49,17 @@ def torchrun_command(
     master_addr: str = "127.0.0.1",
     master_port: int = DEFAULT_PORT,
     module: bool = False,
+    min_nodes: int | None = None,
+    max_restarts: int = 0,
+    rdzv_id: str = "zero3d",
 ) -> list[str]:
-    """The exact argv that runs ``target`` (a script and its args, or a module with ``module``)."""
+    """The exact argv that runs ``target`` (a script and its args, or a module with ``module``).
+
+    With ``max_restarts`` > 0 or fewer ``min_nodes`` than ``nnodes`` the job is elastic: torchrun's
+    c10d rendezvous at ``master_addr:master_port`` (hosted by the agent there) instead of the
+    static one, so the agent can restart the workers after one dies and a new round may have
+    fewer nodes; ``--node-rank`` is then the rendezvous' to decide.
+    """
     if not target:
         raise ConfigError("launch needs a training script (or -m module) to run")
     if nproc_per_node < 1:
@@ -55,14 +70,19 @@ def torchrun_command(
         raise ConfigError(f"--node-rank must be in [0, nnodes={nnodes}), got {node_rank}")
     if not 0 < master_port < 65536:
         raise ConfigError(f"--master-port must be in 1..65535, got {master_port}")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc-per-node", str(nproc_per_node),
-        "--nnodes", str(nnodes),
-        "--node-rank", str(node_rank),
-        "--master-addr", master_addr,
-        "--master-port", str(master_port),
-    ]
+    min_nodes = nnodes if min_nodes is None else min_nodes
+    if not 1 <= min_nodes <= nnodes:
+        raise ConfigError(f"--nnodes {min_nodes}:{nnodes}: the minimum must be in 1..{nnodes} (the maximum)")
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+    cmd = [sys.executable, "-m", "parallel3d.agent", "--nproc-per-node", str(nproc_per_node)]
+    if max_restarts or min_nodes < nnodes:
+        cmd += ["--nnodes", f"{min_nodes}:{nnodes}" if min_nodes < nnodes else str(nnodes),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr}:{master_port}", "--rdzv-id", rdzv_id,
+                "--max-restarts", str(max_restarts)]
+    else:
+        cmd += ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--master-addr", master_addr,
+                "--master-port", str(master_port)]
     if module:
         cmd.append("-m")
     return cmd + list(target)
@@ -87,23 +107,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_local(target: list[str], nproc_per_node: int, module: bool = False) -> int:
+def run_local(target: list[str], nproc_per_node: int, module: bool = False, max_restarts: int = 0) -> int:
     """Run ``target`` on this machine under torchrun with ``nproc_per_node`` workers.
 
-    Uses a free port rather than 29500 so two local runs (or tests) do not collide.
+    Uses a free port rather than 29500 so two local runs (or tests) do not collide. With
+    ``max_restarts`` the agent restarts all workers (up to that many times) after one fails.
     """
-    cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=free_port(), module=module)
+    port = free_port()
+    cmd = torchrun_command(target, nproc_per_node=nproc_per_node, master_port=port, module=module,
+                           max_restarts=max_restarts, rdzv_id=f"zero3d-local-{port}")
     logger.info("running %s", shlex.join(cmd))
-    return _run(cmd, worker_env(nproc_per_node))
-
-
-def _run(cmd: list[str], env: Mapping[str, str]) -> int:
-    proc = subprocess.Popen(cmd, env=dict(env))
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        return proc.wait()
+    return run_supervised(cmd, worker_env(nproc_per_node))
 
 
 # -- hosts: DeepSpeed hostfile, --include/--exclude, Slurm nodelist ------------------------
@@ -130,6 +144,9 @@ def parse_hostfile(path: str | os.PathLike) -> list[Host]:
         lines = Path(path).read_text().splitlines()
     except OSError as exc:
         raise ConfigError(f"hostfile {path} cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"hostfile {path} is not text (byte {exc.start} is not UTF-8); expected lines of "
+                          f"{HOSTFILE_FORMAT}") from None
     hosts: dict[str, Host] = {}
     for lineno, raw in enumerate(lines, 1):
         line = raw.split("#", 1)[0].strip()
@@ -266,19 +283,23 @@ def build_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         if args.nproc_per_node is not None and args.nproc_per_node > slots:
             raise ConfigError(f"--nproc-per-node {args.nproc_per_node} exceeds the hostfile's slots={slots}")
     elif slurm is not None:
-        hosts = filter_hosts([Host(h, args.nproc_per_node or 1) for h in slurm[0]], args.include, args.exclude)
+        slots = args.nproc_per_node if args.nproc_per_node is not None else 1
+        hosts = filter_hosts([Host(h, slots) for h in slurm[0]], args.include, args.exclude)
     elif args.include or args.exclude:
         raise ConfigError("--include/--exclude need a --hostfile (or a Slurm allocation)")
-    nproc = args.nproc_per_node or (hosts[0].nproc if hosts else 1)
-    nnodes = len(hosts) if hosts else (args.nnodes or 1)
-    if hosts and args.nnodes is not None and args.nnodes != nnodes:
-        raise ConfigError(f"--nnodes {args.nnodes} disagrees with the {nnodes} hosts of the "
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else (hosts[0].nproc if hosts else 1)
+    min_nodes, max_nodes = args.nnodes if args.nnodes is not None else (None, None)
+    nnodes = len(hosts) if hosts else (max_nodes if max_nodes is not None else 1)
+    if hosts and max_nodes is not None and max_nodes != nnodes:
+        raise ConfigError(f"--nnodes {max_nodes} disagrees with the {nnodes} hosts of the "
                           + ("hostfile" if args.hostfile else "Slurm nodelist"))
     if not hosts and nnodes > 1 and not args.master_addr:
         raise ConfigError(f"--nnodes {nnodes} needs --master-addr (the address of node 0), or use --hostfile")
     master = args.master_addr or (hosts[0].name if hosts and nnodes > 1 else "127.0.0.1")
-    port = args.master_port or (free_port() if nnodes == 1 else DEFAULT_PORT)
+    port = args.master_port if args.master_port is not None else (free_port() if nnodes == 1 else DEFAULT_PORT)
     names = [h.name for h in hosts] if hosts else [f"node{r}" for r in range(nnodes)]
+    # every node's agent must name the same rendezvous: the Slurm job, or node 0's address
+    rdzv_id = f"zero3d-slurm-{env['SLURM_JOB_ID']}" if slurm is not None else f"zero3d-{master}-{port}"
     target = [args.script, *args.script_args]
     nodes = []
     for rank in range(nnodes):
@@ -286,7 +307,8 @@ def build_plan(args: argparse.Namespace, env: Mapping[str, str]) -> Plan:
         if hosts and hosts[rank].selected is not None:
             extra["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, hosts[rank].selected[:nproc]))
         argv = torchrun_command(target, nproc_per_node=nproc, nnodes=nnodes, node_rank=rank,
-                                master_addr=master, master_port=port, module=args.module)
+                                master_addr=master, master_port=port, module=args.module, min_nodes=min_nodes,
+                                max_restarts=args.max_restarts, rdzv_id=rdzv_id)
         nodes.append(NodeCommand(names[rank], rank, argv, extra))
     source = "--node-rank"
     if args.node_rank is not None:
@@ -315,17 +337,25 @@ def ssh_command(node: NodeCommand, env: Mapping[str, str], cwd: str) -> list[str
 
 
 def _run_ssh(plan: Plan, env: Mapping[str, str]) -> int:
-    """Start every node over ssh; if one fails, stop the others and return its exit code."""
+    """Start every node over ssh; if one fails or a stop signal comes, stop the others.
+
+    Returns the failed node's exit code (128 + the signal after a stop signal). Ending an ssh
+    client ends its remote session, and the remote agent dies with it (`parallel3d.agent`).
+    """
     procs = [subprocess.Popen(ssh_command(n, env, os.getcwd()), env=dict(env)) for n in plan.nodes]
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in STOP_SIGNALS}
     try:
-        while True:
+        while not received:
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed or all(c == 0 for c in codes):
                 break
             time.sleep(0.5)
-    except KeyboardInterrupt:
-        failed = [130]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    failed = [128 + received[0]] if received else failed
     for p in procs:
         if p.poll() is None:
             p.terminate()
@@ -336,16 +366,50 @@ def _run_ssh(plan: Plan, env: Mapping[str, str]) -> int:
 
 # -- command line --------------------------------------------------------------------------
 
+def whole_number(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high]; anything else is one usage error saying so
+    (``--nproc-per-node 0`` used to be read as "not given")."""
+    allowed = f">= {low}" if high is None else f"in {low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be a whole number {allowed}, got {text!r}")
+        return value
+
+    return parse
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """An argparse type for ``--nnodes``: ``N`` -> (N, N), ``MIN:MAX`` -> (MIN, MAX), 1 <= MIN <= MAX."""
+    low, colon, high = text.partition(":")
+    try:
+        low_n, high_n = int(low), int(high if colon else low)
+    except ValueError:
+        low_n = high_n = 0
+    if not 1 <= low_n <= high_n:
+        raise argparse.ArgumentTypeError(f"must be N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return low_n, high_n
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zero3d launch", allow_abbrev=False,
         description="Run a training script on one or many nodes through torchrun "
                     "(hostfile in DeepSpeed's format, or Slurm's SLURM_* variables).")
-    p.add_argument("--nproc-per-node", type=int, help="workers per node (default: hostfile slots, else 1)")
-    p.add_argument("--nnodes", type=int, help="number of nodes (default: hosts in the hostfile/Slurm, else 1)")
-    p.add_argument("--node-rank", type=int, help="this node's rank: run only its part (no ssh)")
+    p.add_argument("--nproc-per-node", type=whole_number(1), help="workers per node (default: hostfile slots, else 1)")
+    p.add_argument("--nnodes", type=node_range, metavar="N|MIN:MAX",
+                   help="number of nodes (default: hosts in the hostfile/Slurm, else 1); MIN:MAX lets the job go on "
+                        "with as few as MIN nodes after it loses some (elastic, with --max-restarts)")
+    p.add_argument("--node-rank", type=whole_number(0), help="this node's rank: run only its part (no ssh)")
     p.add_argument("--master-addr", help="node 0's address (default: first host, else 127.0.0.1)")
-    p.add_argument("--master-port", type=int, help=f"rendezvous port (default {DEFAULT_PORT}; a free one on one node)")
+    p.add_argument("--master-port", type=whole_number(1, 65535),
+                   help=f"rendezvous port (default {DEFAULT_PORT}; a free one on one node)")
+    p.add_argument("--max-restarts", type=whole_number(0), default=0,
+                   help="restart all workers up to this many times after one fails (default 0)")
     p.add_argument("--hostfile", help="DeepSpeed hostfile: lines of 'HOSTNAME slots=N'")
     p.add_argument("--include", help="only these hosts/slots, e.g. 'host1@host2:0,1'")
     p.add_argument("--exclude", help="leave out these hosts/slots, e.g. 'host3' or 'host1:0'")
@@ -380,4 +444,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run_ssh(plan, env)
     node = plan.nodes[plan.own]
     logger.info("node %s (rank %d of %d): %s", node.host, node.node_rank, len(plan.nodes), shlex.join(node.argv))
-    return _run(node.argv, worker_env(nproc, env) | node.env)
+    return run_supervised(node.argv, worker_env(nproc, env) | node.env)

@@ -39,6 +39,9 @@ def read_metrics(path: str | os.PathLike) -> dict[str, list[tuple[float, float]]
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise ConfigError(f"cannot read metrics file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"metrics file {path} is not text (byte {exc.start} is not UTF-8); zero3d plot reads the "
+                          "metrics.jsonl a run writes: one JSON object per line") from None
     points: dict[str, dict[float, float]] = {k: {} for k in SERIES}
     for lineno, line in enumerate(lines, 1):
         if not line.strip():

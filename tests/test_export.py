@@ -157,7 +157,14 @@ def test_bad_input(tmp_path, capsys):
     (tmp_path / "full" / "x").write_text("")
     assert "is not empty" in error(str(tag), str(tmp_path / "full"))
     assert main([str(tag)]) == 2  # argparse: missing OUT
+    capsys.readouterr()
     assert resolve_checkpoint(tmp_path / "save" / "latest") == tag
+    (tmp_path / "a_file").write_text("")
+    assert f"output {tmp_path / 'a_file'} is a file; give the directory to write" in error(str(tag), str(tmp_path / "a_file"))
+    (tmp_path / "save" / "latest").write_text("\n")
+    for where in (tmp_path / "save", tmp_path / "save" / "latest"):
+        assert f"{tmp_path / 'save' / 'latest'} is empty; it should name the newest checkpoint directory" in error(
+            str(where), str(tmp_path / "out"))
 
 
 def test_a_damaged_checkpoint_is_not_exported(dist, tmp_path, capsys):

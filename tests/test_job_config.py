@@ -189,6 +189,27 @@ def test_resume_modes_and_unreadable_checkpoint(tmp_path):
         checkpoints.find_resume, fresh)
     (tmp_path / "checkpoints" / "latest").write_text("global_step9")
     assert "checkpoints/global_step9 does not exist" in error_of(checkpoints.find_resume, cfg)
+    (tmp_path / "checkpoints" / "latest").write_text("")  # not "a tag '' is not allowed"
+    assert error_of(checkpoints.find_resume, cfg).startswith(
+        f"train.resume: {tmp_path / 'checkpoints' / 'latest'} is empty; it should name the newest checkpoint directory")
+
+
+def test_heads_that_do_not_divide_the_hidden_size():
+    cfg = load_job_config(job(), ["model.config.num_attention_heads=3"])
+    assert error_of(model_lib.hf_config, cfg) == (
+        "model.config: transformers refuses these overrides for llama: The hidden size (32) is not a multiple of the "
+        "number of attention heads (3).")
+
+
+def test_output_dir_that_is_a_file_or_cannot_be_created(tmp_path):
+    from parallel3d.job.prepare import _make_output_dir
+
+    (tmp_path / "file").write_text("")
+    assert error_of(_make_output_dir, tmp_path / "file") == f"train.output_dir: {tmp_path / 'file'} is a file, not a directory"
+    assert error_of(_make_output_dir, tmp_path / "file" / "run") == (
+        f"train.output_dir: {tmp_path / 'file' / 'run'} cannot be created or written: Not a directory")
+    _make_output_dir(tmp_path / "new" / "run")
+    assert [p.name for p in (tmp_path / "new" / "run").iterdir()] == []  # created, and the probe is gone
 
 
 def test_keep_last_prunes_oldest_but_never_latest(tmp_path):

@@ -115,6 +115,40 @@ def test_packed_blocks_are_cached(tmp_path, cache, small_tokenizer):
     assert first["train"]["input_ids"] == second["train"]["input_ids"]
 
 
+def test_splits_that_pack_into_no_block_are_one_message(tmp_path, small_tokenizer):
+    """A split shorter than seq_len (the job would have died in datasets with an IndexError)."""
+    job = job_for(tmp_path, validation_fraction=0.0, seq_len=2048)
+    docs, identity = load_documents(job)
+    for _ in range(2):  # the second time from the cache entry of the first
+        with pytest.raises(ConfigError, match=r"^data: the train split \(60 document\(s\), \d+ tokens\) does not fill "
+                                              r"one block of data.seq_len 2048 tokens; give more training text"):
+            pack_documents(docs, identity, small_tokenizer, job)
+    short = tmp_path / "short.jsonl"
+    short.write_text(json.dumps({"text": "hi"}) + "\n")
+    job = job_for(tmp_path, data_files={"train": str(tmp_path / "docs.jsonl"), "dev": str(short)},
+                  validation_split="dev")
+    docs, identity = load_documents(job)
+    with pytest.raises(ConfigError, match=r"^data: the validation split \(1 document\(s\), \d+ tokens\) does not fill "
+                                          r"one block of data.seq_len 16 tokens; .* or unset data.validation_split$"):
+        pack_documents(docs, identity, small_tokenizer, job)
+
+
+@pytest.mark.parametrize("content,reason", [
+    (b"", "holds no documents (every file is empty)"),
+    (b"\x81\xe8 random bytes \xff\x00" * 50, "the json builder cannot read {path}: ArrowInvalid: JSON parse error"),
+    (b"[]", "the json builder cannot read {path}: it holds no documents"),
+])
+def test_empty_or_garbage_data_file_is_one_message(tmp_path, caplog, content, reason):
+    path = tmp_path / "data.json"
+    path.write_bytes(content)
+    job = job_for(tmp_path, data_files=str(path))
+    with pytest.raises(ConfigError) as err:
+        load_documents(job)
+    assert str(err.value).startswith(f"data.data_files: {reason.format(path=path)}" if "{path}" in reason else
+                                     f"data.data_files: {path} {reason}"), str(err.value)
+    assert not [r for r in caplog.records if r.name.startswith("datasets")]  # no second copy in the log
+
+
 # --- order: seeded, sharded over dp only, resumable ---------------------------------------------
 
 

@@ -33,14 +33,14 @@ def dry_run(capsys, *argv: str) -> dict[str, list[str]]:
 
 
 def torchrun_flags(argv: list[str]) -> dict[str, str]:
-    i = argv.index("torch.distributed.run")
+    i = argv.index("parallel3d.agent")
     return {argv[j]: argv[j + 1] for j in range(i + 1, argv.index("--master-port") + 2, 2)}
 
 
 def test_torchrun_command_exact():
     cmd = torchrun_command(["train.py", "--config", "ds.json"], nproc_per_node=8, nnodes=2, node_rank=1,
                            master_addr="h0", master_port=1234)
-    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--nnodes", "2",
+    assert cmd == [sys.executable, "-m", "parallel3d.agent", "--nproc-per-node", "8", "--nnodes", "2",
                    "--node-rank", "1", "--master-addr", "h0", "--master-port", "1234", "train.py", "--config", "ds.json"]
     assert torchrun_command(["pkg.mod", "-x"], nproc_per_node=1, module=True)[-3:] == ["-m", "pkg.mod", "-x"]
 
@@ -83,6 +83,24 @@ def test_hostfile_missing_empty_duplicate_unequal(tmp_path):
     (tmp_path / "uneq").write_text("a slots=2\nb slots=4\n")
     with pytest.raises(ConfigError, match="same number of slots.*a=2, b=4"):
         launcher.build_plan(launcher.build_parser().parse_args(["--hostfile", str(tmp_path / "uneq"), "t.py"]), {})
+
+
+def test_binary_hostfile_is_one_message(tmp_path, capsys):
+    f = tmp_path / "hosts"
+    f.write_bytes(b"\x81\xe8\x00garbage\xff" * 20)
+    assert main(["--hostfile", str(f), "--dry-run", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"zero3d launch: error: hostfile {f} is not text (byte 0 is not UTF-8); expected lines of "
+                   f"{launcher.HOSTFILE_FORMAT}\n")
+
+
+@pytest.mark.parametrize("flag,value,allowed", [("--nproc-per-node", "0", ">= 1"), ("--max-restarts", "-1", ">= 0"),
+                                                ("--node-rank", "-1", ">= 0"), ("--master-port", "0", "in 1..65535")])
+def test_bad_numbers_are_refused_not_replaced(capsys, flag, value, allowed):
+    """A zero used to be read as "not given" and replaced by the default."""
+    assert main([flag, value, "--dry-run", "t.py"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err == f"zero3d launch: error: argument {flag}: must be a whole number {allowed}, got '{value}'"
 
 
 def test_hostfile_ssh_dry_run(tmp_path, capsys, monkeypatch):
@@ -159,7 +177,7 @@ def test_slurm_dry_run(capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["--nproc-per-node", "x", "t.py"], "invalid int value"),
+    (["--nproc-per-node", "x", "t.py"], "must be a whole number >= 1, got 'x'"),
     (["--nnodes", "2", "t.py"], "needs --master-addr"),
     (["--nnodes", "2", "--master-addr", "h", "--node-rank", "5", "t.py"], "--node-rank must be in [0, 2)"),
     (["--nproc-per-node", "2"], "required: script"),
@@ -167,6 +185,25 @@ def test_slurm_dry_run(capsys, monkeypatch):
 def test_bad_arguments(capsys, argv, msg):
     assert main(["--dry-run", *argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_elastic_flags_dry_run(capsys):
+    """--max-restarts or --nnodes MIN:MAX: torchrun's c10d rendezvous at node 0's address, one id for every node."""
+    out = dry_run(capsys, "--nnodes", "1:2", "--max-restarts", "3", "--master-addr", "10.0.0.1", "--master-port", "6000",
+                  "--nproc-per-node", "2", "t.py", "--lr", "1")
+    argv = out["node0"]
+    assert argv[argv.index("parallel3d.agent") + 1:] == [
+        "--nproc-per-node", "2", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:6000",
+        "--rdzv-id", "zero3d-10.0.0.1-6000", "--max-restarts", "3", "t.py", "--lr", "1"]
+    restarts_only = dry_run(capsys, "--max-restarts", "1", "--master-port", "6001", "t.py")["node0"]
+    assert restarts_only[restarts_only.index("--nnodes") + 1] == "1" and "--rdzv-backend" in restarts_only
+
+
+@pytest.mark.parametrize("value", ["0", "3:2", "0:2", "a:b", "2:", ":2"])
+def test_bad_node_range(capsys, value):
+    assert main(["--nnodes", value, "--dry-run", "t.py"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"zero3d launch: error: argument --nnodes: must be N or MIN:MAX with 1 <= MIN <= MAX, got '{value}'")
 
 
 def test_multinode_flags_dry_run(capsys):

@@ -47,9 +47,12 @@ def test_read_metrics_resume_and_torn_line(tmp_path):
     ("", "has no records"),
     ('{"step": 1, "acc": 0.5}\n', "has no records"),
     ('{"step": 1, "loss": 2}\nnot json\n{"step": 2, "loss": 1}\n', "metrics.jsonl:2: not a JSON object"),
-])
+    (b"\x81\xd7 garbage \xff" * 30, "metrics.jsonl is not text (byte 0 is not UTF-8)"),
+], ids=["missing", "empty", "no loss", "bad line", "binary"])
 def test_bad_input(tmp_path, capsys, content, msg):
-    if content is not None:
+    if isinstance(content, bytes):
+        (tmp_path / "metrics.jsonl").write_bytes(content)
+    elif content is not None:
         (tmp_path / "metrics.jsonl").write_text(content)
     assert main([str(tmp_path)]) == 2
     err = capsys.readouterr().err

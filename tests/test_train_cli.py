@@ -166,6 +166,27 @@ def test_cli_bad_input_is_one_message_before_launch(tmp_path, capsys):
     assert "Traceback" not in err and not (tmp_path / "run").exists()
     assert cli.main(["train", str(config), "train.max_stepz=3"]) == 2
     assert "did you mean 'train.max_steps'?" in capsys.readouterr().err
+    assert cli.main(["train", str(config), "--nproc-per-node", "0"]) == 2  # not read as "not given"
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "zero3d train: error: argument --nproc-per-node: must be a whole number >= 1, got '0'")
+
+
+def test_corrupt_pretrained_weights_stop_before_workers(tmp_path, cache_dir, capsys, monkeypatch):
+    """model.path's safetensors headers are read by `zero3d train` itself, not first by each worker."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("ZERO3D_CACHE", str(cache_dir))
+    job = tiny_job(tmp_path / "run")
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(**job["model"]["config"], vocab_size=512)).save_pretrained(hf)
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:50])
+    job["model"] = {"path": str(hf)}
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
+    assert cli.main(["train", str(tmp_path / "job.yaml"), "--nproc-per-node", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"zero3d train: error: pretrained: {weights}: ") and "Traceback" not in err
+    assert not (tmp_path / "run").exists()
 
 
 def test_cli_print_config_and_dispatch(capsys, monkeypatch):

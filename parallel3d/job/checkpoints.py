@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint import read_manifest, resolve_tag
+from parallel3d.checkpoint import read_manifest
 from parallel3d.checkpoint_storage import read_metadata
 from parallel3d.errors import ConfigError
+from parallel3d.export import resolve_checkpoint
 from parallel3d.job.config import JobConfig
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def find_resume(job: JobConfig) -> Path | None:
                               "use train.resume=auto to start fresh when there is none")
         return None
     try:
-        path = resolve_tag(root, None)
+        path = resolve_checkpoint(root)
         read_manifest(path)
         read_metadata(path)
     except ConfigError as exc:

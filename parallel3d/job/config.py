@@ -187,6 +187,9 @@ class TrainConfig(Section):
     resume: Union[bool, Literal["auto"]] = False
     """true: continue from output_dir/checkpoints/latest (must exist); "auto": if there is one;
     false: start fresh (refused when output_dir already holds checkpoints)."""
+    save_on_signal: bool = False
+    """On SIGTERM, SIGINT (Ctrl-C) or SIGHUP, save a checkpoint at the step where the job stops
+    (every rank stops after the same step; a second signal stops at once, without saving)."""
     nproc_per_node: PositiveInt = 1
     """Local worker processes for `zero3d train` (the --nproc-per-node flag overrides it)."""
     progress: bool = True

@@ -75,11 +75,29 @@ def _raw_dataset(job: JobConfig):
     else:
         files = _files_of(d.data_files, "data.data_files")
         stats = [s for f in files for s in _stat(f)]
+    flat = [f for fs in (files.values() if isinstance(files, dict) else [files]) for f in fs]
+    if all(os.path.isfile(f) and os.path.getsize(f) == 0 for f in flat):
+        raise ConfigError(f"data.data_files: {d.data_files} holds no documents (every file is empty)")
+    datasets_log = logging.getLogger("datasets")
+    level, datasets_log.level = datasets_log.level, logging.CRITICAL  # its own log repeats the error we raise
     try:
         ds = datasets.load_dataset(source, data_files=files)
     except Exception as exc:  # datasets raises many kinds for unreadable files
-        raise ConfigError(f"data.data_files: the {source} builder cannot read {d.data_files}: {exc}") from None
+        raise ConfigError(f"data.data_files: the {source} builder cannot read {d.data_files}: {_reason(exc)}") from None
+    finally:
+        datasets_log.setLevel(level)
     return ds, {"source": source, "files": stats}, d.text_column
+
+
+def _reason(exc: BaseException) -> str:
+    """What went wrong: datasets wraps every builder error in "An error occurred while generating
+    the dataset"; the exception it wraps says what (a JSON parse error, no rows at all)."""
+    cause = exc.__cause__ or exc.__context__
+    if "corresponds to no data" in str(exc) or type(cause).__name__ == "SchemaInferenceError":
+        return "it holds no documents"  # an empty split, or no row to infer the columns from
+    if type(exc).__name__ != "DatasetGenerationError" or cause is None:
+        return str(exc)
+    return f"{type(cause).__name__}: {cause}".splitlines()[0]
 
 
 def load_documents(job: JobConfig) -> tuple[dict, dict]:
@@ -173,9 +191,14 @@ def pack_documents(docs: dict, identity: dict, tokenizer, job: JobConfig) -> tup
 
     path = cached_dir("packed", key, build)
     stats = json.loads((path / "stats.json").read_text())
+    held_out = ("unset data.validation_split" if job.data.validation_split is not None else
+                "raise data.validation_fraction or set it to 0 (no validation)")
+    for split, fix in (("train", "give more training text or lower data.seq_len"),
+                       ("validation", f"give more validation text, lower data.seq_len, or {held_out}")):
+        if split in stats and stats[split]["blocks"] == 0:  # datasets cannot load a split of zero rows
+            s = stats[split]
+            raise ConfigError(f"data: the {split} split ({s['documents']} document(s), {s['tokens']} tokens) does not "
+                              f"fill one block of data.seq_len {seq_len} tokens; {fix}")
     packed = datasets.load_from_disk(str(path))
     blocks = {"train": packed["train"], "validation": packed["validation"] if "validation" in packed else None}
-    if len(blocks["train"]) == 0:
-        raise ConfigError(f"data.seq_len: the training split ({stats['train']['tokens']} tokens) does not fill "
-                          f"one block of {seq_len} tokens")
     return blocks, stats

@@ -20,6 +20,22 @@ logger = logging.getLogger(__name__)
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises for a bad config: TypeError/ValueError, and huggingface_hub's strict
+    dataclass validation (not a ValueError), e.g. heads that do not divide the hidden size."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return (TypeError, ValueError)
+    return (TypeError, ValueError, StrictDataclassError)
+
+
+def _reason(exc: Exception) -> str:
+    """The last line of a (possibly nested) validation message: the rule that was broken."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1].removeprefix("ValueError: ") if lines else type(exc).__name__
+
+
 def hf_config(job: JobConfig):
     """The HF config of the job's model, with overrides applied and checked, without weights."""
     from transformers import AutoConfig
@@ -30,14 +46,15 @@ def hf_config(job: JobConfig):
             raise ConfigError(f'model.path: "{m.path}" is not a local model directory (no config.json)')
         try:
             config = AutoConfig.from_pretrained(m.path, local_files_only=True)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f'model.path: "{m.path}" has a config transformers cannot read: {exc}') from None
+        except (OSError, *_config_errors()) as exc:
+            raise ConfigError(f'model.path: "{m.path}" has a config transformers cannot read: {_reason(exc)}') from None
     else:
         default = AutoConfig.for_model(m.model_type)
         try:
             config = AutoConfig.for_model(m.model_type, **m.config)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"model.config: transformers refuses these overrides for {m.model_type}: {exc}") from None
+        except _config_errors() as exc:
+            raise ConfigError(f"model.config: transformers refuses these overrides for {m.model_type}: "
+                              f"{_reason(exc)}") from None
         known = [*default.to_dict(), *getattr(default, "attribute_map", {})]
         for key in sorted(set(config.to_dict()) - set(default.to_dict())):
             near = difflib.get_close_matches(key, known, n=1)

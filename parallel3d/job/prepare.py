@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from parallel3d.job.checkpoints import check_resume_model, find_resume
 from parallel3d.job.config import JobConfig, engine_dict
 from parallel3d.job.data import iter_texts, load_documents, pack_documents
 from parallel3d.job.sampler import BlockSampler
+from parallel3d.meta_init import pretrained_source
 from parallel3d.job.tokenizer import builtin_tokenizer, has_tokenizer, local_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -68,6 +70,18 @@ def _tokenizer(job: JobConfig, docs: dict, identity: dict):
                              job.tokenizer.max_train_chars)
 
 
+def _make_output_dir(out: Path) -> None:
+    """Create train.output_dir and write a file into it, so a bad one stops here (last, once the rest is valid)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".zero3d-probe"):
+            pass
+    except FileExistsError:
+        raise ConfigError(f"train.output_dir: {out} is a file, not a directory") from None
+    except OSError as exc:
+        raise ConfigError(f"train.output_dir: {out} cannot be created or written: {exc.strerror or exc}") from None
+
+
 def prepare(job: JobConfig, world_size: int) -> Prepared:
     """Validate the job for ``world_size`` processes and build its tokenizer and packed data."""
     resolved = _resolve_engine(engine_dict(job), world_size)
@@ -78,6 +92,8 @@ def prepare(job: JobConfig, world_size: int) -> Prepared:
     tokenizer = _tokenizer(job, docs, identity)
     model_lib.fit_to_tokenizer(job, hf_config, tokenizer)
     model = model_lib.check_buildable(job, hf_config)
+    if job.model.path is not None:
+        pretrained_source(job.model.path, model)  # the safetensors headers against the model, before any worker
     if resume_from is not None:
         check_resume_model(resume_from, model)
     blocks, stats = pack_documents(docs, identity, tokenizer, job)
@@ -94,6 +110,7 @@ def prepare(job: JobConfig, world_size: int) -> Prepared:
                           f"size {dp}); raise data.validation_fraction or set it to 0")
     final_engine = engine_dict(job, total)
     resolved = _resolve_engine(final_engine, world_size)
+    _make_output_dir(Path(job.train.output_dir))
     info = {"parameters": None, "train_blocks": len(blocks["train"]),
             "validation_blocks": len(val) if val is not None else 0, "steps_per_epoch": sampler.steps_per_epoch}
     return Prepared(job, world_size, final_engine, resolved, hf_config, tokenizer, blocks, stats, total,

@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from parallel3d.errors import ConfigError
+from parallel3d.errors import CollectiveError, ConfigError
 from parallel3d.job.config import JobConfig, load_job_config
 from parallel3d.job.metrics import TqdmHandler
 from parallel3d.job.prepare import Prepared, prepare
+from parallel3d.job.stop import JobStopped
+from parallel3d.lifeline import die_with_agent, exit_now
+from parallel3d.watchdog import backend_reason, is_collective_failure
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +77,23 @@ def prepare_all_ranks(job: JobConfig, world_size: int) -> Prepared:
 
 
 def run_job(job: JobConfig) -> dict:
-    """Join the job's process group (torchrun's environment), prepare, train; returns the summary."""
+    """Join the job's process group (torchrun's environment), prepare, train; returns the summary.
+
+    Workers that torchrun restarted after a failure (``--max-restarts``) continue the run from
+    its latest checkpoint, whatever ``train.resume`` says: the checkpoints are this run's own.
+    """
+    from parallel3d.config import Zero3DConfig
+    from parallel3d.job.config import engine_dict
     from parallel3d.job.trainer import train
     from parallel3d.mesh import default_device, ensure_process_group
 
-    ensure_process_group(default_device())
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart > 0:
+        logger.info("torchrun restarted the workers after a failure (restart %d of %s); continuing from the "
+                    "latest checkpoint", restart, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"))
+        if job.train.resume is False:
+            job = job.model_copy(update={"train": job.train.model_copy(update={"resume": "auto"})})
+    ensure_process_group(default_device(), Zero3DConfig.from_dict(engine_dict(job)).comm.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     return train(prepare_all_ranks(job, world))
 
@@ -95,8 +111,18 @@ def split_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
+def report_stop(exc: JobStopped | KeyboardInterrupt, rank: int) -> int:
+    """One line (rank 0 only) for a job stopped by a signal; returns the exit code."""
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C before training started
+        exc = JobStopped(signal.SIGINT, 0, None)
+    if rank == 0:
+        print(f"zero3d train: {exc}", file=sys.stderr, flush=True)
+    return exc.exit_code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
+    die_with_agent()
     setup_logging(rank)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
@@ -107,6 +133,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"zero3d train: error: {exc}", file=sys.stderr)
         return 2
+    except (JobStopped, KeyboardInterrupt) as exc:
+        return report_stop(exc, rank)
+    except CollectiveError as exc:  # each rank says what it saw: which operation, who did not arrive
+        print(f"zero3d train: error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # a peer lost while preparing, before the engine's watchdog exists
+        if not is_collective_failure(exc):
+            raise
+        print(f"zero3d train: error: rank {rank}: a collective failed while the job was starting "
+              f"({backend_reason(exc)})", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -114,4 +151,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

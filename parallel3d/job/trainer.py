@@ -25,6 +25,7 @@ from parallel3d.job.metrics import Metrics, summary_text
 from parallel3d.job.model import build_model
 from parallel3d.job.prepare import Prepared, describe
 from parallel3d.job.sampler import BlockSampler, TrainLoader, eval_batches
+from parallel3d.job.stop import JobStopped, StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,14 @@ def evaluate(engine, blocks, micro: int, max_batches: int | None) -> float:
     return total / count  # prepare() refused a validation split with fewer than dp x micro blocks
 
 
+def _agreed_stop(engine, stop: StopSignals) -> int:
+    """The stop signal any rank received (a collective; its failure is explained like the engine's)."""
+    if engine.watchdog is None:
+        return stop.agreed(engine.device)
+    with engine.watchdog.explaining():
+        return stop.agreed(engine.device)
+
+
 def _write_run_files(prep: Prepared, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     prep.tokenizer.save_pretrained(str(out / "tokenizer"))
@@ -66,7 +75,15 @@ def _write_run_files(prep: Prepared, out: Path) -> None:
 
 
 def train(prep: Prepared) -> dict:
-    """Train the prepared job on this rank; returns the run summary (rank 0's is complete)."""
+    """Train the prepared job on this rank; returns the run summary (rank 0's is complete).
+
+    A stop signal ends it after the current step with `JobStopped` (parallel3d/job/stop.py).
+    """
+    with StopSignals() as stop:
+        return _train(prep, stop)
+
+
+def _train(prep: Prepared, stop: StopSignals) -> dict:
     job, rank = prep.job, _rank()
     cfg = job.train
     out = Path(cfg.output_dir)
@@ -111,11 +128,16 @@ def train(prep: Prepared) -> dict:
             if val is not None and ((cfg.eval_interval and step % cfg.eval_interval == 0) or step == total):
                 record["val_loss"] = evaluate(engine, val, micro, cfg.eval_batches)
             metrics.log(record)
-            if (cfg.save_interval and step % cfg.save_interval == 0) or (step == total and cfg.save_final):
+            signum = _agreed_stop(engine, stop)
+            if (cfg.save_interval and step % cfg.save_interval == 0) or (step == total and cfg.save_final) or (
+                    signum and cfg.save_on_signal):
                 engine.save_checkpoint(str(root), client_state={"data": sampler.state_dict(), "tokens": tokens})
                 last_saved = step
                 if rank == 0:
                     prune(root, cfg.keep_last)
+            if signum and step < total:
+                engine.wait_for_checkpoint()
+                raise JobStopped(signum, step, str(root / f"global_step{last_saved}") if last_saved else None)
         engine.wait_for_checkpoint()  # a background save (checkpoint.async_save) is published before we end
     finally:
         metrics.close()

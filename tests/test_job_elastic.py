@@ -1,0 +1,83 @@
+"""`zero3d launch --nnodes 1:2 --max-restarts 1`: a job that loses a node goes on with fewer ranks.
+
+Two "nodes" on this machine (one launcher each, one worker per node) train the tiny job with a
+fixed global batch; every process of node 1 is killed mid-training. Node 0's worker loses its
+peer, torchrun's agent restarts it in a new rendezvous round of one node, and it resumes from
+the latest checkpoint on dp 1 (twice the accumulation steps, the same 16-block batch), so the
+run's training losses are those of an uninterrupted two-process run. Node 0 is started first: its agent
+hosts the rendezvous (``--master-addr``), which the job cannot lose.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import yaml
+
+from parallel3d.launcher import free_port
+from tests.test_job_signals import MARK, job_processes
+from tests.test_job_signals import cache_dir  # noqa: F401 - the fixture is used by name
+from tests.test_train_cli import ROOT, read_metrics, tiny_job
+
+
+def elastic_job(run) -> dict:
+    job = tiny_job(run, max_steps=20, save_interval=4, eval_interval=0, progress=False)
+    del job["engine"]["gradient_accumulation_steps"]
+    job["engine"]["train_batch_size"] = 16  # dp 2: 2 micro-batches of 4 per rank; dp 1: 4
+    return job
+
+
+def test_a_job_that_loses_a_node_goes_on_with_fewer_ranks(tmp_path, cache_dir):  # noqa: F811
+    env = dict(os.environ, ZERO3D_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
+    for name in ("reference", "elastic"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(elastic_job(tmp_path / name / "run")))
+    reference = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", "job.yaml", "--nproc-per-node", "2"],
+                               cwd=tmp_path / "reference", env=env, capture_output=True, text=True, timeout=300)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    marks, nodes, port = [uuid.uuid4().hex for _ in range(2)], [], str(free_port())
+    logs = [open(tmp_path / f"node{n}.txt", "w") for n in range(2)]
+
+    def start(node: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "parallel3d.cli", "launch", "--nnodes", "1:2", "--nproc-per-node", "1",
+             "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", port, "--node-rank", str(node),
+             "-m", "parallel3d.job.run", "job.yaml"],
+            cwd=tmp_path / "elastic", env={**env, MARK: marks[node]}, stdout=subprocess.DEVNULL, stderr=logs[node])
+
+    try:
+        nodes.append(start(0))
+        while not any("parallel3d.agent" in cmd for cmd, _ in job_processes(marks[0]).values()):
+            time.sleep(0.2)
+        time.sleep(3)  # node 0's agent binds the rendezvous port before node 1's tries
+        nodes.append(start(1))
+        run = tmp_path / "elastic" / "run"
+        deadline = time.monotonic() + 300
+        while not ((run / "metrics.jsonl").is_file() and len(read_metrics(run)) >= 7):
+            assert time.monotonic() < deadline and nodes[0].poll() is None, (tmp_path / "node0.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        for pid in job_processes(marks[1]):
+            os.kill(pid, signal.SIGKILL)
+        assert nodes[0].wait(500) == 0, (tmp_path / "node0.txt").read_text()[-3000:]
+    finally:
+        for mark in marks:
+            for pid in job_processes(mark):
+                os.kill(pid, signal.SIGKILL)
+        for proc in nodes:
+            proc.wait(30)
+        for log in logs:
+            log.close()
+    said = (tmp_path / "node0.txt").read_text()
+    assert "world 1 (dp 1)" in said and "resumed from" in said and "Traceback" not in said, said[-3000:]
+    got, want = read_metrics(run), read_metrics(tmp_path / "reference" / "run")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(21))
+    for g, w in zip(got, want):  # (validation reads train.eval_batches per rank: another set on dp 1)
+        assert (g.get("lr"), g.get("tokens")) == (w.get("lr"), w.get("tokens")), (g, w)
+        assert g.get("loss") == pytest.approx(w.get("loss"), rel=1e-5), (g, w)
