@@ -21,6 +21,7 @@ from parallel3d.config import Zero3DConfig
 from parallel3d.config_sections import PipelineConfig, TensorParallelConfig
 from parallel3d.mesh import Mesh3D
 from parallel3d.meta_init import value_provider
+from parallel3d.pipeline.schedules import SPLIT_BACKWARD
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
@@ -48,7 +49,7 @@ def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: Mesh3D,
         loss_fn = functools.partial(
             _tp_causal_lm_loss, group=tp_info.group, vocab_start=tp_info.head.vocab_start, vocab_size=tp_info.vocab_size
         )
-    return split_model(
+    pipe = split_model(
         model,
         mesh.pp,
         mesh.local_rank("pp"),
@@ -58,6 +59,9 @@ def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: Mesh3D,
         activation_checkpointing=section.activation_checkpointing,
         loss_fn=loss_fn,
     )
+    if tp_info is not None:
+        tp_info.keep_held(model)
+    return pipe
 
 
 def apply_zero(
@@ -98,6 +102,7 @@ def apply_zero(
         gradient_clipping=cfg.gradient_clipping,
         pipelined=pipe is not None,
         keep_full_gradients=cfg.pipeline.keep_full_gradients,
+        hold_params_for_step=pipe is not None and cfg.pipeline.schedule in SPLIT_BACKWARD,
         check_overflow=not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow),
         gradient_sum=cfg.gradient_allreduce_op == "sum",
     )

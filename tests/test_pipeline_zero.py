@@ -63,11 +63,46 @@ def assert_stages_match(results: list, want_losses: list[float], want_params: di
         ("gpt2", 1, "interleaved_1f1b", {"virtual_stages": 2}),
         ("llama", 2, "interleaved_1f1b", {"virtual_stages": 2}),
         ("gpt2", 3, "1f1b", {"keep_full_gradients": True}),
+        # stage 3 gathers each block around each use, also when backward recomputes it
+        ("gpt2", 3, "gpipe", {"activation_checkpointing": True}),
     ],
 )
 def test_pp_x_dp_matches_single_process(dist, kind, stage, schedule, extra):
     results = dist.run(PP * DP, train_pipeline, kind, stage, schedule, extra)
     assert_stages_match(results, *oracle_dp(kind, DP))
+
+
+def _blocks_gathered_at_once(schedule: str, extra: dict) -> tuple[int, int]:
+    """Stage 3 under pipelines, no prefetch: the most blocks (of this rank's) gathered at a time."""
+    import parallel3d
+
+    config = ds_config(3, GAS, DP, stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    config["pipeline"] = {"stages": PP, "schedule": schedule, **extra}
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama", num_hidden_layers=8), config=config)
+    fetcher = engine.optimizer.fetcher
+    most = 0
+    gather = fetcher.gather
+
+    def counting(units):
+        nonlocal most
+        gather(units)
+        most = max(most, sum(any(u.is_materialized for u in us) for _, us in fetcher.module_units))
+
+    fetcher.gather = counting
+    data_iter = iter(rank_micro_batches(token_batches(2, GAS, DP), engine.mesh.local_rank("dp")))
+    for _ in range(2):
+        engine.train_batch(data_iter)
+    return most, len(fetcher.module_units)
+
+
+@pytest.mark.parametrize("schedule,extra,most", [("1f1b", {}, 2), ("interleaved_1f1b", {"virtual_stages": 2}, 2),
+                                                 ("gpipe", {"activation_checkpointing": True}, 2),
+                                                 ("zb_h1", {}, 4)])
+def test_stage3_gathers_blocks_per_use_inside_pipelines(dist, schedule, extra, most):
+    """Four blocks per rank: at most two are whole at a time (the one in use and one whose
+    reduction is in flight), except under ZB-H1, whose weight passes need the stage held."""
+    for gathered, blocks in dist.run(PP * DP, _blocks_gathered_at_once, schedule, extra):
+        assert blocks == 4 and 1 <= gathered <= most and (gathered == 4) == (schedule == "zb_h1"), gathered
 
 
 def _forward_under_pipeline():

@@ -92,8 +92,6 @@ def test_prediction_equals_memory_report(dist, name, stage, precision):
 
 @pytest.mark.parametrize("name,stage,precision", CASES)
 def test_report_follows_zero_paper_for_held_params(dist, name, stage, precision):
-    from parallel3d.planner.states import full_gradients
-
     world, _, _, pp, tp, _, _ = LAYOUTS[name]
     dp = world // (pp * tp)
     work = 2 if precision == "bf16" else 4
@@ -103,7 +101,7 @@ def test_report_follows_zero_paper_for_held_params(dist, name, stage, precision)
         want = {
             # stage 3 keeps params under the persistence threshold whole (DeepSpeed's rule)
             "params": work * (m["kept_whole"] + shard(psi - m["kept_whole"])) if stage == 3 else work * psi,
-            "gradients": work * psi if full_gradients(stage, pp > 1) else shard(work * psi),
+            "gradients": work * psi if stage <= 1 else shard(work * psi),
             "master_params": 0 if work == 4 else shard(4 * psi),
             "optimizer_states": shard(8 * psi) + 4 * m["pieces"],
         }
@@ -112,7 +110,7 @@ def test_report_follows_zero_paper_for_held_params(dist, name, stage, precision)
         whole, part = (units * (dp - 1), units) if stage > 0 else (0, 0)
         stage3_pad = m["units_whole"] * (dp - 1) + units - m["units_whole"]
         bounds = {"params": (0, work * (stage3_pad if stage == 3 else whole)),
-                  "gradients": (0, work * (whole if full_gradients(stage, pp > 1) else part)),
+                  "gradients": (0, work * (whole if stage <= 1 else part)),
                   "master_params": (0, 0 if work == 4 else 4 * part),
                   "optimizer_states": (-8 * whole, 8 * part)}
         for key, value in want.items():

@@ -50,12 +50,19 @@ class ZeroSettings:
     """A pipeline schedule drives the backward passes: the caller brackets a step with
     :meth:`ZeroOptimizer.begin_window` / :meth:`~ZeroOptimizer.finish_window` and each backward
     pass of a chunk with :meth:`~ZeroOptimizer.begin_pass` / :meth:`~ZeroOptimizer.end_pass`
-    instead of ``start_backward`` / ``finish_backward``; stage 3 holds its params gathered
-    for the step."""
+    instead of ``start_backward`` / ``finish_backward``. Stage 3 gathers each block around
+    each use, as without pipelines, and holds the root units (embedding, norm, head) for the
+    step."""
     keep_full_gradients: bool = False
     """Under ``pipelined``, stages 2-3: accumulate full gradients through the step and reduce
     each chunk's once, after its last pass (one reduction per step instead of one per pass, at
-    a full gradient buffer's memory). Stages 0-1 always do."""
+    a full gradient buffer's memory). Stages 0-1 always do. Stage 3 then also holds all its
+    params gathered for the step (one gather per step)."""
+    hold_params_for_step: bool = False
+    """Under ``pipelined``, stage 3: gather the rank's params once per step and hold them
+    (implied by ``keep_full_gradients``). Schedules that split the backward (``zb_h1``) need
+    it: their weight passes run on autograd state saved while the block was gathered, after
+    other passes have used and released it."""
     check_overflow: bool = True
     """Skip a step whose gradient norm is not finite (always under fp16; DeepSpeed's
     ``bf16.check_grad_overflow`` turns it off for bf16)."""
@@ -202,6 +209,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         else:
             self._install_given(initial_values)
         self.fetcher: ParamFetcher | None = None
+        # pipelines: stage 3 holds every param gathered for the step, or only the root units
+        self._hold_all = settings.pipelined and (settings.hold_params_for_step or settings.keep_full_gradients)
         if settings.stage == 3:
             self.fetcher = ParamFetcher(
                 self.layout.module_units,
@@ -209,15 +218,17 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 group,
                 prefetch_numel=settings.prefetch_bucket_size,
                 max_live_numel=settings.max_live_parameters,
-                module_hooks=not settings.pipelined,
+                module_hooks=not self._hold_all,
+                module_keys=[chunk_of.get(units[0].params[0], 0) for _, units in self.layout.module_units],
             )
-        full = settings.stage <= 1 or (settings.pipelined and settings.keep_full_gradients)
+        # one dp rank shards nothing: accumulating into full buffers then saves the staging copies
+        full = settings.stage <= 1 or self.dp_world == 1 or (settings.pipelined and settings.keep_full_gradients)
         self.reducer = GradientReducer(
             self.units,
             group,
             settings.stage,
             overlap_comm=settings.overlap_comm,
-            on_unit_reduced=self._release_after_reduce if self.fetcher and not settings.pipelined else None,
+            on_unit_reduced=self._release_after_reduce if self.fetcher and not self._hold_all else None,
             accumulate_full=full,
             launch_order=launch_order(self.units, param_order or [p for ps in params for p in ps]),
         )
@@ -283,8 +294,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             unit.install_kept(values_kept)
 
     def _release_after_reduce(self, unit: FlatUnit) -> None:
-        """A unit whose gradients are complete is not needed again in this backward."""
-        unit.release()
+        """A unit whose gradients are complete is not needed again in this backward (unless held:
+        a pipeline's root units, a GatheredParameters context)."""
+        self.fetcher.release([unit])
 
     # -- the step ------------------------------------------------------------------------
 
@@ -314,10 +326,17 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     #   end_window()                                     stage 3 releases its params
 
     def begin_window(self) -> None:
-        """A pipelined step (or evaluation) begins: stage 3 gathers this stage's params for it."""
-        if self.fetcher is not None:
-            self.fetcher.gather_all()
-            self.reducer.install_grad_views()
+        """A pipelined step (or evaluation) begins: stage 3 gathers and holds the root units for
+        it (every unit with ``hold_params_for_step``); blocks are gathered around each use."""
+        if self.fetcher is None:
+            return
+        self.fetcher.start_forward()
+        self.fetcher.hold(self._window_units())
+        self.reducer.install_grad_views()
+
+    def _window_units(self) -> list[FlatUnit]:
+        fetcher = self.fetcher
+        return fetcher.root_units + ([u for _, us in fetcher.module_units for u in us] if self._hold_all else [])
 
     def begin_pass(self, chunk: int, last: bool) -> None:
         """A backward pass that accumulates gradients into ``chunk``'s params begins.
@@ -355,8 +374,10 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         self.reducer.wait()
 
     def end_window(self) -> None:
-        """Stage 3: release the params gathered by :meth:`begin_window`."""
+        """Stage 3: release the params held since :meth:`begin_window`."""
         if self.fetcher is not None:
+            self.fetcher.unhold(self._window_units(), release=[])
+            self.fetcher.end_step_recording()
             self.fetcher.release_all()
 
     def gather_for_forward(self) -> None:

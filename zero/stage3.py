@@ -12,6 +12,9 @@ ends of the model, so gathering it once is also the cheapest.
 
 The execution order is recorded during the first forward and held fixed afterwards (as in
 DeepSpeed and FSDP); prefetch never holds more than ``max_live_numel`` gathered elements.
+Under pipeline stages each chunk of the rank runs its own blocks, in passes that interleave
+with the other chunks' and with backward passes: the order is then recorded and checked per
+chunk (``module_keys``), and prefetch stays within the chunk.
 Every gather is a collective, so all data-parallel ranks must run the same fetch modules in
 the same order: the first forward checks that they agree, module by module (one small
 all-reduce each, first forward only), and every later forward must repeat that sequence. A
@@ -49,7 +52,9 @@ class ParamFetcher:
             this (0 disables prefetch).
         max_live_numel: never hold more gathered elements than this through prefetch.
         module_hooks: gather and release around each module's forward and backward; off
-            when the caller holds everything gathered for a whole step (pipelines).
+            when the caller holds everything gathered for a whole step.
+        module_keys: per fetch module, the sequence it belongs to (a pipeline chunk); each
+            key's order is recorded, checked and prefetched along on its own. Default: one.
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class ParamFetcher:
         prefetch_numel: int,
         max_live_numel: int,
         module_hooks: bool = True,
+        module_keys: Sequence[int] | None = None,
     ) -> None:
         self.module_units = list(module_units)
         self.root_units = list(root_units)
@@ -68,11 +74,13 @@ class ParamFetcher:
         self.max_live_numel = max_live_numel
         self._in_flight: dict[int, tuple[Pending, FlatUnit]] = {}
         self._held: dict[int, int] = {}  # unit id -> open GatheredParameters contexts holding it
-        self._order: list[int] = []  # fetch modules by first use (for prefetch)
-        self._sequence: list[int] = []  # every fetch-module forward of one pass, recorded once
-        self._cursor = 0
-        self._recording = True
-        self._position: dict[int, int] = {}
+        self._key = list(module_keys) if module_keys is not None else [0] * len(self.module_units)
+        keys = set(self._key)
+        self._order: dict[int, list[int]] = {k: [] for k in keys}  # fetch modules by first use (prefetch)
+        self._sequence: dict[int, list[int]] = {k: [] for k in keys}  # every forward of one pass, recorded once
+        self._cursor = dict.fromkeys(keys, 0)
+        self._recording = dict.fromkeys(keys, True)
+        self._position: dict[int, int] = {}  # fetch module -> its place in its key's order
         self._hooks = []
         for mi, (module, _) in enumerate(self.module_units if module_hooks else ()):
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mi)))
@@ -145,10 +153,11 @@ class ParamFetcher:
         """Start gathering the modules that follow ``mi`` in execution order (step -1: backward)."""
         if self.prefetch_numel <= 0 or mi not in self._position:
             return
+        order = self._order[self._key[mi]]
         pos = self._position[mi] + step
         budget = self.prefetch_numel
-        while 0 <= pos < len(self._order) and budget > 0:
-            units = self.module_units[self._order[pos]][1]
+        while 0 <= pos < len(order) and budget > 0:
+            units = self.module_units[order[pos]][1]
             size = sum(u.padded for u in units if not u.is_materialized)
             if self.live_numel() + size > self.max_live_numel:
                 return
@@ -159,26 +168,29 @@ class ParamFetcher:
 
     def start_forward(self) -> None:
         """A forward pass of the whole model begins (ends the recording of the first one)."""
-        if self._sequence:
-            self._recording = False
-        self._cursor = 0
+        for key, sequence in self._sequence.items():
+            if sequence:
+                self._recording[key] = False
+            self._cursor[key] = 0
 
     def _follow_order(self, mi: int) -> None:
-        """Record the first pass's sequence; check every later pass against it."""
-        if self._recording:
+        """Record the first pass's sequence (of ``mi``'s key); check every later pass against it."""
+        key = self._key[mi]
+        sequence = self._sequence[key]
+        if self._recording[key]:
             self._agree(mi)
             if mi not in self._position:
-                self._position[mi] = len(self._order)
-                self._order.append(mi)
-            self._sequence.append(mi)
-            self._cursor = len(self._sequence)
+                self._position[mi] = len(self._order[key])
+                self._order[key].append(mi)
+            sequence.append(mi)
+            self._cursor[key] = len(sequence)
             return
-        if self._cursor >= len(self._sequence):
-            self._cursor = 0  # a new pass through the model without start_forward
-        expected = self._sequence[self._cursor]
+        if self._cursor[key] >= len(sequence):
+            self._cursor[key] = 0  # a new pass through the model (or the chunk) without start_forward
+        expected = sequence[self._cursor[key]]
         if mi != expected:
             self._order_error(mi, expected)
-        self._cursor += 1
+        self._cursor[key] += 1
 
     def _agree(self, mi: int) -> None:
         """First pass: every rank runs the same fetch module here, checked with one small all-reduce.
@@ -230,10 +242,10 @@ class ParamFetcher:
         return output
 
     def _pre_backward(self, mi: int, grad: torch.Tensor) -> None:
-        self._recording = False
+        self._recording[self._key[mi]] = False
         self.gather(self.module_units[mi][1])
         self._prefetch_after(mi, -1)
 
     def end_step_recording(self) -> None:
         """Freeze the recorded execution order after the first forward-backward."""
-        self._recording = False
+        self._recording = dict.fromkeys(self._recording, False)

@@ -4,10 +4,11 @@ For one rank the planner adds, at every pass of its schedule table (``schedule_t
 its sends and receives), what is alive then:
 
 * **model states**: ``states.model_state_bytes`` (exactly ``memory_report()``);
-* **gathered stage-3 parameters**: under pipeline stages every unit of the rank is gathered
-  for the whole step today (``gather_all``, docs/design.md Known limits; :func:`gathered`);
-  without them the root units for the micro-batch plus the block being run and the blocks
-  prefetched after it (``stage3_prefetch_bucket_size``), as ``zero.stage3.ParamFetcher`` does;
+* **gathered stage-3 parameters**: the root units (for the micro-batch; under pipeline stages
+  for the step) plus the block being run and the blocks prefetched after it
+  (``stage3_prefetch_bucket_size``), as ``zero.stage3.ParamFetcher`` does; every unit of the
+  rank for the whole step where ZeRO holds the stage (``hold_stage``: schedules that split the
+  backward, ZeroSettings.hold_params_for_step; :func:`gathered`);
 * **activations**: per in-flight (micro-batch, chunk) the bytes its forward leaves for backward,
   and during a pass that pass's own peak (``profile.PassProfile``, measured on fake tensors);
 * **buffers**: posted receives (one ``[micro_batch, seq, hidden]`` activation or gradient each,
@@ -55,18 +56,18 @@ class RankMemory:
         return sum(self.states.values())
 
 
-def gathered(params: RankParams, zero: ZeroSetup, *, pipelined: bool, prefetch: int, max_live: int) -> tuple[int, int]:
+def gathered(params: RankParams, zero: ZeroSetup, *, hold_stage: bool, prefetch: int, max_live: int) -> tuple[int, int]:
     """Bytes of stage-3 parameters gathered: (for the whole micro-batch or step, extra inside a block).
 
-    Under pipeline stages everything is gathered for the step. Without, the root units are
-    gathered for each micro-batch's forward and backward, and inside a block that block and
-    the ones prefetched after it (the worst such window).
+    With ``hold_stage`` everything is gathered for the step. Else the root units are gathered
+    for each micro-batch's forward and backward (under pipeline stages for the step), and
+    inside a block that block and the ones prefetched after it (the worst such window).
     """
     if zero.stage != 3 or zero.world == 1:
         return 0, 0
     plan = units(params, zero)
     sharded = [u for u in plan if not u.persistent]
-    if pipelined:
+    if hold_stage:
         return zero.work_bytes * sum(padded(u, zero) for u in sharded), 0
     root = sum(padded(u, zero) for u in sharded if u.root)
     blocks: dict[int, int] = {}
@@ -85,7 +86,7 @@ def gathered(params: RankParams, zero: ZeroSetup, *, pipelined: bool, prefetch: 
 
 def staging(params: RankParams, zero: ZeroSetup, *, pipelined: bool, overlap: bool) -> int:
     """Gradient staging buffers alive during a backward (stages 2-3 reducing as they go)."""
-    if full_gradients(zero.stage, pipelined):
+    if full_gradients(zero.stage, pipelined, dp=zero.dp):
         return 0
     sizes = sorted((padded(u, zero) for u in units(params, zero)), reverse=True)
     held = GradientReducer.MAX_IN_FLIGHT + 1 if overlap else 2
@@ -178,9 +179,10 @@ def _table(schedule: str, pp: int, microbatches: int, virtual: int) -> list:
 
 
 def predict_rank(params: RankParams, zero: ZeroSetup, *, table: list, chunk: ChunkProfile, hidden_bytes: int,
-                 pipelined: bool, prefetch: int, max_live: int, overlap: bool, foreach: bool) -> RankMemory:
+                 pipelined: bool, hold_stage: bool, prefetch: int, max_live: int, overlap: bool,
+                 foreach: bool) -> RankMemory:
     """The rank's peak: model states plus the walk of its schedule, and the optimizer step."""
     states = model_state_bytes(params, zero, pipelined=pipelined)
-    return rank_peak(states, gathered(params, zero, pipelined=pipelined, prefetch=prefetch, max_live=max_live),
+    return rank_peak(states, gathered(params, zero, hold_stage=hold_stage, prefetch=prefetch, max_live=max_live),
                      staging(params, zero, pipelined=pipelined, overlap=overlap),
                      step_extra(params, zero, foreach=foreach), table, chunk, hidden_bytes, pipelined=pipelined)

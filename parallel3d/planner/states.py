@@ -18,14 +18,16 @@ from parallel3d.planner.inventory import Param, RankParams
 from zero.sizing import CATEGORIES, OptimizerStateShape, UnitPlan, padded_numel, plan_units, unit_state_bytes
 
 
-def full_gradients(stage: int, pipelined: bool, keep_full: bool = False) -> bool:
-    """Whether ZeRO holds full (padded) gradient buffers rather than the rank's shard.
+def full_gradients(stage: int, pipelined: bool, *, dp: int, keep_full: bool = False) -> bool:
+    """Whether ZeRO accumulates into full (padded) gradient buffers rather than staging each
+    backward's gradients and keeping the rank's shard.
 
-    Stages 0-1 always do. Under pipeline stages stages 2-3 reduce-scatter each chunk's
-    gradients after each of its backward passes and keep the shard, unless
-    ``pipeline.keep_full_gradients`` (``keep_full``) asks for one reduction per step.
+    Stages 0-1 always do, and every stage on one dp rank (the shard is the whole). Under
+    pipeline stages stages 2-3 reduce-scatter each chunk's gradients after each of its backward
+    passes and keep the shard, unless ``pipeline.keep_full_gradients`` (``keep_full``) asks for
+    one reduction per step.
     """
-    return stage <= 1 or (pipelined and keep_full)
+    return stage <= 1 or dp == 1 or (pipelined and keep_full)
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def model_state_bytes(params: RankParams, zero: ZeroSetup, *, dp_rank: int = 0, 
     """``memory_report()`` of the rank after a training step (gradients and optimizer states exist)."""
     total = dict.fromkeys(CATEGORIES, 0)
     rank = 0 if zero.stage == 0 else dp_rank
-    full = full_gradients(zero.stage, pipelined)
+    full = full_gradients(zero.stage, pipelined, dp=zero.dp)
     for unit in units(params, zero):
         got = unit_state_bytes([p.numel for p in unit.params], world=zero.world, rank=rank,
                                persistent=unit.persistent, work_bytes=zero.work_bytes, full_gradients=full,

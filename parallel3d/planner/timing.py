@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.pipeline.schedules import schedule_table
+from parallel3d.pipeline.schedules import SPLIT_BACKWARD, schedule_table
 from parallel3d.pipeline.simulate import Costs, simulate
 from parallel3d.planner.hardware import Hardware, Link
 from parallel3d.planner.inventory import RankParams
@@ -65,8 +65,9 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
                            pp_link.seconds("send", hidden_bytes, 2))
         pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
     dp_link = hw.link(layout.tp, layout.dp)
+    hold = layout.pp > 1 and layout.schedule in SPLIT_BACKWARD
     exposed = max(dp_seconds(c.params, zero, dp_link, m, pipelined=layout.pp > 1, overlap=overlap,
-                             compute=(c.forward, c.backward)) for c in costs)
+                             compute=(c.forward, c.backward), hold_stage=hold) for c in costs)
     per_element = 4 * (2 * zero.optimizer.elementwise + 4) + zero.work_bytes
     optimizer = max(sum(padded(u, zero) // zero.world for u in units(c.params, zero)) for c in costs) \
         * per_element / (hw.memory_bandwidth * hw.memory_efficiency)
@@ -75,7 +76,7 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
 
 
 def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipelined: bool, overlap: bool,
-               compute: tuple[float, float]) -> float:
+               compute: tuple[float, float], hold_stage: bool = False) -> float:
     """Seconds of ZeRO's collectives over dp that the step waits for (comm_counter's payloads)."""
     if zero.dp == 1:
         return 0.0
@@ -90,14 +91,22 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipel
     reduce_op = "all_reduce" if zero.stage == 0 else "reduce_scatter"
     fwd, bwd = compute
     if pipelined:
-        # stage 3 gathers the rank's stage once per step, before the schedule starts; stages 0-1
-        # reduce a chunk's gradients after its last backward pass, stages 2-3 reduce-scatter
-        # them after each pass, both while the schedule goes on
-        gather = calls("all_gather", sharded)
-        reduce = calls(reduce_op, plan) if full_gradients(zero.stage, True) else m * calls("reduce_scatter", plan)
-        busy = bwd if full_gradients(zero.stage, True) else m * bwd
-        return gather + (max(0.0, reduce - busy) if overlap else reduce) + after_step
-    if full_gradients(zero.stage, False):  # one reduction, during the window's last backward
+        # stages 0-1 reduce a chunk's gradients after its last backward pass, stages 2-3
+        # reduce-scatter them after each pass, both while the schedule goes on; stage 3 gathers
+        # its root units once per step and each block around each forward and backward (all at
+        # once before the schedule where it holds the stage)
+        full = full_gradients(zero.stage, True, dp=zero.dp)
+        reduce = calls(reduce_op, plan) if full else m * calls("reduce_scatter", plan)
+        busy = bwd if full else m * bwd
+        if hold_stage:
+            gather, blocks = calls("all_gather", sharded), 0.0
+        else:
+            gather = calls("all_gather", [u for u in sharded if u.root])
+            blocks = 2 * m * calls("all_gather", [u for u in sharded if not u.root])
+        if overlap:
+            return gather + max(0.0, blocks - m * fwd) + max(0.0, reduce - busy) + after_step
+        return gather + blocks + reduce + after_step
+    if full_gradients(zero.stage, False, dp=zero.dp):  # one reduction, during the window's last backward
         reduce = calls(reduce_op, plan)
         return (max(0.0, reduce - bwd) if overlap else reduce) + after_step
     per_mb_bwd = calls("reduce_scatter", plan) + calls("all_gather", [u for u in sharded if not u.root])

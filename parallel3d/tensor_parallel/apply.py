@@ -89,6 +89,7 @@ class TensorParallelInfo:
     ``norm_duplicate_params``: sharded parameters whose shard a lower tp rank also holds
     (replicated kv heads): the gradient norm must leave them out on this rank.
     ``rng``: the dropout streams of the split regions (``rng.py``), driven by ``hooks``.
+    ``head``: the vocabulary-parallel head, None on a pipeline rank that does not hold it.
     """
 
     group: ProcessGroup
@@ -100,7 +101,7 @@ class TensorParallelInfo:
     partial_grad_params: set[nn.Parameter]
     vocab_size: int
     padded_vocab_size: int
-    head: VocabParallelLMHead
+    head: VocabParallelLMHead | None
     plan_source: str
     norm_duplicate_params: set[nn.Parameter] = field(default_factory=set)
     rng: SplitRegionRNG | None = None
@@ -108,6 +109,17 @@ class TensorParallelInfo:
 
     def is_sharded(self, param: nn.Parameter) -> bool:
         return param in self.sharded_params
+
+    def keep_held(self, model: nn.Module) -> None:
+        """Forget the parameters ``model`` no longer holds (a pipeline split removed them), so that
+        this info does not keep their storage alive."""
+        held = {id(p) for p in model.parameters()}
+        for params in (self.sharded_params, self.partial_grad_params, self.norm_duplicate_params):
+            kept = [p for p in params if id(p) in held]
+            params.clear()
+            params.update(kept)
+        if self.head is not None and not any(id(p) in held for p in self.head.parameters()):
+            self.head = None
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
