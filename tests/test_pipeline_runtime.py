@@ -117,7 +117,8 @@ def extras(tmp: str) -> dict:
     # P = 1 (pp groups of one rank): interleaved chunks hand over locally, the tie stays one tensor
     solo = pp_group(1)
     pipe = split_model(copy.deepcopy(ref), 1, 0, virtual_stages=2)
-    loss = PipelineExecutor(pipe, solo, "interleaved_1f1b").run(batches)
+    # use_cache=False (what HF training loops pass) is accepted and changes nothing
+    loss = PipelineExecutor(pipe, solo, "interleaved_1f1b").run([{**b, "use_cache": False} for b in batches])
     out["solo"] = {"loss": loss.item(), "tied": len(pipe.tied),
                    "err": max(rel_error(p.grad, want[n]) for n, p in pipe.hf_named_parameters())}
     out["want"] = want_loss
@@ -126,7 +127,8 @@ def extras(tmp: str) -> dict:
     pipe = split_model(copy.deepcopy(ref), 2, rank)
     errors = []
     for schedule, batch in (("1f1b", batches[:1]), ("gpipe", [{"input_ids": batches[0]["input_ids"]}]),
-                            ("gpipe", [{**batches[0], "token_type_ids": batches[0]["input_ids"]}])):
+                            ("gpipe", [{**batches[0], "token_type_ids": batches[0]["input_ids"]}]),
+                            ("gpipe", [{**batches[0], "use_cache": True}])):
         try:
             PipelineExecutor(pipe, group, schedule).run(batch)
         except ConfigError as exc:
@@ -189,13 +191,14 @@ def test_hooks_timeline_eval_and_local_handoff(dist, tmp_path):
     assert sorted((iv.rank, iv.kind, iv.microbatch) for iv in intervals) == sorted(
         (iv.rank, iv.kind, iv.microbatch) for iv in results[0]["zb_h1"]["timeline"])
     errors = results[0]["errors"]
-    assert len(errors) == 6, errors
+    assert len(errors) == 7, errors
     assert "schedule '1f1b' needs at least as many micro-batches as pipeline stages, got 1" in errors[0]
     assert "micro-batch 0 must be a dict with 'input_ids' and 'labels'" in errors[1]
     assert "micro-batch 0 has unsupported keys ['token_type_ids']" in errors[2]
-    assert "schedule 'interleaved_1f1b' needs virtual_stages >= 2" in errors[3]
-    assert "unknown pipeline schedule 'pipedream'" in errors[4]
-    assert "a pipelined model is not called directly: run a step with PipelineExecutor.run" in errors[5]
+    assert "micro-batch 0 asks for use_cache=True; pipeline stages train without a key/value cache" in errors[3]
+    assert "schedule 'interleaved_1f1b' needs virtual_stages >= 2" in errors[4]
+    assert "unknown pipeline schedule 'pipedream'" in errors[5]
+    assert "a pipelined model is not called directly: run a step with PipelineExecutor.run" in errors[6]
     assert torch.equal(results[0]["synced"], results[1]["synced"])
 
 

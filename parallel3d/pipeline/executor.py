@@ -258,6 +258,10 @@ class PipelineExecutor:
                 raise ConfigError(f"pipeline: micro-batch {i} must be a dict with 'input_ids' and 'labels' "
                                   f"(optional: attention_mask, position_ids), got {type(mb).__name__}"
                                   + (f" with keys {sorted(mb)}" if isinstance(mb, dict) else ""))
+            if mb.get("use_cache"):
+                raise ConfigError(f"pipeline: micro-batch {i} asks for use_cache=True; pipeline stages train "
+                                  "without a key/value cache (give use_cache=False or leave it out)")
+            mb = {k: v for k, v in mb.items() if k != "use_cache"}  # False or None: what training does anyway
             extra = sorted(set(mb) - set(BATCH_KEYS))
             if extra:
                 raise ConfigError(f"pipeline: micro-batch {i} has unsupported keys {extra}; a pipeline stage takes "
