@@ -130,7 +130,7 @@ def test_nothing_outlives_a_signal_and_latest_loads(tmp_path, cache_dir, role, s
         survivors = job.wait_gone()
         assert not survivors, f"left running after {sig.name} to the {role}: {survivors}\n{job.stderr()[-3000:]}"
         assert job.launcher.wait(5) == code, job.stderr()[-3000:]
-        said = job.stderr()[before:]
+        said, earlier = job.stderr()[before:], job.stderr()[:before][-2000:]
     finally:
         job.close()
     latest = (job.run / "checkpoints" / "latest").read_text()
@@ -143,7 +143,7 @@ def test_nothing_outlives_a_signal_and_latest_loads(tmp_path, cache_dir, role, s
     # kernel when their parent died) or SIGINT, stopped after the same step and saved it
     stopped = "SIGINT" if sig == signal.SIGINT else "SIGTERM"
     lines = [line for line in said.splitlines() if f"stopped by {stopped} after step" in line]
-    assert len(lines) == 1, f"after the signal:\n{said}\nbefore:\n{job.stderr()[:before][-2000:]}"
+    assert len(lines) == 1, f"after the signal:\n{said}\nbefore:\n{earlier}"
     step = int(lines[0].split("after step ")[1].split(";")[0])
     assert latest == f"global_step{step}" and read_metrics(job.run)[-1]["step"] == step
     if role == "launcher" and sig != signal.SIGKILL:  # Ctrl-C: one line from zero3d, one from rank 0
