@@ -24,6 +24,7 @@ from parallel3d.meta_init import value_provider
 from parallel3d.pipeline.schedules import SPLIT_BACKWARD
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
+from parallel3d.tensor_parallel.apply import sequence_segment_hooks
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
 from zero.partition import parameter_leaves
 
@@ -32,7 +33,9 @@ def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: Mesh3D) -> T
     """Replace the model's projections, embedding and head by tensor-parallel layers (tp > 1)."""
     if mesh.tp == 1:
         return None
-    return apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=section.sequence_parallel)
+    # under pipeline stages each chunk is its own sequence-parallel run (apply_pipeline)
+    return apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=section.sequence_parallel,
+                                 sequence_segments=mesh.pp == 1)
 
 
 def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: Mesh3D,
@@ -61,6 +64,12 @@ def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: Mesh3D,
     )
     if tp_info is not None:
         tp_info.keep_held(model)
+        if tp_info.sequence_parallel:
+            # the sequence is split inside each chunk and whole between stages, so every stage's
+            # program builds its masks and positions from the full sequence, as without tp
+            tp_info.hooks += [h for chunk in pipe.chunks if len(chunk.layers)
+                              for h in sequence_segment_hooks(chunk.layers[0], chunk.layers[-1], tp_info.group,
+                                                              tp_info.rng)]
     return pipe
 
 

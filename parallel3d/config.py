@@ -146,15 +146,6 @@ class Zero3DConfig(Section):
                               f"leave it unset or set \"{self.precision}\"")
         return self
 
-    @model_validator(mode="after")
-    def _sequence_parallel_within_one_stage(self) -> "Zero3DConfig":
-        if self.pipeline.stages > 1 and self.tensor_parallel.sequence_parallel:
-            raise problem(
-                f"tensor_parallel.sequence_parallel with pipeline.stages {self.pipeline.stages}: sequence "
-                "parallelism splits the sequence at the model's first and last block, which pipeline stages "
-                "cut apart; not supported yet - turn one of them off")
-        return self
-
     # --- construction -------------------------------------------------------------------------
 
     @classmethod

@@ -57,6 +57,8 @@ LAYOUTS: dict[str, dict] = {
                                        meta=True),
     "pp2 z2 interleaved fp32": dict(world=2, precision="fp32", stage=2, tp=1, pp=2, gas=4,
                                     schedule="interleaved_1f1b", virtual=2, layers=8),
+    "pp2 tp2 z1 sp 1f1b bf16": dict(world=4, precision="bf16", stage=1, tp=2, pp=2, gas=4, schedule="1f1b",
+                                    sequence_parallel=True),
     "pp2 dp2 z2 1f1b ac bf16": dict(world=4, precision="bf16", stage=2, tp=1, pp=2, gas=4, schedule="1f1b",
                                     checkpointing=True),
 }

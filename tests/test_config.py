@@ -358,9 +358,8 @@ def test_config_modules_do_not_import_torch_distributed():
         assert not [m for m in imported if m.startswith("torch.distributed") or m == "deepspeed"], name
 
 
-def test_sequence_parallel_with_pipeline_stops_at_load():
-    """A cross-field rule, checked where the config is read: before any rank builds a mesh."""
+def test_sequence_parallel_with_pipeline_stages_loads():
     config = {"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2},
               "tensor_parallel": {"size": 2, "sequence_parallel": True}}
-    with pytest.raises(ConfigError, match="sequence_parallel with pipeline.stages 2"):
-        load_config(config, 4)
+    cfg = load_config(config, 4)
+    assert cfg.pipeline.stages == 2 and cfg.tensor_parallel.sequence_parallel

@@ -143,12 +143,13 @@ def test_eval_batch_of_any_length_is_the_single_process_mean(dist, pp):
     assert dist.run(pp * DP, _eval_three, pp) == pytest.approx([want] * pp * DP, rel=RTOL)
 
 
-def train_3d(kind: str, stage: int, schedule: str, dp: int) -> tuple[list[float], dict]:
+def train_3d(kind: str, stage: int, schedule: str, dp: int, sequence_parallel: bool = False,
+             extra: dict | None = None) -> tuple[list[float], dict]:
     import parallel3d
 
     config = ds_config(stage, GAS, dp, stage3_param_persistence_threshold=0, reduce_bucket_size=3000)
-    config["pipeline"] = {"stages": PP, "schedule": schedule}
-    config["tensor_parallel"] = {"size": 2}
+    config["pipeline"] = {"stages": PP, "schedule": schedule, **(extra or {})}
+    config["tensor_parallel"] = {"size": 2, "sequence_parallel": sequence_parallel}
     model = make_model(kind, num_hidden_layers=4) if kind == "llama" else make_model(kind, n_layer=4)
     engine, _, _, _ = parallel3d.initialize(model=model, config=config)
     data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
@@ -162,4 +163,17 @@ def train_3d(kind: str, stage: int, schedule: str, dp: int) -> tuple[list[float]
 def test_3d_mesh_matches_single_process(dist, kind, stage, schedule, dp):
     """pp x dp x tp on one mesh: tp-split blocks inside pipeline stages, ZeRO over dp."""
     results = dist.run(PP * dp * 2, train_3d, kind, stage, schedule, dp)
+    assert_stages_match(results, *oracle_dp(kind, dp))
+
+
+@pytest.mark.parametrize(
+    "kind,stage,schedule,dp,extra",
+    [("llama", 1, "1f1b", 1, {}), ("gpt2", 2, "interleaved_1f1b", 1, {"virtual_stages": 2}),
+     ("llama", 3, "zb_h1", 1, {"activation_checkpointing": True})],
+)
+def test_sequence_parallel_inside_pipeline_stages_matches_single_process(dist, kind, stage, schedule, dp, extra):
+    """Each chunk splits the sequence at its first block and gathers it after its last; stages
+    exchange whole sequences, so every stage's program sees the masks and positions it would
+    without tensor parallelism."""
+    results = dist.run(PP * dp * 2, train_3d, kind, stage, schedule, dp, True, extra)
     assert_stages_match(results, *oracle_dp(kind, dp))

@@ -216,8 +216,8 @@ class Planner:
         if w.global_batch % (layout.dp * layout.micro_batch):
             raise ConfigError(f"global batch {w.global_batch} is not a multiple of dp {layout.dp} x micro-batch "
                               f"{layout.micro_batch}")
-        if layout.sequence_parallel and (layout.pp > 1 or w.seq % layout.tp):
-            raise ConfigError("sequence parallelism needs pipeline.stages 1 and a sequence length divisible by tp")
+        if layout.sequence_parallel and w.seq % layout.tp:
+            raise ConfigError("sequence parallelism needs a sequence length divisible by tp")
         if layout.pp > 1:
             validate_schedule_args(layout.schedule, layout.pp, layout.microbatches(w.global_batch),
                                    layout.virtual_stages)

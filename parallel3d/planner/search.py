@@ -74,7 +74,7 @@ def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice()) -> Ite
                 for sched, virtual in _schedules(pp, per_replica // mb, blocks, choice):
                     for stage in _pick(choice.zero_stage, (0, 1, 2, 3)):
                         for ac in _pick(choice.checkpointing, (False, True)):
-                            for sp in _pick(choice.sequence_parallel, (False, True) if tp > 1 and pp == 1 else (False,)):
+                            for sp in _pick(choice.sequence_parallel, (False, True) if tp > 1 else (False,)):
                                 layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp)
                                 try:
                                     planner.check(layout)

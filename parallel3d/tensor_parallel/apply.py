@@ -241,10 +241,12 @@ def _shard_vocab(model: nn.Module, group: ProcessGroup, specs: dict[str, ShardSp
     return new_head
 
 
-def _sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str]) -> list[Any]:
-    blocks = fetch_unit_modules(model)
-    if not blocks:
-        raise ConfigError(f"sequence parallelism: {type(model).__name__} names no block class in _no_split_modules")
+def sequence_segment_hooks(first: nn.Module, last: nn.Module, group: ProcessGroup,
+                           rng: SplitRegionRNG | None) -> list[Any]:
+    """Sequence parallelism over a run of blocks: ``first`` scatters the hidden states along the
+    sequence, ``last`` gathers them back; between them each tp rank holds its part of the
+    sequence and draws dropout from its own stream. The whole block list is one run; under
+    pipeline stages each chunk's blocks are one (``apply_tensor_parallel(..., sequence_segments=False)``)."""
     world = dist.get_world_size(group)
 
     def scatter(x: torch.Tensor) -> torch.Tensor:
@@ -253,8 +255,19 @@ def _sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set
                               f"tensor_parallel.size={world}")
         return split_to_tp(x, group, 1)
 
-    handles = [blocks[0].register_forward_pre_hook(_hidden_states_hook(scatter), with_kwargs=True),
-               blocks[-1].register_forward_hook(_first_output_hook(lambda x: gather_from_tp(x, group, 1)))]
+    handles = [first.register_forward_pre_hook(_hidden_states_hook(scatter), with_kwargs=True),
+               last.register_forward_hook(_first_output_hook(lambda x: gather_from_tp(x, group, 1)))]
+    if rng is not None:
+        handles += [first.register_forward_pre_hook(rng.entry_hook(), with_kwargs=True),
+                    last.register_forward_hook(rng.exit_hook(first))]
+    return handles
+
+
+def _sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str]) -> list[Any]:
+    """Sequence parallelism's hooks inside the blocks: each split region gathers the sequence."""
+    if not fetch_unit_modules(model):
+        raise ConfigError(f"sequence parallelism: {type(model).__name__} names no block class in _no_split_modules")
+    handles = []
     for name in regions:
         handles.append(model.get_submodule(name).register_forward_pre_hook(
             _hidden_states_hook(lambda x: gather_seq(x, group, 1)), with_kwargs=True))
@@ -270,8 +283,13 @@ def _sequence_partial_params(model: nn.Module, regions: set[str], sharded: set[n
     return out | {r.bias for r in rows if r.bias is not None and r.bias.requires_grad}
 
 
-def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_parallel: bool = False) -> TensorParallelInfo:
+def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_parallel: bool = False,
+                          sequence_segments: bool = True) -> TensorParallelInfo:
     """Shard ``model`` (an unmodified HF causal LM, same weights on every tp rank) in place.
+
+    With ``sequence_parallel`` the block list is one sequence-parallel run (scattered at its
+    first block, gathered after its last); ``sequence_segments=False`` leaves that to the caller
+    (:func:`sequence_segment_hooks` per pipeline chunk).
 
     Returns a ``TensorParallelInfo``. Afterwards ``model(input_ids=..., labels=...)``
     returns a ``CausalLMOutputWithPast`` whose ``.loss`` equals the single-process loss;
@@ -319,12 +337,15 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         hooks += [model.get_submodule(name).register_forward_pre_hook(
             head_input_hook(model.get_submodule(name), inputs, layout, rank), with_kwargs=True)
             for name, inputs in sorted(plan.head_inputs.items())]
+    rng = SplitRegionRNG(rank)
     if sequence_parallel:
         hooks += _sequence_parallel_hooks(model, tp_group, regions)
         partial |= _sequence_partial_params(model, regions, sharded, rows)
+        if sequence_segments:
+            blocks = fetch_unit_modules(model)
+            hooks += sequence_segment_hooks(blocks[0], blocks[-1], tp_group, rng)
     hooks += [p.register_hook(all_reduce_grad_hook(tp_group)) for p in partial]
-    rng = SplitRegionRNG(rank)
-    hooks += _rng_hooks(model, plan, rng, sequence_parallel)
+    hooks += _rng_hooks(model, plan, rng)
     replicated = {n: s for n, s in specs.items() if s.replicas > 1 and params[n].requires_grad}
     hooks += [params[n].register_hook(all_reduce_grad_hook(tp_group, *s.pieces(rank, world)))
               for n, s in replicated.items()]
@@ -338,9 +359,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         hooks=hooks)
 
 
-def _rng_hooks(model: nn.Module, plan: ModelTPPlan, rng: SplitRegionRNG, sequence_parallel: bool) -> list[Any]:
-    """Rank streams from each split region's entry to the start of its row layer (or its own exit);
-    under sequence parallelism also from the first block's entry to the last block's exit."""
+def _rng_hooks(model: nn.Module, plan: ModelTPPlan, rng: SplitRegionRNG) -> list[Any]:
+    """Rank streams from each split region's entry to the start of its row layer (or its own exit)
+    (under sequence parallelism also over each sequence-parallel run: ``sequence_segment_hooks``)."""
     spans = []  # (opener, modules whose start closes it, module whose end closes it)
     for region in split_regions(plan):
         rows = [model.get_submodule(n) for n, layer in plan.layers.items()
@@ -348,9 +369,6 @@ def _rng_hooks(model: nn.Module, plan: ModelTPPlan, rng: SplitRegionRNG, sequenc
         spans.append((model.get_submodule(region), rows, model.get_submodule(region)))
     for parent, (column, rows) in _loose_pairs(plan).items():  # from the column's start to the row's
         spans.append((model.get_submodule(column), [model.get_submodule(r) for r in rows], model.get_submodule(parent)))
-    if sequence_parallel:
-        blocks = fetch_unit_modules(model)
-        spans.append((blocks[0], [], blocks[-1]))
     handles = []
     for opener, starts, end in spans:
         handles.append(opener.register_forward_pre_hook(rng.entry_hook(), with_kwargs=True))
