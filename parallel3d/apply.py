@@ -21,7 +21,6 @@ from parallel3d.config import Zero3DConfig
 from parallel3d.config_sections import PipelineConfig, TensorParallelConfig
 from parallel3d.mesh import Mesh3D
 from parallel3d.meta_init import value_provider
-from parallel3d.pipeline.schedules import SPLIT_BACKWARD
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
 from parallel3d.tensor_parallel.apply import sequence_segment_hooks
@@ -111,7 +110,6 @@ def apply_zero(
         gradient_clipping=cfg.gradient_clipping,
         pipelined=pipe is not None,
         keep_full_gradients=cfg.pipeline.keep_full_gradients,
-        hold_params_for_step=pipe is not None and cfg.pipeline.schedule in SPLIT_BACKWARD,
         check_overflow=not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow),
         gradient_sum=cfg.gradient_allreduce_op == "sum",
     )

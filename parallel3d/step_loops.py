@@ -100,6 +100,7 @@ class PipelineLoop:
             device=mesh.device,
             before_backward=self._begin_pass,
             after_backward=self._end_pass,
+            before_weight_group=engine.optimizer.gather_blocks_of,
             sum_tied_grads=False,  # done in train(), on what ZeRO holds
             record=config.pipeline.record_timeline,
         )
@@ -107,10 +108,14 @@ class PipelineLoop:
     def _begin_pass(self, pass_: BackwardPass) -> None:
         if pass_.accumulates_weights:
             self.engine.optimizer.begin_pass(pass_.chunk, last=pass_.is_last)
+        else:
+            self.engine.optimizer.begin_input_pass(pass_.chunk)
 
     def _end_pass(self, pass_: BackwardPass) -> None:
         if pass_.accumulates_weights:
             self.engine.optimizer.end_pass()
+        else:  # an input-gradient pass (zb_h1): its weight pass gathers the blocks again
+            self.engine.optimizer.release_blocks(pass_.chunk)
 
     @staticmethod
     def _dicts(batches: list) -> list[dict]:

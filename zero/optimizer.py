@@ -58,11 +58,6 @@ class ZeroSettings:
     each chunk's once, after its last pass (one reduction per step instead of one per pass, at
     a full gradient buffer's memory). Stages 0-1 always do. Stage 3 then also holds all its
     params gathered for the step (one gather per step)."""
-    hold_params_for_step: bool = False
-    """Under ``pipelined``, stage 3: gather the rank's params once per step and hold them
-    (implied by ``keep_full_gradients``). Schedules that split the backward (``zb_h1``) need
-    it: their weight passes run on autograd state saved while the block was gathered, after
-    other passes have used and released it."""
     check_overflow: bool = True
     """Skip a step whose gradient norm is not finite (always under fp16; DeepSpeed's
     ``bf16.check_grad_overflow`` turns it off for bf16)."""
@@ -210,7 +205,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self._install_given(initial_values)
         self.fetcher: ParamFetcher | None = None
         # pipelines: stage 3 holds every param gathered for the step, or only the root units
-        self._hold_all = settings.pipelined and (settings.hold_params_for_step or settings.keep_full_gradients)
+        self._hold_all = settings.pipelined and settings.keep_full_gradients
         if settings.stage == 3:
             self.fetcher = ParamFetcher(
                 self.layout.module_units,
@@ -321,13 +316,15 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     # -- pipelines (``settings.pipelined``): the schedule's passes, in this order ----------
     #   begin_window()                                   once per step (or per evaluation)
     #   begin_pass(chunk, last) / end_pass()             around every weight-accumulating backward pass
+    #   begin_input_pass(chunk) / release_blocks(chunk)  around an input-gradient-only pass (zb_h1's B);
+    #   gather_blocks_of(params)                         in its W, before each group of weight gradients
     #   tied_gradients(params) -> summed across stages    after the schedule's last pass
     #   finish_window()                                  every reduction done; then step()
     #   end_window()                                     stage 3 releases its params
 
     def begin_window(self) -> None:
         """A pipelined step (or evaluation) begins: stage 3 gathers and holds the root units for
-        it (every unit with ``hold_params_for_step``); blocks are gathered around each use."""
+        it (every unit with ``keep_full_gradients``); blocks are gathered around each use."""
         if self.fetcher is None:
             return
         self.fetcher.start_forward()
@@ -347,6 +344,23 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         """
         units = [ui for ui in self._chunk_units.get(chunk, ()) if ui not in self._held_units]
         self.reducer.start_backward(boundary=last, units=units)
+
+    def gather_blocks_of(self, params: Sequence[nn.Parameter]) -> None:
+        """Stage 3, a weight-gradient pass run apart from its backward (``zb_h1``): gather the
+        blocks of ``params`` before autograd computes their gradients (it unpacks the weights
+        the forward saved); they are released once their units are reduced."""
+        if self.fetcher is not None and not self._hold_all:
+            self.fetcher.gather_modules_of(params)
+
+    def begin_input_pass(self, chunk: int) -> None:
+        """Stage 3: an input-gradient pass (``zb_h1``'s B) begins on ``chunk``."""
+        if self.fetcher is not None and not self._hold_all:
+            self.fetcher.begin_input_pass(chunk)
+
+    def release_blocks(self, chunk: int) -> None:
+        """Stage 3: release ``chunk``'s blocks after an input-gradient pass gathered them."""
+        if self.fetcher is not None and not self._hold_all:
+            self.fetcher.release_key(chunk)
 
     def end_pass(self) -> None:
         """The pass has ended: launch the chunk's units that got no gradient (zeros), without waiting."""

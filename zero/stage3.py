@@ -81,6 +81,8 @@ class ParamFetcher:
         self._cursor = dict.fromkeys(keys, 0)
         self._recording = dict.fromkeys(keys, True)
         self._position: dict[int, int] = {}  # fetch module -> its place in its key's order
+        self._module_of = {p: mi for mi, (_, units) in enumerate(self.module_units) for u in units for p in u.params}
+        self._input_pass: int | None = None  # the key of a running input-gradient-only backward
         self._hooks = []
         for mi, (module, _) in enumerate(self.module_units if module_hooks else ()):
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mi)))
@@ -135,6 +137,24 @@ class ParamFetcher:
             if count:
                 self._held[id(unit)] = count
         self.release(release)
+
+    def gather_modules_of(self, params) -> None:
+        """Materialize the fetch modules that hold ``params`` (params outside them are root units)."""
+        for mi in dict.fromkeys(self._module_of[p] for p in params if p in self._module_of):
+            self.gather(self.module_units[mi][1])
+
+    def begin_input_pass(self, key: int) -> None:
+        """A backward that computes input gradients only (``zb_h1``'s B) starts on ``key``'s
+        blocks: a block is released as soon as the backward has moved past it (no weight
+        gradient will be reduced in this pass, so no reduction releases it)."""
+        self._input_pass = key
+
+    def release_key(self, key: int) -> None:
+        """Release every fetch module of ``key`` (a pipeline chunk); ends an input pass."""
+        self._input_pass = None
+        for mi, (_, units) in enumerate(self.module_units):
+            if self._key[mi] == key:
+                self.release(units)
 
     def gather_root(self) -> None:
         self.gather(self.root_units)
@@ -242,7 +262,11 @@ class ParamFetcher:
         return output
 
     def _pre_backward(self, mi: int, grad: torch.Tensor) -> None:
-        self._recording[self._key[mi]] = False
+        key = self._key[mi]
+        self._recording[key] = False
+        if self._input_pass == key and mi in self._position:  # the blocks after mi are done
+            for later in self._order[key][self._position[mi] + 1:]:
+                self.release(self.module_units[later][1])
         self.gather(self.module_units[mi][1])
         self._prefetch_after(mi, -1)
 

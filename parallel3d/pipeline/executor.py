@@ -34,7 +34,8 @@ Engine hooks: ``before_backward(pass_)`` / ``after_backward(pass_)`` are called 
 ``B`` and ``W`` with a :class:`BackwardPass` ``(microbatch, chunk, kind, accumulates_weights,
 is_last, is_last_of_step)``; ``is_last`` marks the last pass of the step that accumulates weight
 gradients into that chunk's parameters (the last ``B``, or the last ``W`` in ``zb_h1``), the
-moment to reduce the chunk's gradients. With ``record=True`` every compute action is timed and
+moment to reduce the chunk's gradients. ``before_weight_group(params)`` is called in a ``W``
+before each group of parameters whose gradients it computes together. With ``record=True`` every compute action is timed and
 ``timeline`` holds :class:`~parallel3d.pipeline.simulate.Interval` s (seconds from a pp barrier
 at the start of the step); :meth:`gather_timeline` collects all ranks' and
 :meth:`write_chrome_trace` writes them for ``draw.py``.
@@ -166,13 +167,18 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
     return dinp, _WeightWork(groups=[(g["params"], list(g["inter"])) for g in groups], captured=captured)
 
 
-def backward_weight(work: _WeightWork) -> None:
-    """Accumulate the weight gradients into ``param.grad`` (through autograd)."""
+def backward_weight(work: _WeightWork, before_group: Callable[[list], None] | None = None) -> None:
+    """Accumulate the weight gradients into ``param.grad`` (through autograd).
+
+    ``before_group(params)`` is called before each group of parameters whose gradients are
+    computed together (ZeRO-3 gathers their block there)."""
     if work.full is not None:
         output, grad = work.full
         torch.autograd.backward(output, grad_tensors=grad)
         return
-    for params, inter in work.groups:
+    for params, inter in reversed(work.groups):  # last layers first, as a backward reaches them
+        if before_group is not None:
+            before_group(params)
         edges, grads = [], []
         for node in inter:
             for i, g in enumerate(work.captured.get(node, ())):
@@ -209,6 +215,7 @@ class PipelineExecutor:
                  device: torch.device | str | None = None, activation_dtype: torch.dtype | None = None,
                  before_backward: Callable[[BackwardPass], None] | None = None,
                  after_backward: Callable[[BackwardPass], None] | None = None,
+                 before_weight_group: Callable[[list], None] | None = None,
                  sum_tied_grads: bool = True, scale_by_microbatches: bool = True, record: bool = False) -> None:
         p = dist.get_world_size(group)
         if p != pipe.num_stages:
@@ -229,6 +236,7 @@ class PipelineExecutor:
         self.activation_dtype = activation_dtype or (floating[0].dtype if floating else torch.get_default_dtype())
         self.before_backward = before_backward
         self.after_backward = after_backward
+        self.before_weight_group = before_weight_group
         self.sum_tied_grads = sum_tied_grads
         self.scale_by_microbatches = scale_by_microbatches
         self.record = record
@@ -373,7 +381,7 @@ class PipelineExecutor:
         def weight(a: Action) -> None:
             key = (a.microbatch, a.chunk)
             hook(self.before_backward, a)
-            timed(a, lambda: backward_weight(weight_work.pop(key)))
+            timed(a, lambda: backward_weight(weight_work.pop(key), self.before_weight_group))
             hook(self.after_backward, a)
 
         index = 0

@@ -32,7 +32,6 @@ __all__ = [
 
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1")
-SPLIT_BACKWARD = frozenset({"zb_h1"})  # schedules whose weight-gradient passes run apart (W actions)
 
 
 def _is_int(value: object) -> bool:

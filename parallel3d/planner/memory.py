@@ -6,9 +6,8 @@ its sends and receives), what is alive then:
 * **model states**: ``states.model_state_bytes`` (exactly ``memory_report()``);
 * **gathered stage-3 parameters**: the root units (for the micro-batch; under pipeline stages
   for the step) plus the block being run and the blocks prefetched after it
-  (``stage3_prefetch_bucket_size``), as ``zero.stage3.ParamFetcher`` does; every unit of the
-  rank for the whole step where ZeRO holds the stage (``hold_stage``: schedules that split the
-  backward, ZeroSettings.hold_params_for_step; :func:`gathered`);
+  (``stage3_prefetch_bucket_size``), as ``zero.stage3.ParamFetcher`` does (:func:`gathered`;
+  ``pipeline.keep_full_gradients``, which holds the whole stage, is not modelled);
 * **activations**: per in-flight (micro-batch, chunk) the bytes its forward leaves for backward,
   and during a pass that pass's own peak (``profile.PassProfile``, measured on fake tensors);
 * **buffers**: posted receives (one ``[micro_batch, seq, hidden]`` activation or gradient each,
@@ -56,19 +55,17 @@ class RankMemory:
         return sum(self.states.values())
 
 
-def gathered(params: RankParams, zero: ZeroSetup, *, hold_stage: bool, prefetch: int, max_live: int) -> tuple[int, int]:
+def gathered(params: RankParams, zero: ZeroSetup, *, prefetch: int, max_live: int) -> tuple[int, int]:
     """Bytes of stage-3 parameters gathered: (for the whole micro-batch or step, extra inside a block).
 
-    With ``hold_stage`` everything is gathered for the step. Else the root units are gathered
-    for each micro-batch's forward and backward (under pipeline stages for the step), and
-    inside a block that block and the ones prefetched after it (the worst such window).
+    The root units are gathered for each micro-batch's forward and backward (under pipeline
+    stages for the step), and inside a block that block and the ones prefetched after it (the
+    worst such window).
     """
     if zero.stage != 3 or zero.world == 1:
         return 0, 0
     plan = units(params, zero)
     sharded = [u for u in plan if not u.persistent]
-    if hold_stage:
-        return zero.work_bytes * sum(padded(u, zero) for u in sharded), 0
     root = sum(padded(u, zero) for u in sharded if u.root)
     blocks: dict[int, int] = {}
     for u in sharded:
@@ -179,10 +176,9 @@ def _table(schedule: str, pp: int, microbatches: int, virtual: int) -> list:
 
 
 def predict_rank(params: RankParams, zero: ZeroSetup, *, table: list, chunk: ChunkProfile, hidden_bytes: int,
-                 pipelined: bool, hold_stage: bool, prefetch: int, max_live: int, overlap: bool,
-                 foreach: bool) -> RankMemory:
+                 pipelined: bool, prefetch: int, max_live: int, overlap: bool, foreach: bool) -> RankMemory:
     """The rank's peak: model states plus the walk of its schedule, and the optimizer step."""
     states = model_state_bytes(params, zero, pipelined=pipelined)
-    return rank_peak(states, gathered(params, zero, hold_stage=hold_stage, prefetch=prefetch, max_live=max_live),
+    return rank_peak(states, gathered(params, zero, prefetch=prefetch, max_live=max_live),
                      staging(params, zero, pipelined=pipelined, overlap=overlap),
                      step_extra(params, zero, foreach=foreach), table, chunk, hidden_bytes, pipelined=pipelined)

@@ -12,8 +12,7 @@ per op plus its tensor-parallel collectives) and the activation transfer as p2p 
 what ZeRO's data-parallel collectives leave exposed, the tied-embedding exchange and the
 optimizer step. Under pipeline stages ZeRO's reductions run while the schedule goes on (a
 chunk's after its last backward pass at stages 0-1, after each pass at stages 2-3:
-``timing.dp_seconds``); stage 3 gathers blocks around each use, except under ZB-H1, whose
-exposed gather of the whole stage precedes the schedule.
+``timing.dp_seconds``); stage 3 gathers blocks around each use and its root units once per step.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from parallel3d.errors import ConfigError
-from parallel3d.pipeline.schedules import SPLIT_BACKWARD, validate_schedule_args
+from parallel3d.pipeline.schedules import validate_schedule_args
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.inventory import ModelShapes, RankParams
 from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
@@ -270,8 +269,7 @@ class Planner:
             params, chunks = self.rank_chunks(layout, rank, hw)
             table = pipeline_table(layout.schedule, layout.pp, m, layout.virtual_stages, rank)
             ranks.append(predict_rank(params, zero, table=table, chunk=chunks.__getitem__, hidden_bytes=hidden,
-                                      pipelined=pipelined, hold_stage=pipelined and layout.schedule in SPLIT_BACKWARD,
-                                      prefetch=w.prefetch, max_live=w.max_live, overlap=overlap,
+                                      pipelined=pipelined, prefetch=w.prefetch, max_live=w.max_live, overlap=overlap,
                                       foreach=hw.foreach_optimizer))
             fwd = sum(c.seconds(hw, layout.tp, False) for c in chunks)
             bwd = sum(c.seconds(hw, layout.tp, True) for c in chunks)

@@ -9,8 +9,8 @@
 * **data parallel**: ZeRO's collectives over dp, unit by unit with ``comm_counter``'s payloads on
   the dp link. The reduction of the window's last micro-batch (stages 0-1; under pipeline stages
   each chunk's after its last pass) or of every micro-batch (2-3) overlaps backward compute when
-  ``overlap_comm`` is on; stage 3's gathers overlap the passes they serve, except under
-  pipeline stages, where the rank's stage is gathered once before the schedule.
+  ``overlap_comm`` is on; stage 3's gathers overlap the passes they serve (under pipeline
+  stages its root units are gathered once per step).
 * **tied embedding**: its gradient exchanged between the first and the last pipeline rank.
 * **optimizer**: Adam reads and writes the fp32 master, its states and the gradient, and writes
   the working copy: memory-bound, ``4 (2 states + 4) + working bytes`` per element of the shard.
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallel3d.pipeline.schedules import SPLIT_BACKWARD, schedule_table
+from parallel3d.pipeline.schedules import schedule_table
 from parallel3d.pipeline.simulate import Costs, simulate
 from parallel3d.planner.hardware import Hardware, Link
 from parallel3d.planner.inventory import RankParams
@@ -65,9 +65,8 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
                            pp_link.seconds("send", hidden_bytes, 2))
         pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
     dp_link = hw.link(layout.tp, layout.dp)
-    hold = layout.pp > 1 and layout.schedule in SPLIT_BACKWARD
     exposed = max(dp_seconds(c.params, zero, dp_link, m, pipelined=layout.pp > 1, overlap=overlap,
-                             compute=(c.forward, c.backward), hold_stage=hold) for c in costs)
+                             compute=(c.forward, c.backward)) for c in costs)
     per_element = 4 * (2 * zero.optimizer.elementwise + 4) + zero.work_bytes
     optimizer = max(sum(padded(u, zero) // zero.world for u in units(c.params, zero)) for c in costs) \
         * per_element / (hw.memory_bandwidth * hw.memory_efficiency)
@@ -76,7 +75,7 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
 
 
 def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipelined: bool, overlap: bool,
-               compute: tuple[float, float], hold_stage: bool = False) -> float:
+               compute: tuple[float, float]) -> float:
     """Seconds of ZeRO's collectives over dp that the step waits for (comm_counter's payloads)."""
     if zero.dp == 1:
         return 0.0
@@ -93,16 +92,12 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipel
     if pipelined:
         # stages 0-1 reduce a chunk's gradients after its last backward pass, stages 2-3
         # reduce-scatter them after each pass, both while the schedule goes on; stage 3 gathers
-        # its root units once per step and each block around each forward and backward (all at
-        # once before the schedule where it holds the stage)
+        # its root units once per step and each block around each forward and backward
         full = full_gradients(zero.stage, True, dp=zero.dp)
         reduce = calls(reduce_op, plan) if full else m * calls("reduce_scatter", plan)
         busy = bwd if full else m * bwd
-        if hold_stage:
-            gather, blocks = calls("all_gather", sharded), 0.0
-        else:
-            gather = calls("all_gather", [u for u in sharded if u.root])
-            blocks = 2 * m * calls("all_gather", [u for u in sharded if not u.root])
+        gather = calls("all_gather", [u for u in sharded if u.root])
+        blocks = 2 * m * calls("all_gather", [u for u in sharded if not u.root])
         if overlap:
             return gather + max(0.0, blocks - m * fwd) + max(0.0, reduce - busy) + after_step
         return gather + blocks + reduce + after_step
