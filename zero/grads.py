@@ -193,6 +193,9 @@ class GradientReducer:
         if self.accumulate_full:
             if not self.boundary or again:  # autograd added into the .grad view: nothing to do
                 return
+        elif not again and self._staging[ui] is None and self._takes_grad(unit, p.grad):
+            self._staging[ui] = p.grad.detach().view(-1)  # the gradient is the unit: no copy
+            p.grad = None
         else:
             staging = self._staging_for(ui)
             off, n = unit.offsets[pi], unit.numels[pi]
@@ -213,6 +216,14 @@ class GradientReducer:
                 return
             self._next += 1
             self._launch(ui)
+
+    @staticmethod
+    def _takes_grad(unit: FlatUnit, grad: torch.Tensor) -> bool:
+        """Whether a gradient can serve as its unit's staging buffer as it is: the unit's only
+        param, no padding, same dtype and device, contiguous (a large embedding or head then
+        costs no second copy of its gradient while it is reduced)."""
+        return (len(unit.params) == 1 and unit.padded == unit.numel and grad.is_contiguous()
+                and grad.dtype == unit.dtype and grad.device == unit.device)
 
     def _staging_for(self, ui: int) -> torch.Tensor:
         """The unit's full-size staging buffer; uninitialized except the padding (zeroed)."""
