@@ -149,3 +149,27 @@ def test_nothing_outlives_a_signal_and_latest_loads(tmp_path, cache_dir, role, s
     if role == "launcher" and sig != signal.SIGKILL:  # Ctrl-C: one line from zero3d, one from rank 0
         progress = re.compile(r"\d\d:\d\d:\d\d parallel3d\.")  # rank 0's log of its last steps and save
         assert len([line for line in said.splitlines() if not progress.match(line)]) <= 2, said
+
+
+_HANDLER = """
+import os, signal, sys, time
+from parallel3d.job.stop import StopSignals
+with StopSignals() as stop:
+    for sig in sys.argv[1:]:
+        os.kill(os.getpid(), getattr(signal, sig))
+        time.sleep(0.05)
+    print(stop.received, flush=True)
+"""
+
+
+@pytest.mark.parametrize("signals,code,received", [
+    (["SIGTERM", "SIGTERM"], 0, signal.SIGTERM),  # the agent's forward, then the parent-death signal
+    (["SIGHUP", "SIGTERM"], 0, signal.SIGHUP),
+    (["SIGINT", "SIGINT"], 130, None),  # Ctrl-C twice: out at once
+    (["SIGTERM", "SIGINT"], 130, None),
+])
+def test_a_repeated_stop_signal_is_absorbed_and_a_second_ctrl_c_exits(signals, code, received):
+    done = subprocess.run([sys.executable, "-c", _HANDLER, *signals], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == code, done.stderr
+    assert done.stdout.strip() == ("" if received is None else str(int(received)))

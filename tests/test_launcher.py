@@ -243,7 +243,8 @@ def test_ssh_runner_starts_every_node(tmp_path, monkeypatch):
         "if dist.get_rank() == int(sys.argv[2]): sys.exit(3)\n"
         "t = torch.ones(1)\n"
         "dist.all_reduce(t)\n"
-        "open(os.path.join(sys.argv[1], f'r{dist.get_rank()}'), 'w').write(str(t.item()))\n")
+        "open(os.path.join(sys.argv[1], f'r{dist.get_rank()}'), 'w').write(str(t.item()))\n"
+        "dist.destroy_process_group()\n")
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     port = str(launcher.free_port())

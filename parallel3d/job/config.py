@@ -189,7 +189,7 @@ class TrainConfig(Section):
     false: start fresh (refused when output_dir already holds checkpoints)."""
     save_on_signal: bool = False
     """On SIGTERM, SIGINT (Ctrl-C) or SIGHUP, save a checkpoint at the step where the job stops
-    (every rank stops after the same step; a second signal stops at once, without saving)."""
+    (every rank stops after the same step; a second Ctrl-C stops at once, without saving)."""
     nproc_per_node: PositiveInt = 1
     """Local worker processes for `zero3d train` (the --nproc-per-node flag overrides it)."""
     progress: bool = True

@@ -3,7 +3,7 @@
 A stop signal (SIGTERM, SIGINT, SIGHUP) only sets a flag; after each optimizer step the ranks
 agree (one all-reduce of the signal number, MAX) whether any rank received one, so they all
 stop after the same step even when the signal reached one worker only. With
-``train.save_on_signal`` they save a checkpoint first. A second signal exits at once.
+``train.save_on_signal`` they save a checkpoint first. A second Ctrl-C exits at once.
 
 The flag is checked where the state is whole (no half-accumulated window, no save in
 flight), which is what makes the checkpoint saved on the way out resumable exactly.
@@ -42,8 +42,10 @@ class JobStopped(Exception):
 class StopSignals:
     """Installs handlers for `STOP_SIGNALS` while it is entered (main thread only).
 
-    ``received`` is the first signal's number (0: none). A second signal ends the process
-    immediately with 128 + its number: the user asked twice.
+    ``received`` is the first signal's number (0: none). A second SIGINT (Ctrl-C twice) ends
+    the process immediately with 130. A repeated SIGTERM or SIGHUP is absorbed: the job's own
+    process tree sends those more than once when a parent dies (torchrun's agent forwards one,
+    the kernel's parent-death signal brings another), and the stop is already under way.
     """
 
     def __init__(self) -> None:
@@ -61,7 +63,9 @@ class StopSignals:
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.received:
-            os._exit(128 + signum)
+            if signum == signal.SIGINT:
+                os._exit(128 + signum)
+            return
         self.received = signum
 
     def agreed(self, device: torch.device) -> int:
