@@ -7,12 +7,49 @@ hold real values: :class:`Executor` (run 2, driven by a :class:`~models.init_tra
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch.utils import _pytree as pytree
 
-from models.init_trace import _CPU, OpRecord, Plan, Trace, TraceError, _tensors
+from models.init_trace import _CPU, OpRecord, Plan, Trace, TraceError, _tensors, covers_storage
+
+# Draws whose values on a contiguous CPU tensor do not depend on how the tensor is cut, as
+# long as every piece but the last is a multiple of 16 elements and the last has at least 16:
+# ``uniform_`` draws element by element; ``normal_`` (numel >= 16) transforms uniforms in
+# blocks of 16 and redraws the last 16 of a ragged tail. Checked by
+# tests/test_init_replay_chunks.py against whole draws, values and generator state alike.
+_CHUNKABLE_DRAWS = frozenset({torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default})
+DRAW_CHUNK_BYTES = 4 << 20
+"""A large draw runs in pieces of about this size, so its scratch never holds the whole tensor."""
+
+
+def draw_pieces(numel: int, row: int, itemsize: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
+    """Row ranges ``[(r0, r1), ...]`` covering ``numel // row`` rows; each piece but the last is
+    a multiple of 16 elements, the last at least 16 (or the whole tensor)."""
+    chunk_bytes = DRAW_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    rows = numel // row
+    step = 16 // math.gcd(row, 16)  # rows per 16-element multiple
+    per = max(step, chunk_bytes // max(row * itemsize, 1) // step * step)
+    pieces, r0 = [], 0
+    while r0 < rows:
+        r1 = min(rows, r0 + per)
+        if (rows - r1) * row < 16:
+            r1 = rows
+        pieces.append((r0, r1))
+        r0 = r1
+    return pieces
+
+
+def _chunkable(func, args, kwargs) -> torch.Tensor | None:
+    """The tensor a draw writes, if it may be drawn in pieces and is worth it."""
+    if func not in _CHUNKABLE_DRAWS or kwargs.get("generator") is not None:
+        return None
+    t = args[0]
+    if not t.is_contiguous() or t.numel() * t.element_size() <= 2 * DRAW_CHUNK_BYTES:
+        return None
+    return t
 
 
 @dataclass
@@ -32,17 +69,24 @@ class Executor(Trace):
     storage; it reads the value with :meth:`view_as` and returns whether it kept the storage
     itself (zero-copy hand-off), otherwise the storage is recycled.
 
+    ``stream`` (optional) takes a requested tensor whose last op is a large chunkable draw
+    (:data:`_CHUNKABLE_DRAWS`) piece by piece instead: ``stream.row_size(sid)`` says how many
+    elements make one of its rows (``None``: not streamable), and ``stream.rows(sid, r0, r1,
+    values)`` receives rows ``[r0, r1)`` as a flat tensor, the last call ending at the last
+    row. The whole tensor is then never held: one piece of scratch is.
+
     One *spare* storage, the largest freed so far, is recycled for the next shadow or scratch
     that fits, whatever its size: with fresh allocations per op, glibc's heap grew by every
     layer's draws (measured: RSS +52 MB while at most 9 MB were alive, for a 54 MB model), and
     page faults on fresh buffers cost more than the draws themselves.
     """
 
-    def __init__(self, records: list[OpRecord], the_plan: Plan, emit) -> None:
+    def __init__(self, records: list[OpRecord], the_plan: Plan, emit, stream=None) -> None:
         super().__init__()
         self.records = records
         self.the_plan = the_plan
         self.emit = emit
+        self.stream = stream
         self.shadows: dict[int, torch.UntypedStorage] = {}
         self.spare: torch.UntypedStorage | None = None
         self.stats = Stats()
@@ -95,14 +139,18 @@ class Executor(Trace):
             raise TraceError(f"construction differs between two runs at op {k}: {rec.name} vs {expected}")
         p = self.the_plan
         self.stats.ops += 1
+        streamed = None
         if p.needed[k]:
             self.stats.computed_ops += 1
-            out = self._compute(k, rec, func, args, kwargs, out, fresh)
+            streamed = self._streamed_draw(k, rec, func, args, kwargs)
+            if streamed is None:
+                out = self._compute(k, rec, func, args, kwargs, out, fresh)
         elif p.run_random[k]:
             self.stats.scratch_random_ops += 1
             self._draw(rec, func, args, kwargs)
         for s in p.emit_after.get(k, ()):
-            self._free(s, handed_off=bool(self.emit(s, self)))
+            if s != streamed:
+                self._free(s, handed_off=bool(self.emit(s, self)))
         for s in p.free_after.get(k, ()):
             self._free(s)
         return out
@@ -135,8 +183,45 @@ class Executor(Trace):
             self._adopt(s, m, by_meta[id(m)])
         return res if rec.observer else out
 
+    def _streamed_draw(self, k, rec, func, args, kwargs) -> int | None:
+        """Draw a requested tensor's final values in pieces, handing each to ``stream``.
+
+        Only for a chunkable draw that writes a whole storage which is final right after it
+        (the usual ``normal_`` of ``_init_weights``); returns its storage id, else ``None``.
+        """
+        t = _chunkable(func, args, kwargs) if self.stream is not None else None
+        if t is None or not covers_storage(t) or rec.overwrites != rec.writes or len(rec.writes) != 1:
+            return None
+        sid = rec.writes[0]
+        if self.the_plan.emit_after.get(k) != [sid] or self.the_plan.free_after.get(k):
+            return None
+        row = self.stream.row_size(sid, t.numel())
+        if row is None:
+            return None
+        self._free(sid)
+        self._in_pieces(func, t, row, args, kwargs, lambda r0, r1, values: self.stream.rows(sid, r0, r1, values))
+        return sid
+
+    def _in_pieces(self, func, t: torch.Tensor, row: int, args, kwargs, each=None) -> None:
+        """Run draw ``func`` over ``t``'s elements piece by piece in one reused scratch buffer."""
+        pieces = draw_pieces(t.numel(), row, t.element_size())
+        largest = max(r1 - r0 for r0, r1 in pieces) * row
+        buffer = self._take(largest * t.element_size())
+        self._track(buffer.nbytes())
+        flat = _on(buffer, t.dtype, (largest,), (1,), 0)
+        for r0, r1 in pieces:
+            piece = flat[: (r1 - r0) * row]
+            func(piece, *args[1:], **kwargs)
+            if each is not None:
+                each(r0, r1, piece)
+        self._release(buffer)
+
     def _draw(self, rec, func, args, kwargs) -> None:
         """A random op nobody needs: draw into scratch so the generator advances as in eager."""
+        t = _chunkable(func, args, kwargs)
+        if t is not None:
+            self._in_pieces(func, t, 1, args, kwargs)
+            return
         mutated = set(rec.writes) - set(rec.input_reads)
         taken: list[torch.UntypedStorage] = []
 

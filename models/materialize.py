@@ -28,6 +28,7 @@ model's ``post_init`` runs before the head is even constructed. Building under
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from models.init_programs import (
     _structure,
 )
 from models.init_trace import MetaConstructors, NeedsValues, Recorder, TraceError, plan
-from models.tensor_source import Rect, Requests, normalize_rect, whole
+from models.tensor_source import Rect, Requests, normalize_rect, rect_shape, whole
 
 
 def _check_cpu_default() -> None:
@@ -75,6 +76,50 @@ def _owns_storage(full: torch.Tensor, rects: list, storage: torch.UntypedStorage
         and full.is_contiguous()
         and full.storage_offset() == 0
         and full.nbytes == storage.nbytes()
+    )
+
+
+class _RowStream:
+    """Takes a requested tensor drawn in row pieces (see ``Executor``'s ``stream``): copies each
+    piece's part of every rectangle asked for, and delivers the tensor after its last row."""
+
+    def __init__(self, jobs: dict, dests, deliver) -> None:
+        self.jobs, self.dests, self.deliver = jobs, dests, deliver
+        self.partial: dict[str, list[torch.Tensor]] = {}
+        self.stats: Stats | None = None
+
+    def row_size(self, sid: int, numel: int) -> int | None:
+        mine = self.jobs.get(sid, ())
+        if not mine or any(not _contiguous_whole(e, numel) for _, e, _ in mine):
+            return None
+        return math.prod(mine[0][1].shape[1:])
+
+    def rows(self, sid: int, r0: int, r1: int, values: torch.Tensor) -> None:
+        last = r1 == self.jobs[sid][0][1].shape[0]
+        for name, e, rects in self.jobs.pop(sid) if last else self.jobs[sid]:
+            block = values.view(r1 - r0, *e.shape[1:])
+            if self.dests is not None:
+                targets = self.dests[name]
+            else:
+                targets = self.partial.setdefault(
+                    name, [torch.empty(rect_shape(r), dtype=e.dtype) for r in rects])
+            for rect, target in zip(rects, targets):
+                lo, hi = max(rect[0].start, r0), min(rect[0].stop, r1)
+                if lo < hi:
+                    target[lo - rect[0].start : hi - rect[0].start].copy_(block[(slice(lo - r0, hi - r0), *rect[1:])])
+            if last:
+                values_out = self.partial.pop(name, None)
+                if values_out is not None and self.stats is not None:
+                    self.stats.emitted_bytes += sum(v.nbytes for v in values_out)
+                self.deliver(name, values_out)
+
+
+def _contiguous_whole(e: TensorEntry, numel: int) -> bool:
+    return (
+        e.offset == 0
+        and len(e.shape) > 0
+        and math.prod(e.shape) == numel
+        and tuple(e.stride) == torch.empty(e.shape, device="meta").stride()
     )
 
 
@@ -265,7 +310,9 @@ class InitReplay:
 
         _check_cpu_default()
         the_plan = plan(self._records, set(jobs), advance_rng=advance_rng)
-        ex = Executor(self._records, the_plan, emit)
+        stream = _RowStream(jobs, dests, deliver)
+        ex = Executor(self._records, the_plan, emit, stream)
+        stream.stats = ex.stats
         start = time.perf_counter()
         saved = None if advance_rng else torch.get_rng_state()
         torch.set_rng_state(self._rng_state)

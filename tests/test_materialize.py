@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedModel
 
+from models import init_execute
 from models.materialize import (
     InitReplay,
     MaterializeError,
@@ -65,8 +66,17 @@ def test_whole_tensors_equal_eager(family):
         assert eager.get_parameter(alias) is eager.get_parameter(canonical)
 
 
+@pytest.fixture(params=["whole", "small_pieces"])
+def pieces(request, monkeypatch):
+    """Large draws in pieces as usual, or every draw over 128 bytes in 64-byte pieces, so that
+    pieces cut rows, rectangles and ragged tails on tiny models."""
+    if request.param == "small_pieces":
+        monkeypatch.setattr(init_execute, "DRAW_CHUNK_BYTES", 64)
+    return request.param
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_rectangles_equal_eager(family):
+def test_rectangles_equal_eager(family, pieces):
     eager, after, meta = _pair(family, seed=7)
     src = InitReplay(meta)
     names = src.names() + list(src.aliases())
@@ -101,7 +111,7 @@ def test_subset_of_one_tensor_draws_the_rest_into_scratch():
     assert src.last_stats.scratch_random_ops > 0
 
 
-def test_reads_repeat_and_fill_into_a_flat_buffer():
+def test_reads_repeat_and_fill_into_a_flat_buffer(pieces):
     eager, after, meta = _pair("llama_tied", seed=11)
     src = InitReplay(meta)
     first = dict(src.read({n: [(slice(0, 2),)] for n in src.parameter_names()}))
@@ -163,6 +173,45 @@ def test_peak_memory_is_one_tensor_not_the_model():
         grew = _vm("VmHWM") - base
         assert grew < min(0.5 * model_bytes, 3 * largest), (grew, model_bytes, largest)
     assert len(got) == len(src.names())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("op", ["normal_", "uniform_"])
+def test_draws_in_pieces_equal_one_whole_draw(dtype, op):
+    """What drawing large tensors in pieces rests on: the same values, the generator left alike."""
+    args = (0.0, 0.02) if op == "normal_" else (-0.1, 0.1)
+    for numel, row, chunk in [(17, 1, 64), (4099, 1, 64), (98765, 5, 4096), (3 << 20, 768, 1 << 20)]:
+        torch.manual_seed(3)
+        whole_draw = getattr(torch.empty(numel, dtype=dtype), op)(*args)
+        state = torch.get_rng_state()
+        torch.manual_seed(3)
+        pieces = init_execute.draw_pieces(numel, row, whole_draw.element_size(), chunk)
+        assert pieces[0][0] == 0 and pieces[-1][1] * row == numel
+        assert all((b - a) * row % 16 == 0 for a, b in pieces[:-1]) and (pieces[-1][1] - pieces[-1][0]) * row >= 16
+        drawn = torch.empty(numel, dtype=dtype)
+        for a, b in pieces:
+            getattr(drawn[a * row : b * row], op)(*args)
+        assert torch.equal(drawn, whole_draw) and torch.equal(torch.get_rng_state(), state), (numel, row, chunk)
+
+
+def test_a_large_tensor_is_drawn_in_pieces_never_whole():
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                      vocab_size=32000)  # a 16 MB embedding and head: four draw pieces each
+    torch.manual_seed(0)
+    eager = AutoModelForCausalLM.from_config(cfg)
+    after = torch.get_rng_state()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    src = InitReplay(meta)
+    name = "model.embed_tokens.weight"
+    rows = [(slice(0, 3),), (slice(12000, 20000), slice(5, 9))]
+    got = dict(src.read({name: rows, "lm_head.weight": [(slice(31990, 32000),)]}))
+    assert torch.equal(torch.get_rng_state(), after)
+    for rect, value in zip(rows, got[name]):
+        assert torch.equal(value, eager.get_parameter(name)[rect])
+    assert torch.equal(got["lm_head.weight"][0], eager.lm_head.weight[31990:])
+    assert src.last_stats.peak_bytes <= 2 * init_execute.DRAW_CHUNK_BYTES + 32000 * 128 * 4 // 8, src.last_stats
 
 
 class _Net(nn.Module):
