@@ -108,7 +108,8 @@ _CODEGEN_GROUPS = 4  # CodeGenAttention.forward: mp_num = 4
 
 def _codegen_tp(config: Any, tp: int) -> PlanEntries:
     """qkv_proj is [4 groups, (q, v, k) of the group's heads]: twelve blocks, each split by heads;
-    a rank's heads are then a slice of every group, so out_proj's input is four split blocks."""
+    a rank's heads are then a slice of every group, so out_proj's input is four split blocks.
+    transformers >= 5.24 sizes the groups from ``embed_dim`` (a per-rank width, divided by T)."""
     heads = config.num_attention_heads
     if heads % (_CODEGEN_GROUPS * tp):
         raise TPPlanError(f"CodeGen reads its fused q|v|k projection in {_CODEGEN_GROUPS} fixed groups of heads, so "
@@ -148,7 +149,7 @@ RECORDS: tuple[FamilyRecord, ...] = (
         "ln_f": (["hidden_states"], ["hidden_states"]),
     }),
     FamilyRecord("GPT-J", ("gptj",), tp_plan=_gptj_tp, pp_plan=_WTE_H_LNF),
-    FamilyRecord("CodeGen", ("codegen",), tp_plan=_codegen_tp, pp_plan=_WTE_H_LNF),
+    FamilyRecord("CodeGen", ("codegen",), tp_plan=_codegen_tp, tp_size_attrs=("embed_dim",), pp_plan=_WTE_H_LNF),
     # HF's plan names the dense layers' MLP but not the shared expert of the sparse ones
     FamilyRecord("Qwen2-MoE", ("qwen2_moe",), tp_plan={
         "layers.*.mlp.shared_expert.gate_proj": "colwise", "layers.*.mlp.shared_expert.up_proj": "colwise",
