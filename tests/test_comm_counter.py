@@ -101,6 +101,36 @@ def test_known_calls_are_counted_exactly(dist):
         assert "all_gather" in res["table"] and "2x8" in res["table"]
 
 
+def functional_calls() -> dict:
+    """Functional collectives and a DTensor redistribution, counted with ``functional=True``."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from parallel3d.comm_counter import count_collectives
+
+    mesh = init_device_mesh("cpu", (2,))
+    d = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])
+    with count_collectives() as plain:
+        funcol.all_reduce(torch.ones(10), "sum", dist.group.WORLD).wait()
+    with count_collectives(functional=True) as comm:
+        y = funcol.all_reduce(torch.ones(10), "sum", dist.group.WORLD)
+        funcol.reduce_scatter_tensor(torch.ones(8), "sum", 0, dist.group.WORLD).wait()
+        full = d.redistribute(mesh, [Replicate()]).to_local()  # all-gather of 2 x 2 x 6
+        dist.all_reduce(torch.ones(3))  # the class patch still counts the plain ones
+    return {"plain": plain.total("calls"), "rows": _summary(comm), "y": y.wait().tolist(), "full": full.shape[0]}
+
+
+def test_functional_collectives_are_counted(dist):
+    for res in dist.run(2, functional_calls):
+        assert res["plain"] == 0  # without functional=True they are not seen
+        assert res["y"] == [2.0] * 10 and res["full"] == 4
+        assert res["rows"] == {("", "world", "all_reduce"): (2, 13, {10: 1, 3: 1}),
+                               ("", "world", "reduce_scatter"): (1, 8, {8: 1}),
+                               ("", "world", "all_gather"): (1, 24, {24: 1})}
+
+
 # -- ZeRO: elements per step vs Psi -----------------------------------------------------------
 
 
