@@ -86,12 +86,11 @@ def setup_torch_pipeline(model, spec, stage, schedule="Schedule1F1B", virtual=1)
 
 
 def setup_deepspeed_pipeline(model, spec, stage):
-    from deepspeed.pipe import PipelineModule
-
-    from bench_runners import deepspeed_engine
+    from bench_runners import deepspeed_engine, import_deepspeed
     from models.pipeline_anatomy import pipeline_anatomy
     from parallel3d.pipeline.stage import PipelineStage, make_layout
 
+    PipelineModule = import_deepspeed().pipe.PipelineModule  # noqa: N806 (needs deepspeed.comm set up)
     anatomy = pipeline_anatomy(model)
     layout = make_layout(model, anatomy, PP, balance="layers")
     module = PipelineModule(layers=[PipelineStage(model, anatomy, layout, s) for s in range(PP)], num_stages=PP,

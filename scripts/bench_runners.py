@@ -145,10 +145,10 @@ def setup_fsdp2(model, spec, stage):
     return step, lambda: None
 
 
-def deepspeed_engine(model, spec, stage, config: dict | None = None):
+def import_deepspeed():
+    """DeepSpeed, ready to run in this process group (``deepspeed.comm`` initialized)."""
     # Recipe of tests/ds_oracle.py: cpu accelerator (falls back to gloo), LOCAL_RANK set,
-    # no JIT shared-memory op, torch.optim.AdamW via "torch_adam". No deepcopy of the model
-    # here: it would inflate DeepSpeed's peak RSS.
+    # no JIT shared-memory op, torch.optim.AdamW via "torch_adam".
     import logging
 
     os.environ["DS_ACCELERATOR"] = _device().type
@@ -158,6 +158,13 @@ def deepspeed_engine(model, spec, stage, config: dict | None = None):
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return deepspeed
+
+
+def deepspeed_engine(model, spec, stage, config: dict | None = None):
+    # No deepcopy of the model here: it would inflate DeepSpeed's peak RSS.
+    deepspeed = import_deepspeed()
     return deepspeed.initialize(model=model, config=config or ds_config(spec, stage))[0]
 
 

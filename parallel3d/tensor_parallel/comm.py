@@ -43,7 +43,8 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((world * front.shape[0], *front.shape[1:]))
     all_gather_single(out, front, group=group)
-    return out.movedim(0, dim)
+    # contiguous: the consumers (a region's q, k, v) would each make, and save, their own copy
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
@@ -54,7 +55,7 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Ten
         raise ValueError(f"reduce-scatter: size {front.shape[0]} of dim {dim} is not divisible by {world} ranks")
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
     reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
