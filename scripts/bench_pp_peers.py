@@ -121,7 +121,8 @@ def main(argv=None) -> dict | None:
     names = [n for n in args.only.split(",") if n]
     if set(names) - set(NAMES):
         raise SystemExit(f"unknown runners {sorted(set(names) - set(NAMES))}; choose from {NAMES}")
-    return drive(args, names, LABEL, __file__, list(ZERO3D))
+    same = dict(zip(ZERO3D, TORCH))  # Zero3D's schedule -> torch's (zb_h1 -> InterleavedZeroBubble)
+    return drive(args, names, LABEL, __file__, {z: [same[z], "dspipe"] for z in ZERO3D})
 
 
 if __name__ == "__main__":

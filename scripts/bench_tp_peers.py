@@ -150,9 +150,9 @@ def parse_args(argv=None, names=NAMES, default_model="A", doc=__doc__):
     return ap.parse_args(argv)
 
 
-def drive(args, names: list[str], labels: dict, script: str, baseline: list[str]) -> dict:
+def drive(args, names: list[str], labels: dict, script: str, pairs: dict[str, list[str]]) -> dict:
     """Run ``names`` interleaved for ``args.rounds`` jobs (and alone with ``--memory``); print
-    the table and the ratios of each ``baseline`` runner over every other runner; return the stats."""
+    the table and the ratio of each Zero3D runner (``pairs`` key) over each of its peers; return the stats."""
     from bench_zero import collect, launch
 
     tmp = tempfile.mkdtemp(prefix="bench_peers_")
@@ -192,8 +192,8 @@ def drive(args, names: list[str], labels: dict, script: str, baseline: list[str]
                          cell(c.get("calls")), cell(c.get("nbytes", 0) / 2**20 if c else None, "{:.1f}"),
                          cell(c.get("wire_bytes", 0) / 2**20 if c else None, "{:.1f}")))
     print("\nratios (Zero3D / peer; step = pooled median wall, lower is better):")
-    for z in [b for b in baseline if b in stats]:
-        for peer in [n for n in stats if n not in baseline]:
+    for z in [b for b in pairs if b in stats]:
+        for peer in [n for n in pairs[z] if n in stats]:
             line = f"  {labels[z]:<18} / {labels[peer]:<22} step {stats[z]['median_s'] / stats[peer]['median_s']:.3f}"
             paired = [a / b for a, b in zip(stats[z]["round_medians"], stats[peer]["round_medians"])]
             line += "  per round " + " ".join(f"{x:.3f}" for x in paired)
@@ -227,7 +227,8 @@ def main(argv=None) -> dict | None:
     names = [n for n in args.only.split(",") if n]
     if set(names) - set(NAMES):
         raise SystemExit(f"unknown runners {sorted(set(names) - set(NAMES))}; choose from {NAMES}")
-    return drive(args, names, LABEL, __file__, ["ztp", "ztp-sp"])
+    peers = ["dtp", "dtp-sp", "dsautotp"]
+    return drive(args, names, LABEL, __file__, {"ztp": peers, "ztp-sp": peers})
 
 
 if __name__ == "__main__":
