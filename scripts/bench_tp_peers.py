@@ -26,6 +26,7 @@ for its peak RSS. Ratios are Zero3D over each peer (lower is better).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -39,7 +40,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_runners import RUNNERS, ds_config, engine_step, deepspeed_engine  # noqa: E402
+from bench_runners import MODELS, RUNNERS, deepspeed_engine, ds_config, engine_step  # noqa: E402
 
 TP = 2
 NAMES = ["ztp", "ztp-sp", "dtp", "dtp-sp", "dsautotp"]
@@ -126,17 +127,18 @@ def setup_autotp(model, spec, stage):
     return engine_step(deepspeed_engine(model, spec, 0, config)), lambda: None
 
 
-RUNNERS.update({"ztp": (setup_zero3d_tp, 0), "ztp-sp": (lambda m, s, st: setup_zero3d_tp(m, s, st, sp=True), 0),
-                "dtp": (setup_dtensor_tp, 0), "dtp-sp": (lambda m, s, st: setup_dtensor_tp(m, s, st, sp=True), 0),
+RUNNERS.update({"ztp": (setup_zero3d_tp, 0), "ztp-sp": (functools.partial(setup_zero3d_tp, sp=True), 0),
+                "dtp": (setup_dtensor_tp, 0), "dtp-sp": (functools.partial(setup_dtensor_tp, sp=True), 0),
                 "dsautotp": (setup_autotp, 0)})
 
 
 # -- driver --------------------------------------------------------------------------------
 
 
-def parse_args(argv=None, names=NAMES, default_model="A", doc=__doc__):
+def parse_args(argv=None, names=NAMES, doc=__doc__):
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=default_model, help="A (13.7M params), H (A at hidden 1024), T (tiny, for tests)")
+    ap.add_argument("--model", default="A", choices=sorted(MODELS),
+                    help="A (13.7M params), H (A at hidden 1024), T (tiny, for tests), B (134M)")
     ap.add_argument("--steps", type=int, help="timed steps per run (default: model's)")
     ap.add_argument("--warmup", type=int, help="untimed steps before them (default: model's)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved jobs (runner order reversed every other)")
