@@ -23,9 +23,12 @@ and calls the original; on exit the originals are put back. Wrapping the Python 
 instead would miss the aliases bound at import time (``zero.comm``,
 ``parallel3d.tensor_parallel.comm``) and would break ``P2POp``/``batch_isend_irecv``, which
 test ``op is isend``. Calls from autograd backward, gradient hooks and async (``async_op=True``)
-collectives are all seen, counted when issued. Not seen: C++ callers (DDP's reducer) and
-functional collectives (``torch.distributed._functional_collectives``, DTensor), which
-dispatch through ``c10d_functional`` ops. Results are unchanged (the same method is called
+collectives are all seen, counted when issued. Not seen: C++ callers (DDP's reducer) and,
+unless ``functional=True``, functional collectives (``torch.distributed._functional_collectives``,
+DTensor), which dispatch through ``_c10d_functional`` ops straight to C++. With
+``functional=True`` a ``TorchDispatchMode`` records those ops too (method
+``functional.<op>``); it lets DTensor desugar its ops first (as torch's ``CommDebugMode``
+does), so a redistribution is seen as the collectives it issues. Results are unchanged (the same method is called
 with the same arguments); when no counter is active nothing is patched, so the cost is
 zero, and while active it is one Python call per collective.
 
@@ -268,14 +271,54 @@ def _group_names(mesh: Any) -> dict[str, str]:
     return names
 
 
+# _c10d_functional op -> (op, index of the payload argument, index of the group size or None)
+_FUNCTIONAL: dict[str, tuple[str, int, int | None]] = {
+    "all_reduce": ("all_reduce", 0, None), "all_reduce_": ("all_reduce", 0, None),
+    "all_reduce_coalesced": ("all_reduce", 0, None), "all_reduce_coalesced_": ("all_reduce", 0, None),
+    "all_gather_into_tensor": ("all_gather", 0, 1), "all_gather_into_tensor_out": ("all_gather", 0, 1),
+    "all_gather_into_tensor_coalesced": ("all_gather", 0, 1),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, None), "reduce_scatter_tensor_out": ("reduce_scatter", 0, None),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", 0, None),
+    "all_to_all_single": ("all_to_all", 0, None), "broadcast": ("broadcast", 0, None),
+    "broadcast_": ("broadcast", 0, None),
+}
+
+
+def _functional_mode(counter: CommCounter):
+    """A dispatch mode recording ``_c10d_functional`` collectives into ``counter``."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Functional(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(t, DTensor) for t in types):
+                return NotImplemented  # a DTensor op: let it desugar into collectives first
+            name = func._overloadpacket.__name__
+            if func.namespace == "_c10d_functional":
+                entry = _FUNCTIONAL.get(name)
+                if entry is not None:
+                    op, index, size_at = entry
+                    payload = args[index]
+                    if size_at is not None:  # all-gather: the payload is the gathered output
+                        n = args[size_at]
+                        payload = [t.expand(n, *t.shape) for t in _tensors(payload)]
+                    counter._record(_resolve_process_group(args[-1]), op, f"functional.{name}", payload)
+            return func(*args, **(kwargs or {}))
+
+    return _Functional()
+
+
 @contextlib.contextmanager
-def count_collectives(mesh: Any = None, names: Mapping[str, Any] | None = None) -> Iterator[CommCounter]:
+def count_collectives(mesh: Any = None, names: Mapping[str, Any] | None = None,
+                      functional: bool = False) -> Iterator[CommCounter]:
     """Record every collective this process issues inside the block; yields the ``CommCounter``.
 
     ``mesh``: a ``Mesh3D`` (``engine.mesh``), a ``DeviceMesh`` or a mapping ``{name:
     ProcessGroup}`` used to name the groups; ``names`` adds or overrides ``{name:
     ProcessGroup}``. Counters may nest (each records every call made while it is active). A counter sees every
-    collective of this process, from any thread, while it is active.
+    collective of this process, from any thread, while it is active; with ``functional=True`` it
+    also sees functional collectives (DTensor's) issued in this thread and in autograd's.
     """
     counter = CommCounter(names={**_group_names(mesh), **_group_names(names)})
     with _lock:
@@ -283,7 +326,11 @@ def count_collectives(mesh: Any = None, names: Mapping[str, Any] | None = None) 
             _install()
         _active.append(counter)
     try:
-        yield counter
+        if functional:
+            with _functional_mode(counter):
+                yield counter
+        else:
+            yield counter
     finally:
         with _lock:
             _active.remove(counter)

@@ -55,6 +55,12 @@ MODELS = {
     # states (params + grads + 2 Adam moments = 16 B/param in fp32) dominate memory.
     "B": ModelSpec(dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                         num_attention_heads=12, num_key_value_heads=12), micro=1, seq=128, steps=4, warmup=2),
+    # H: model A at hidden 1024 (~55M params): tensor parallelism where the matmuls are larger.
+    "H": ModelSpec(dict(vocab_size=2048, hidden_size=1024, intermediate_size=2752, num_hidden_layers=4,
+                        num_attention_heads=16, num_key_value_heads=8), micro=4, seq=256, steps=6, warmup=2),
+    # T: tiny, for the tests that run each benchmark path once.
+    "T": ModelSpec(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2), micro=2, seq=32, steps=1, warmup=1),
 }
 
 
@@ -139,10 +145,10 @@ def setup_fsdp2(model, spec, stage):
     return step, lambda: None
 
 
-def deepspeed_engine(model, spec, stage):
+def import_deepspeed():
+    """DeepSpeed, ready to run in this process group (``deepspeed.comm`` initialized)."""
     # Recipe of tests/ds_oracle.py: cpu accelerator (falls back to gloo), LOCAL_RANK set,
-    # no JIT shared-memory op, torch.optim.AdamW via "torch_adam". No deepcopy of the model
-    # here: it would inflate DeepSpeed's peak RSS.
+    # no JIT shared-memory op, torch.optim.AdamW via "torch_adam".
     import logging
 
     os.environ["DS_ACCELERATOR"] = _device().type
@@ -152,7 +158,14 @@ def deepspeed_engine(model, spec, stage):
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.utils.logger.setLevel(logging.WARNING)
-    return deepspeed.initialize(model=model, config=ds_config(spec, stage))[0]
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    return deepspeed
+
+
+def deepspeed_engine(model, spec, stage, config: dict | None = None):
+    # No deepcopy of the model here: it would inflate DeepSpeed's peak RSS.
+    deepspeed = import_deepspeed()
+    return deepspeed.initialize(model=model, config=config or ds_config(spec, stage))[0]
 
 
 def engine_step(engine):
@@ -184,13 +197,15 @@ def setup_zero3d(model, spec, stage):
 PIPELINE_MICRO_BATCHES = 4  # per step and dp rank: 1F1B's steady state needs m >= pp
 
 
-def setup_zero3d_pipeline(model, spec, stage, keep_full_gradients=False):
-    """pp 2 (1F1B) x dp world/2: each step is ``PIPELINE_MICRO_BATCHES`` copies of the batch."""
+def setup_zero3d_pipeline(model, spec, stage, keep_full_gradients=False, schedule="1f1b", virtual_stages=1,
+                          balance="parameters"):
+    """pp 2 (1F1B by default) x dp world/2: each step is ``PIPELINE_MICRO_BATCHES`` copies of the batch."""
     import parallel3d
 
     config = ds_config(spec, stage)
     config["gradient_accumulation_steps"] = PIPELINE_MICRO_BATCHES
-    config["pipeline"] = {"stages": 2, "schedule": "1f1b", "keep_full_gradients": keep_full_gradients}
+    config["pipeline"] = {"stages": 2, "schedule": schedule, "keep_full_gradients": keep_full_gradients,
+                          "virtual_stages": virtual_stages, "balance": balance}
     engine = parallel3d.initialize(model=model, config=config)[0]
 
     def step(ids):
@@ -234,12 +249,27 @@ def _max_over_ranks(rows: list[list[float]]) -> list[list[float]]:
     return t.tolist()
 
 
-def run(names: list[str], model_name: str, steps: int, warmup: int, out_path: str) -> None:
+def count_step(step, ids) -> dict:
+    """One more step of a runner with every collective counted (functional ones, DTensor's,
+    included; DDP's C++ reducer is not seen): calls, payload and ring wire bytes of this rank."""
+    from parallel3d.comm_counter import count_collectives
+
+    with count_collectives(functional=True) as comm:
+        step(ids)
+    return {"calls": comm.total("calls"), "nbytes": comm.total("nbytes"), "wire_bytes": comm.total("wire_bytes"),
+            "by_op": {f"{r['group']}/{r['op']}": [r["calls"], r["nbytes"]] for r in comm.summary()}}
+
+
+def run(names: list[str], model_name: str, steps: int, warmup: int, out_path: str,
+        same_data: bool = False, count_comm: bool = False) -> None:
     """Body of one runner job (every rank); rank 0 appends one JSON line per runner to ``out_path``.
 
     One name: the runner alone in its processes, memory included. Several names
     (``--interleave``): each gets its own model and they take steps in turn (order reversed
     every step), so all see the same machine load; memory is then not per runner.
+    ``same_data``: every rank gets rank 0's micro-batches (tensor parallelism: one tp group).
+    ``count_comm``: after the timed steps, one more step per runner with its collectives
+    counted (``count_step``), reported as ``comm`` (rank 0's).
     """
     cuda = torch.cuda.is_available()
     if cuda:
@@ -247,7 +277,7 @@ def run(names: list[str], model_name: str, steps: int, warmup: int, out_path: st
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = MODELS[model_name]
-    batches = [b.to(_device()) for b in token_batches(spec, rank, warmup + steps)]
+    batches = [b.to(_device()) for b in token_batches(spec, 0 if same_data else rank, warmup + steps)]
     runners, setup_s = {}, {}
     for name in names:
         setup, stage = RUNNERS[name]
@@ -274,6 +304,7 @@ def run(names: list[str], model_name: str, steps: int, warmup: int, out_path: st
                 times[name][1].append(time.process_time() - c)
     # A step lasts as long as its slowest rank; CPU seconds (all threads) of the busiest rank.
     times = {name: _max_over_ranks(list(wc)) for name, wc in times.items()}
+    comm = {name: count_step(runners[name][0], batches[-1]) for name in names} if count_comm else {}
     alone = len(names) == 1
     for name in names:
         states = runners[name][1]()
@@ -291,7 +322,7 @@ def run(names: list[str], model_name: str, steps: int, warmup: int, out_path: st
                 "train_peak_kib": per_rank(0, alone and reset_ok), "peak_kib": per_rank(1, alone),
                 "setup_rss_kib": per_rank(2, alone), "model_state_bytes": per_rank(3, bool(states)),
                 "model_state_detail": states, "cuda_peak_kib": per_rank(4, alone and cuda),
-                "spec": asdict(spec), "torch": torch.__version__,
+                "spec": asdict(spec), "torch": torch.__version__, "comm": comm.get(name),
             }
             with open(out_path, "a") as f:
                 f.write(json.dumps(result) + "\n")

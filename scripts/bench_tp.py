@@ -7,7 +7,8 @@ One job, one model (a random-init Llama; every rank builds the same weights from
 one global batch of ``--micro`` sequences per step, four ways, all in the same processes:
 
 * ``tp2``    tp = 2, dp = 1: both ranks run the whole batch on half of every layer.
-* ``tp2sp``  the same with sequence parallelism (all-gather / reduce-scatter, no all-reduce).
+* ``tp2sp``  the same with sequence parallelism (all-gather / reduce-scatter; on gloo each
+             reduce-scatter is an all-reduce and a slice).
 * ``dp2``    tp = 1, dp = 2 (ZeRO stage 0, i.e. DDP's all-reduce of the gradients): each rank
              runs half of the batch on the whole model.
 * ``single`` tp = 1, dp = 1 on rank 0 alone with 2 intra-op threads (rank 1 waits): the same
@@ -164,14 +165,13 @@ def theory(name: str, args, L: int, psi: int) -> dict:
                 ("backward", "all_reduce", bsh): (2 * L + 1, "2/layer + head input grad"),
                 ("step", "all_reduce", 1): (1, "grad norm (tp-split part)")}
     if name == "tp2sp":
+        # gloo: each reduce-scatter of a layer is an all-reduce + slice (parallel3d/tensor_parallel/comm.py)
         return {("forward", "all_gather", bsh): (2 * L + 1, "2/layer + last block exit"),
-                ("forward", "reduce_scatter", bsh): (2 * L, "2/layer"),
-                ("forward", "all_reduce", bsh): (1, "embedding"),
+                ("forward", "all_reduce", bsh): (2 * L + 1, "2/layer (reduce-scatter on gloo) + embedding"),
                 ("forward", "all_reduce", bs): (1, "cross entropy: max"),
                 ("forward", "all_reduce", 2 * bs): (1, "cross entropy: sum exp, target"),
                 ("backward", "all_gather", bsh): (2 * L + 1, "2/layer + first block entry"),
-                ("backward", "reduce_scatter", bsh): (2 * L, "2/layer"),
-                ("backward", "all_reduce", bsh): (1, "head input grad"),
+                ("backward", "all_reduce", bsh): (2 * L + 1, "2/layer (reduce-scatter on gloo) + head input grad"),
                 ("backward", "all_reduce", h): (2 * L, "2 norms/layer: partial grads"),
                 ("step", "all_reduce", 1): (1, "grad norm (tp-split part)")}
     if name == "dp2":

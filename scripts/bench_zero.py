@@ -66,9 +66,11 @@ def child_env(nproc: int) -> dict:
     return env
 
 
-def launch(name: str, args, nproc: int, out: str, log: str) -> bool:
+def launch(name: str, args, nproc: int, out: str, log: str, script: str = __file__) -> bool:
+    """Run runner(s) ``name`` as one ``torchrun`` job of ``script`` (this one, or another
+    benchmark with the same ``--runner/--model/--out/--steps/--warmup`` arguments)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           os.path.abspath(__file__), "--runner", name, "--model", args.model, "--out", out]
+           os.path.abspath(script), "--runner", name, "--model", args.model, "--out", out]
     if args.steps is not None:
         cmd += ["--steps", str(args.steps)]
     if args.warmup is not None:
@@ -86,10 +88,10 @@ def launch(name: str, args, nproc: int, out: str, log: str) -> bool:
     return rc == 0
 
 
-def collect(results: list[dict]) -> dict[str, dict]:
+def collect(results: list[dict], names: list[str] | None = None) -> dict[str, dict]:
     """Per runner: pooled median step time, round medians, peak RSS (max over ranks, median over rounds)."""
     out: dict[str, dict] = {}
-    for name in ALL + PIPELINE:
+    for name in names or ALL + PIPELINE:
         runs = [r for r in results if r["runner"] == name]
         if not runs:
             continue

@@ -19,7 +19,8 @@ gloo. ``gather_from_tp`` and ``gather_seq`` share a forward and differ in what t
 gradient arriving from downstream means: ``gather_from_tp`` is for a downstream that every
 rank computes identically (its gradient is whole, so each rank keeps its chunk);
 ``gather_seq`` is for a downstream that is itself tensor-parallel (each rank's gradient is a
-partial sum, so the chunks are summed over ranks: reduce-scatter).
+partial sum, so the chunks are summed over ranks: reduce-scatter). On gloo every
+reduce-scatter is an all-reduce and a local slice (faster there, see ``_reduce_scatter``).
 """
 
 from __future__ import annotations
@@ -43,18 +44,28 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
     front = x.movedim(dim, 0).contiguous()
     out = front.new_empty((world * front.shape[0], *front.shape[1:]))
     all_gather_single(out, front, group=group)
-    return out.movedim(0, dim)
+    # contiguous: the consumers (a region's q, k, v) would each make, and save, their own copy
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
-    """Sum ``x`` over ranks and keep this rank's chunk of ``dim``."""
+    """Sum ``x`` over ranks and keep this rank's chunk of ``dim``.
+
+    On gloo an all-reduce and a local slice: gloo's reduce-scatter of 2 MiB between two ranks
+    takes 2.9 ms against 0.9 ms for an all-reduce, before the 0.8 ms copy into ``dim``-major
+    order it needs (docs/benchmarks.md, "against their peers"; zero/comm.py does the same for
+    ZeRO's shards). Twice the ring bytes, a third of the time there.
+    """
     world = dist.get_world_size(group)
+    if x.shape[dim] % world:
+        raise ValueError(f"reduce-scatter: size {x.shape[dim]} of dim {dim} is not divisible by {world} ranks")
+    if dist.get_backend(group) == "gloo":
+        n = x.shape[dim] // world
+        return _all_reduce(x, group).narrow(dim, dist.get_rank(group) * n, n).contiguous()
     front = x.movedim(dim, 0).contiguous()
-    if front.shape[0] % world:
-        raise ValueError(f"reduce-scatter: size {front.shape[0]} of dim {dim} is not divisible by {world} ranks")
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
     reduce_scatter_single(out, front, group=group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()
 
 
 def _split(x: torch.Tensor, group: ProcessGroup, dim: int) -> torch.Tensor:
