@@ -104,9 +104,10 @@ class Engine(DeepSpeedSurface):
     def forward(self, *args, **kwargs):
         self._per_micro_batch_call("forward (engine(...))")
         self.optimizer.gather_for_forward()
+        if torch.is_grad_enabled():  # gradients may arrive from here on (see GradientReducer.start_backward)
+            self.optimizer.start_backward(self.is_gradient_accumulation_boundary())
         output = self.module(*args, **kwargs)
-        if not torch.is_grad_enabled():
-            self.optimizer.release_after_forward()
+        self.optimizer.end_forward()
         return output
 
     def is_gradient_accumulation_boundary(self) -> bool:

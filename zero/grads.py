@@ -94,6 +94,7 @@ class GradientReducer:
         self._staging: list[torch.Tensor | None] = [None] * len(self.units)
         self._shard_fresh = [True] * len(self.units)
         self._arrived: set[nn.Parameter] = set()  # params whose gradient arrived in this backward
+        self._open = False  # start_backward ran and finish_backward has not yet
         self._views: dict[nn.Parameter, torch.Tensor] = {}  # stages 0-1: the installed .grad views
         self._handles: list = []
         # received[ui][pi]: param pi of unit ui got a gradient in this accumulation window
@@ -162,8 +163,14 @@ class GradientReducer:
         """Called before each backward: ``boundary`` marks the last micro-batch of a window.
 
         ``units`` limits what this backward reduces (a pipeline pass: one chunk's units; the
-        others' gradients do not change in it); default every unit.
+        others' gradients do not change in it); default every unit. The engine calls it before
+        a forward that records autograd too, since a gradient can arrive during the forward (a
+        custom function that runs backward inside its forward, as DeepSpeed's
+        TiledFusedLogitsLoss does): it then holds until ``finish_backward``.
         """
+        if self._open and units is None:
+            return  # opened by the forward: a gradient may already have arrived in it
+        self._open = True
         self.boundary = boundary
         self.ensure_buffers()
         if self.accumulate_full:
@@ -285,6 +292,7 @@ class GradientReducer:
 
     def finish_backward(self, wait: bool = True) -> None:
         """After backward: reduce units whose params got no gradient, then (``wait``) wait for all."""
+        self._open = False
         if self.accumulate_full and not self.boundary:
             return
         self._launch_in_order(everything=True)

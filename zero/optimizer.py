@@ -397,13 +397,15 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     def gather_for_forward(self) -> None:
         """Stage 3: materialize the root units before the model's forward."""
         if self.fetcher is not None:
-            self.fetcher.start_forward()
+            self.fetcher.start_forward(whole_model=True)
             self.fetcher.gather_root()
 
-    def release_after_forward(self) -> None:
-        """Stage 3, forward without grad: drop the root units again."""
+    def end_forward(self) -> None:
+        """Stage 3, after the model's forward: the pass is recorded whole; without grad, drop the root units again."""
         if self.fetcher is not None:
-            self.fetcher.release_all()
+            self.fetcher.end_forward()
+            if not torch.is_grad_enabled():
+                self.fetcher.release_all()
 
     def _master_grads(self) -> list[torch.Tensor]:
         """Each unit's reduced gradient shard in fp32 (the pieces' gradients are views of it)."""

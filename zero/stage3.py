@@ -80,6 +80,7 @@ class ParamFetcher:
         self._sequence: dict[int, list[int]] = {k: [] for k in keys}  # every forward of one pass, recorded once
         self._cursor = dict.fromkeys(keys, 0)
         self._recording = dict.fromkeys(keys, True)
+        self._in_whole_forward = False  # between start_forward and end_forward
         self._position: dict[int, int] = {}  # fetch module -> its place in its key's order
         self._module_of = {p: mi for mi, (_, units) in enumerate(self.module_units) for u in units for p in u.params}
         self._input_pass: int | None = None  # the key of a running input-gradient-only backward
@@ -186,12 +187,18 @@ class ParamFetcher:
             budget -= size
             pos += step
 
-    def start_forward(self) -> None:
-        """A forward pass of the whole model begins (ends the recording of the first one)."""
+    def start_forward(self, whole_model: bool = False) -> None:
+        """A forward pass begins (ends the recording of the first one): of the whole model, until
+        ``end_forward``, or (a pipeline's window) of passes that interleave with backward ones."""
         for key, sequence in self._sequence.items():
             if sequence:
                 self._recording[key] = False
             self._cursor[key] = 0
+        self._in_whole_forward = whole_model
+
+    def end_forward(self) -> None:
+        """The whole model's forward returned (a pipeline's passes never call it)."""
+        self._in_whole_forward = False
 
     def _follow_order(self, mi: int) -> None:
         """Record the first pass's sequence (of ``mi``'s key); check every later pass against it."""
@@ -263,7 +270,8 @@ class ParamFetcher:
 
     def _pre_backward(self, mi: int, grad: torch.Tensor) -> None:
         key = self._key[mi]
-        self._recording[key] = False
+        if not self._in_whole_forward:  # a backward inside the forward (a fused loss) ends no recording
+            self._recording[key] = False
         if self._input_pass == key and mi in self._position:  # the blocks after mi are done
             for later in self._order[key][self._position[mi] + 1:]:
                 self.release(self.module_units[later][1])
