@@ -137,7 +137,8 @@ def test_bad_optimizer_values_stop_before_training(params, message):
 
 
 def test_api_misuse_is_named():
-    """A step without a backward, two backwards for one micro-batch, an iterator that runs dry."""
+    """A step without a backward, two backwards for one micro-batch, an iterator that runs dry,
+    ``loss.backward()`` in place of ``engine.backward(loss)``."""
     import parallel3d
     from parallel3d.errors import UsageError
 
@@ -155,3 +156,5 @@ def test_api_misuse_is_named():
         engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
     with pytest.raises(UsageError, match="ran out after 0 of the 2"):
         engine.eval_batch(iter([]))
+    with pytest.raises(RuntimeError, match=r"Direct calls to tensor.backward\(\) bypass the engine"):
+        engine(input_ids=ids, labels=ids).loss.backward()

@@ -43,7 +43,8 @@ AVG = dist.ReduceOp.AVG
 
 
 class GradientArrivalError(RuntimeError):
-    """A parameter's gradient arrived after its unit had been reduced in the same backward."""
+    """A parameter's gradient arrived where it would be lost: after its unit had been reduced in
+    the same backward, or outside the engine's forward and backward (``loss.backward()``)."""
 
 
 class GradientReducer:
@@ -95,6 +96,7 @@ class GradientReducer:
         self._shard_fresh = [True] * len(self.units)
         self._arrived: set[nn.Parameter] = set()  # params whose gradient arrived in this backward
         self._open = False  # start_backward ran and finish_backward has not yet
+        self._accepting = False  # gradients may arrive now (inside the engine's forward or backward)
         self._views: dict[nn.Parameter, torch.Tensor] = {}  # stages 0-1: the installed .grad views
         self._handles: list = []
         # received[ui][pi]: param pi of unit ui got a gradient in this accumulation window
@@ -166,8 +168,11 @@ class GradientReducer:
         others' gradients do not change in it); default every unit. The engine calls it before
         a forward that records autograd too, since a gradient can arrive during the forward (a
         custom function that runs backward inside its forward, as DeepSpeed's
-        TiledFusedLogitsLoss does): it then holds until ``finish_backward``.
+        TiledFusedLogitsLoss does): it then holds until ``finish_backward``. Between the end of
+        that forward (:meth:`end_forward`) and the next ``start_backward`` a gradient is refused
+        (``loss.backward()`` called directly would otherwise never be reduced).
         """
+        self._accepting = True
         if self._open and units is None:
             return  # opened by the forward: a gradient may already have arrived in it
         self._open = True
@@ -182,7 +187,16 @@ class GradientReducer:
         self._next = 0
         self._arrived.clear()
 
+    def end_forward(self) -> None:
+        """The engine's forward returned: gradients wait for the engine's backward now."""
+        self._accepting = False
+
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._accepting:
+            raise GradientArrivalError(
+                "Direct calls to tensor.backward() bypass the engine: a parameter's gradient arrived outside "
+                "engine.backward(loss), so ZeRO would never reduce it. Call engine.backward(loss) instead of "
+                "loss.backward() (it scales the loss for gradient accumulation and fp16 too)")
         if getattr(p, "ds_grad_is_ready", True) is False:
             return  # DeepSpeed's protocol (TiledMLP): more of this gradient follows in this backward
         ui, pi = self._unit_index[p]
@@ -292,7 +306,7 @@ class GradientReducer:
 
     def finish_backward(self, wait: bool = True) -> None:
         """After backward: reduce units whose params got no gradient, then (``wait``) wait for all."""
-        self._open = False
+        self._open = self._accepting = False
         if self.accumulate_full and not self.boundary:
             return
         self._launch_in_order(everything=True)

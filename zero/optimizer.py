@@ -401,7 +401,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self.fetcher.gather_root()
 
     def end_forward(self) -> None:
-        """Stage 3, after the model's forward: the pass is recorded whole; without grad, drop the root units again."""
+        """After the model's forward: gradients wait for the engine's backward; stage 3 has recorded
+        the pass whole and, without grad, drops the root units again."""
+        self.reducer.end_forward()
         if self.fetcher is not None:
             self.fetcher.end_forward()
             if not torch.is_grad_enabled():
