@@ -382,13 +382,18 @@ def _publish(root: Path, tmp: Path, final: Path, tag: str) -> None:
     latest_tmp.replace(root / "latest")
 
 
+class NoCheckpointYet(ConfigError):
+    """``load_dir`` is a directory without a ``latest`` checkpoint (a job's first start)."""
+
+
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> Path:
     """The checkpoint directory for ``tag`` (or the ``latest`` one), checked to be a complete checkpoint."""
     root = Path(load_dir)
     if tag is None:
         latest = root / "latest"
         if not latest.is_file():
-            raise ConfigError(f"no checkpoint in {root}: {latest} does not exist")
+            missing = NoCheckpointYet if root.is_dir() else ConfigError
+            raise missing(f"no checkpoint in {root}: {latest} does not exist")
         tag = latest.read_text().strip()
     path = root / check_tag(tag)
     if not path.is_dir():

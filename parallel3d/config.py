@@ -252,6 +252,20 @@ def _json_object_without_duplicates(pairs: list) -> dict:
     return dict(pairs)
 
 
+def _read_hjson(text: str) -> dict | None:
+    """The mapping in ``text`` read as Hjson (JSON with comments and unquoted keys, which
+    DeepSpeed accepts in its .json configs), or None when hjson is not installed or cannot read it."""
+    try:
+        import hjson
+    except ImportError:
+        return None
+    try:
+        data = hjson.loads(text, object_pairs_hook=_json_object_without_duplicates)
+    except (hjson.HjsonDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_config_file(path: Union[str, Path]) -> dict:
     """The mapping in a .json, .yaml or .yml file; ConfigError naming the file otherwise."""
     path = Path(path)
@@ -266,8 +280,10 @@ def read_config_file(path: Union[str, Path]) -> dict:
         try:
             data = json.loads(text, object_pairs_hook=_json_object_without_duplicates)
         except json.JSONDecodeError as err:
-            raise ConfigError(f"config file {path} is not valid JSON: {err.msg} at line {err.lineno} "
-                              f"column {err.colno}") from None
+            data = _read_hjson(text)
+            if data is None:
+                raise ConfigError(f"config file {path} is not valid JSON: {err.msg} at line {err.lineno} "
+                                  f"column {err.colno}") from None
         except ValueError as err:
             raise ConfigError(f"config file {path} is not valid JSON: {err}") from None
     else:

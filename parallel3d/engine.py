@@ -7,6 +7,7 @@ stages is how a window of micro-batches runs, and that is the step loop it holds
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
@@ -80,6 +81,7 @@ class Engine(DeepSpeedSurface):
         self.device = mesh.device
         self._step_applied = False  # whether the last optimizer step updated the parameters
         self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
+        self._in_no_sync = False  # inside no_sync(): backward accumulates, reduces nothing
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
@@ -105,13 +107,37 @@ class Engine(DeepSpeedSurface):
         self._per_micro_batch_call("forward (engine(...))")
         self.optimizer.gather_for_forward()
         if torch.is_grad_enabled():  # gradients may arrive from here on (see GradientReducer.start_backward)
-            self.optimizer.start_backward(self.is_gradient_accumulation_boundary())
+            self.optimizer.start_backward(self._reduces_now())
         output = self.module(*args, **kwargs)
         self.optimizer.end_forward()
         return output
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def _reduces_now(self) -> bool:
+        """Whether this micro-batch's backward reduces the window's gradients."""
+        return self.is_gradient_accumulation_boundary() and not self._in_no_sync
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's (and DDP's) ``no_sync``: backward passes inside accumulate their gradients
+        locally and reduce nothing; the next backward outside reduces them with its own. Any
+        number of backward passes may run inside; ``step()`` may not. ZeRO stages 0 and 1 only,
+        as in DeepSpeed: stages 2 and 3 keep only a shard of each gradient, so they must reduce
+        every backward's."""
+        self._per_micro_batch_call("no_sync()")
+        stage = self.config.zero_optimization.stage
+        if stage >= 2:
+            raise ConfigError(f"engine.no_sync() needs ZeRO stage 0 or 1, not {stage}: stages 2 and 3 keep only "
+                              "this rank's shard of each gradient, so every backward reduces its gradients")
+        if self._in_no_sync:
+            raise UsageError("engine.no_sync() is already active; it cannot be nested")
+        self._in_no_sync = True
+        try:
+            yield
+        finally:
+            self._in_no_sync = False
 
     @_explained
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -123,22 +149,25 @@ class Engine(DeepSpeedSurface):
         DeepSpeed's gradient overflows). ``scale_wrt_gas=False`` skips the division.
         """
         self._per_micro_batch_call("backward")
-        if self._backward_pending:
+        if self._backward_pending and not self._in_no_sync:
             raise UsageError("engine.backward() was called twice for one micro-batch; call engine.step() "
                              "after each engine.backward() (the loop is engine(batch) -> backward(loss) -> step())")
         if scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps
         scale = self.optimizer.loss_scale
-        self.optimizer.start_backward(self.is_gradient_accumulation_boundary())
+        self.optimizer.start_backward(self._reduces_now())
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.optimizer.finish_backward()
-        self._backward_pending = True
+        self._backward_pending = not self._in_no_sync
         return loss
 
     @_explained
     def step(self) -> None:
         """Count a micro-batch; at a window's end, step the optimizer and the LR schedule."""
         self._per_micro_batch_call("step")
+        if self._in_no_sync:
+            raise UsageError("engine.step() inside engine.no_sync(): leave the context and run the micro-batch's "
+                             "last engine.backward(loss) outside it, then step")
         if not self._backward_pending:
             raise UsageError("engine.step() without engine.backward(loss) for this micro-batch; the loop is "
                              "engine(batch) -> engine.backward(loss) -> engine.step()")
@@ -307,11 +336,13 @@ class Engine(DeepSpeedSurface):
     @_explained
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False, custom_load_fn=None) -> tuple[str, dict]:
+                        load_module_only: bool = False, custom_load_fn=None) -> tuple[str | None, dict | None]:
         """Restore the state written by ``save_checkpoint`` on any layout, ZeRO stage and world size.
 
         Returns ``(checkpoint_path, client_state)`` like DeepSpeed (``client_state`` as rank 0
-        saved it). As in DeepSpeed, ``load_optimizer_states=False`` loads the weights but keeps
+        saved it); ``(None, None)`` with a warning, as DeepSpeed, when ``load_dir`` is a directory
+        without a ``latest`` checkpoint and no ``tag`` is named (a directory that does not exist
+        is an error: a mistyped path would otherwise train from scratch). As in DeepSpeed, ``load_optimizer_states=False`` loads the weights but keeps
         the optimizer's states, options and loss scaler; ``load_lr_scheduler_states=False`` keeps
         the LR scheduler; ``load_module_only=True`` loads the weights alone (step counters and
         RNG states stay as well).
@@ -319,7 +350,11 @@ class Engine(DeepSpeedSurface):
         checkpoint_arguments(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
         self.wait_for_checkpoint()
         kept = KeptState(self, scheduler=load_module_only or not load_lr_scheduler_states, training=load_module_only)
-        path, client_state = checkpoint.load(self, load_dir, tag,
-                                             optimizer_states=load_optimizer_states and not load_module_only)
+        try:
+            path, client_state = checkpoint.load(self, load_dir, tag,
+                                                 optimizer_states=load_optimizer_states and not load_module_only)
+        except checkpoint.NoCheckpointYet as nothing:
+            logger.warning("%s: nothing was loaded", nothing)
+            return None, None
         kept.restore()
         return path, client_state

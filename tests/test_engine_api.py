@@ -158,3 +158,70 @@ def test_api_misuse_is_named():
         engine.eval_batch(iter([]))
     with pytest.raises(RuntimeError, match=r"Direct calls to tensor.backward\(\) bypass the engine"):
         engine(input_ids=ids, labels=ids).loss.backward()
+
+
+def _no_sync(stage: int, split: bool) -> dict:
+    """Two micro-batches' losses per step: backward of each (the first inside no_sync), or of their sum."""
+    import parallel3d
+
+    engine, *_ = parallel3d.initialize(model=make_model("llama"), config=ds_config(stage, 1, 2, clip=0.0))
+    rank = torch.distributed.get_rank()
+    for step in range(2):
+        first, second = (torch.arange(8)[None] * (3 + step + 2 * rank + k) % 96 for k in (0, 1))
+        if split:
+            from parallel3d.comm_counter import count_collectives
+
+            with count_collectives(engine.mesh) as comm, engine.no_sync():
+                engine.backward(engine(input_ids=first, labels=first).loss)
+            assert not comm.select(group="dp"), "no_sync reduced gradients"
+            engine.backward(engine(input_ids=second, labels=second).loss)
+        else:
+            loss = engine(input_ids=first, labels=first).loss + engine(input_ids=second, labels=second).loss
+            engine.backward(loss)
+        engine.step()
+    return engine.full_parameters()
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_accumulates_and_the_next_backward_reduces(dist, stage):
+    from tests.tiny import max_rel_param_error
+
+    together = dist.run(2, _no_sync, stage, False)
+    split = dist.run(2, _no_sync, stage, True)
+    for want, got in zip(together, split):
+        err, name = max_rel_param_error(got, want)
+        assert err < 1e-5, f"{name} differs by {err:.2e}"
+
+
+def test_no_sync_misuse_is_named():
+    import parallel3d
+    from parallel3d.errors import UsageError
+
+    engine, *_ = parallel3d.initialize(model=make_model("llama"), config=ds_config(1, 1, 1))
+    ids = torch.arange(8)[None]
+    with engine.no_sync():
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        with pytest.raises(UsageError, match=r"step\(\) inside engine.no_sync\(\)"):
+            engine.step()
+        with pytest.raises(UsageError, match="cannot be nested"):
+            with engine.no_sync():
+                pass
+    stage2, *_ = parallel3d.initialize(model=make_model("llama"), config=ds_config(2, 1, 1))
+    with pytest.raises(parallel3d.ConfigError, match="no_sync\\(\\) needs ZeRO stage 0 or 1, not 2"):
+        with stage2.no_sync():
+            pass
+
+
+def test_deepspeed_spellings(tmp_path):
+    """``engine.optimizer.optimizer``, a load from a directory with no checkpoint yet, an Hjson config."""
+    import parallel3d
+
+    (tmp_path / "config.json").write_text("{\n  // DeepSpeed reads its .json configs as Hjson\n"
+                                          "  train_micro_batch_size_per_gpu: 1\n  zero_optimization: {stage: 1}\n"
+                                          "  optimizer: {type: \"Adam\", params: {lr: 1e-3}}\n}\n")
+    engine, optimizer, *_ = parallel3d.initialize(model=make_model("llama"), config=str(tmp_path / "config.json"))
+    assert engine.zero_optimization_stage() == 1 and optimizer.optimizer is optimizer.inner
+    assert engine.load_checkpoint(str(tmp_path)) == (None, None)
+    with pytest.raises(parallel3d.ConfigError, match="no checkpoint in .*nowhere"):
+        engine.load_checkpoint(str(tmp_path / "nowhere"))

@@ -174,6 +174,7 @@ class GradientReducer:
         """
         self._accepting = True
         if self._open and units is None:
+            self.boundary = boundary  # the backward's word wins (engine.no_sync() may have ended between)
             return  # opened by the forward: a gradient may already have arrived in it
         self._open = True
         self.boundary = boundary

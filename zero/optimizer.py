@@ -296,6 +296,12 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     # -- the step ------------------------------------------------------------------------
 
     @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """DeepSpeed's name for the wrapped optimizer (``engine.optimizer.optimizer``): ``inner``, whose
+        params are this rank's fp32 master shards and whose ``state`` holds their optimizer states."""
+        return self.inner
+
+    @property
     def param_groups(self) -> list[dict]:
         """The inner optimizer's groups: LR schedulers set ``lr`` here."""
         return self.inner.param_groups
