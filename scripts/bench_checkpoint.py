@@ -1,12 +1,14 @@
 """Checkpoint cost: save and load time and bytes written, Zero3D against DeepSpeed and FSDP2 + DCP.
 
-    python scripts/bench_checkpoint.py [--model B] [--nproc 2] [--rounds 3] [--only z3,ds3,fsdp2]
+    python scripts/bench_checkpoint.py [--model B] [--nproc 2] [--rounds 3] [--passes 2] [--only z3,ds3,fsdp2]
 
 Each runner is its own ``torchrun --standalone`` job over ``--nproc`` ranks. Every rank builds
 the benchmark model (scripts/bench_runners.py), trains one step (so the optimizer holds its
 Adam moments), then ``--rounds`` times: barrier, save into a fresh directory, barrier (the
 save's time), barrier, load it back, barrier (the load's time). Reported: the median over
-rounds of the slowest rank, and the bytes the save wrote.
+rounds of the slowest rank, and the bytes the save wrote. The list of runners runs ``--passes``
+times, alternating, with the page cache flushed (``sync``) before each runner, so that one
+runner's writeback does not slow the next; the median over passes is reported.
 
 | runner | save / load |
 |---|---|
@@ -42,6 +44,8 @@ ALL = ["z3", "z3-async", "ds3", "fsdp2"]
 def parse_args(argv=None):
     ap = runner_parser(__doc__, ALL, "B", ["A", "B"], 2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--passes", type=int, default=2,
+                    help="times the whole list of runners is run, alternating (the median over passes is reported)")
     return ap.parse_args(argv)
 
 
@@ -139,6 +143,15 @@ def launch(name: str, args, directory: str, out: str) -> None:
                                                "--out", out], args.timeout, {"DS_ACCELERATOR": "cpu"})
 
 
+def _median_rows(results) -> dict[str, dict]:
+    """Each runner's row: the median of every timing over its passes (bytes from its first)."""
+    passes: dict[str, list[dict]] = {}
+    for r in results:
+        passes.setdefault(r["runner"], []).append(r)
+    return {name: {**rs[0], **{key: statistics.median(r[key] for r in rs) for key in ("save_s", "finish_s", "load_s")}}
+            for name, rs in passes.items()}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.runner:
@@ -150,10 +163,13 @@ def main(argv=None) -> None:
         raise SystemExit(f"--only: unknown runner(s) {sorted(unknown)}; choose from {ALL}")
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         out = os.path.join(tmp, "results.jsonl")
-        for name in names:
-            launch(name, args, tmp, out)
-        rows = {r["runner"]: r for r in map(json.loads, open(out))} if os.path.exists(out) else {}
-    print(f"\nmodel {args.model}, ZeRO-3 / FSDP2 over {args.nproc} ranks, median of {args.rounds} rounds; "
+        for _ in range(args.passes):
+            for name in names:
+                os.sync()  # the previous runner's dirty pages are not flushed during this one's save
+                launch(name, args, tmp, out)
+        rows = _median_rows(map(json.loads, open(out))) if os.path.exists(out) else {}
+    print(f"\nmodel {args.model}, ZeRO-3 / FSDP2 over {args.nproc} ranks, median of {args.rounds} rounds x "
+          f"{args.passes} alternating passes; "
           f"load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}")
     fmt = "{:<9} {:>8} {:>9} {:>8} {:>8} {:>11} {:>11}"
     print(fmt.format("runner", "save s", "finish s", "load s", "MiB", "save / z3", "load / z3"))
