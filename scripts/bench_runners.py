@@ -11,6 +11,7 @@ returns the bytes of model state this rank holds (Zero3D only; None elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -58,10 +59,21 @@ MODELS = {
     # H: model A at hidden 1024 (~55M params): tensor parallelism where the matmuls are larger.
     "H": ModelSpec(dict(vocab_size=2048, hidden_size=1024, intermediate_size=2752, num_hidden_layers=4,
                         num_attention_heads=16, num_key_value_heads=8), micro=4, seq=256, steps=6, warmup=2),
+    # L: large for a CPU. ~254M params, bench_init.py's "254m" Llama: how costs grow with the model.
+    "L": ModelSpec(dict(vocab_size=32000, hidden_size=1024, intermediate_size=2464, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16), micro=1, seq=128, steps=3, warmup=1),
     # T: tiny, for the tests that run each benchmark path once.
     "T": ModelSpec(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2), micro=2, seq=32, steps=1, warmup=1),
 }
+
+
+def model_spec(name: str) -> ModelSpec:
+    """A benchmark model by name; ``NAME@SEQ`` is that model at sequence length SEQ."""
+    base, _, seq = name.partition("@")
+    if base not in MODELS or (seq and not seq.isdigit()):
+        raise ValueError(f"unknown benchmark model {name!r}: one of {', '.join(MODELS)}, optionally @SEQ (A@512)")
+    return dataclasses.replace(MODELS[base], seq=int(seq)) if seq else MODELS[base]
 
 
 def build_model(spec: ModelSpec) -> LlamaForCausalLM:
@@ -194,6 +206,20 @@ def setup_zero3d(model, spec, stage):
     return engine_step(engine), engine.memory_report
 
 
+TP = 2  # tensor-parallel runners: tp 2 over dp world/2
+
+
+def setup_zero3d_tp(model, spec, stage, sp=False):
+    """``tensor_parallel.size`` 2 (with or without sequence parallel); every tp rank needs the same
+    batch (``run(..., same_data=True)``)."""
+    import parallel3d
+
+    config = ds_config(spec, stage)
+    config["tensor_parallel"] = {"size": TP, "sequence_parallel": sp}
+    engine = parallel3d.initialize(model=model, config=config)[0]
+    return engine_step(engine), engine.memory_report
+
+
 PIPELINE_MICRO_BATCHES = 4  # per step and dp rank: 1F1B's steady state needs m >= pp
 
 
@@ -220,6 +246,8 @@ RUNNERS = {
     **{f"ds{s}": (setup_deepspeed, s) for s in (1, 2, 3)},
     **{f"z{s}": (setup_zero3d, s) for s in (0, 1, 2, 3)},
     **{f"z{s}-pp2": (setup_zero3d_pipeline, s) for s in (0, 1, 2, 3)},
+    "ztp": (setup_zero3d_tp, 0),
+    "ztp-sp": (functools.partial(setup_zero3d_tp, sp=True), 0),
     # stages 2-3 as before per-pass reduction: full gradients through the step
     **{f"z{s}-pp2-full": (functools.partial(setup_zero3d_pipeline, keep_full_gradients=True), s) for s in (2, 3)},
 }
@@ -276,7 +304,7 @@ def run(names: list[str], model_name: str, steps: int, warmup: int, out_path: st
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    spec = MODELS[model_name]
+    spec = model_spec(model_name)
     batches = [b.to(_device()) for b in token_batches(spec, 0 if same_data else rank, warmup + steps)]
     runners, setup_s = {}, {}
     for name in names:

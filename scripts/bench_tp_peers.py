@@ -29,7 +29,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
 
@@ -40,21 +39,11 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from bench_runners import MODELS, RUNNERS, deepspeed_engine, ds_config, engine_step  # noqa: E402
+from bench_runners import RUNNERS, TP, deepspeed_engine, ds_config, engine_step, model_spec  # noqa: E402
 
-TP = 2
 NAMES = ["ztp", "ztp-sp", "dtp", "dtp-sp", "dsautotp"]
 LABEL = {"ztp": "Zero3D TP", "ztp-sp": "Zero3D TP+SP", "dtp": "DTensor TP", "dtp-sp": "DTensor TP+SP",
          "dsautotp": "DeepSpeed AutoTP"}
-
-
-def setup_zero3d_tp(model, spec, stage, sp=False):
-    import parallel3d
-
-    config = ds_config(spec, 0)
-    config["tensor_parallel"] = {"size": TP, "sequence_parallel": sp}
-    engine = parallel3d.initialize(model=model, config=config)[0]
-    return engine_step(engine), engine.memory_report
 
 
 def dtensor_plan(model, sp: bool) -> tuple[dict, dict, object]:
@@ -127,18 +116,26 @@ def setup_autotp(model, spec, stage):
     return engine_step(deepspeed_engine(model, spec, 0, config)), lambda: None
 
 
-RUNNERS.update({"ztp": (setup_zero3d_tp, 0), "ztp-sp": (functools.partial(setup_zero3d_tp, sp=True), 0),
-                "dtp": (setup_dtensor_tp, 0), "dtp-sp": (functools.partial(setup_dtensor_tp, sp=True), 0),
+RUNNERS.update({"dtp": (setup_dtensor_tp, 0), "dtp-sp": (functools.partial(setup_dtensor_tp, sp=True), 0),
                 "dsautotp": (setup_autotp, 0)})
 
 
 # -- driver --------------------------------------------------------------------------------
 
 
+def _model_name(name: str) -> str:
+    try:
+        model_spec(name)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return name
+
+
 def parse_args(argv=None, names=NAMES, doc=__doc__):
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="A", choices=sorted(MODELS),
-                    help="A (13.7M params), H (A at hidden 1024), T (tiny, for tests), B (134M)")
+    ap.add_argument("--model", default="A", type=_model_name,
+                    help="A (13.7M params), H (A at hidden 1024), T (tiny, for tests), B (134M), L (254M); "
+                         "NAME@SEQ sets the sequence length (A@512)")
     ap.add_argument("--steps", type=int, help="timed steps per run (default: model's)")
     ap.add_argument("--warmup", type=int, help="untimed steps before them (default: model's)")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved jobs (runner order reversed every other)")
@@ -215,9 +212,9 @@ def drive(args, names: list[str], labels: dict, script: str, pairs: dict[str, li
 
 def run_job(args, count_comm: bool) -> None:
     """Inside a job (every rank): run ``args.runner`` (comma-separated) on the same data on all ranks."""
-    from bench_runners import MODELS, run
+    from bench_runners import run
 
-    spec = MODELS[args.model]
+    spec = model_spec(args.model)
     run(args.runner.split(","), args.model, args.steps or spec.steps,
         spec.warmup if args.warmup is None else args.warmup, args.out, same_data=True, count_comm=count_comm)
 

@@ -41,7 +41,8 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="A", choices=["A", "B"], help="A: speed (13.7M params), B: memory (134M)")
+    ap.add_argument("--model", default="A", help="A: speed (13.7M params), B: memory (134M), L: 254M; "
+                                                 "NAME@SEQ sets the sequence length (A@512)")
     ap.add_argument("--steps", type=int, help="timed steps per run (default: model's)")
     ap.add_argument("--warmup", type=int, help="untimed steps before them (default: model's)")
     ap.add_argument("--rounds", type=int, default=2, help="times every runner is run, interleaved")
@@ -215,9 +216,9 @@ def drive(args) -> None:
 def main() -> None:
     args = parse_args()
     if args.runner:
-        from bench_runners import MODELS, run
+        from bench_runners import model_spec, run
 
-        spec = MODELS[args.model]
+        spec = model_spec(args.model)
         run(args.runner.split(","), args.model, args.steps or spec.steps,
             spec.warmup if args.warmup is None else args.warmup, args.out)
     elif int(os.environ.get("RANK", 0)) == 0:

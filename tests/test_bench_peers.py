@@ -47,3 +47,20 @@ def test_every_peer_runner_steps(dist, module):
         for name, (calls, wire, changed) in res.items():
             assert calls > 0 and wire > 0, f"rank {rank} {name}: no collective counted ({calls} calls, {wire} bytes)"
             assert changed > 0, f"rank {rank} {name}: no parameter changed"
+
+
+def test_scaling_benchmark_runs_end_to_end(tmp_path, capsys):
+    """scripts/bench_scaling.py on the tiny model (six torchrun jobs): a ratio per runner, and the plot."""
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    import bench_scaling
+
+    bench_scaling.main(["--models", "T", "--seqs", "16", "--plot", str(tmp_path / "scaling.png")])
+    table = capsys.readouterr().out.split("time per token over DDP's")[1]
+    rows = [line.split() for line in table.strip().splitlines() if line.startswith("T@")]
+    assert [r[0] for r in rows] == ["T@16"]
+    assert all(len(r) == 9 and float(x) > 0 for r in rows for x in r[4:]), rows
+    assert (tmp_path / "scaling.png").stat().st_size > 1000
+    for bad in (["--models", "Q"], ["--seqs", "x"], ["--nproc", "3"]):
+        with pytest.raises(SystemExit):
+            bench_scaling.parse_args(bad)
