@@ -11,6 +11,7 @@ takes them, so no step has to re-map parameter objects that an earlier one repla
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 
 import torch
@@ -61,6 +62,11 @@ def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: Mesh3D,
         activation_checkpointing=section.activation_checkpointing,
         loss_fn=loss_fn,
     )
+    # The removed chunks' modules sit in reference cycles (a module and its hooks, HF's
+    # attention back-references): without a collection they, and under tp their weight shards,
+    # stay resident until Python's cyclic GC happens to run (3 MiB of a 20 MiB stage measured
+    # in docs/planner.md's eager pp 2 x tp 2 rows).
+    gc.collect()
     if tp_info is not None:
         tp_info.keep_held(model)
         if tp_info.sequence_parallel:

@@ -7,6 +7,13 @@ reduce-scatters it and keeps the owned slice). Stages 2 and 3 keep only the owne
 gradient shard: as each gradient arrives it is copied into the unit's staging buffer and
 dropped, and a full unit is reduce-scattered into the shard on every micro-batch.
 
+Buffers live for one step: a unit's buffer is made (zeroed) at its first gradient of the step
+(or its reduction) and every buffer is dropped after the step, so between steps and through
+the forward, while activations pile up, a rank holds no gradients (FSDP2 and torch's
+``zero_grad(set_to_none=True)`` behave the same). Stages 0-1 make a unit's buffer from a hook
+that runs before autograd accumulates the unit's first gradient, and point the ``.grad`` of
+its params at their views, so autograd adds into the buffer in place.
+
 Units are reduced in one fixed *launch order*, the same on every rank: a unit's collective
 starts once its last gradient has arrived *and* every unit before it in that order has
 started, and runs while backward goes on. Which gradients arrive may differ across ranks
@@ -101,42 +108,90 @@ class GradientReducer:
         self._handles: list = []
         # received[ui][pi]: param pi of unit ui got a gradient in this accumulation window
         self.received = [[False] * len(u.params) for u in self.units]
-        self._allocated = False
+        self._has_buffer = [False] * len(self.units)  # the unit's gradient buffer exists this step
+        self.used = False  # some backward has run: memory_report() counts gradient buffers from then on
         for ui, unit in enumerate(self.units):
             for pi, p in enumerate(unit.params):
                 self._unit_index[p] = (ui, pi)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                if self.accumulate_full:
+                    self._handles.append(p.register_hook(self._before_accumulate(ui)))
+
+    def _before_accumulate(self, ui: int) -> Callable[[torch.Tensor], None]:
+        """A hook that runs before autograd accumulates a gradient of unit ``ui``'s param: the
+        unit's buffer is made first, so autograd adds into its ``.grad`` view in place, as into
+        a buffer kept across steps (no copy of the unit's first gradient)."""
+
+        def hook(grad: torch.Tensor) -> None:
+            if self._accepting and not self._has_buffer[ui]:
+                self._ensure_unit(ui)
+
+        return hook
 
     def ensure_buffers(self) -> None:
-        """Allocate the gradient buffers (zeroed) on first use.
+        """Allocate every unit's gradient buffer (zeroed) that does not exist yet."""
+        for ui in range(len(self.units)):
+            self._ensure_unit(ui)
 
-        Not at construction: a model that has just been started holds no gradients yet (as
-        under FSDP2), so start-up memory is the parameters' share alone.
+    def _ensure_unit(self, ui: int) -> None:
+        """Allocate unit ``ui``'s gradient buffer, zeroed, and (stages 0-1) install its ``.grad`` views.
+
+        Buffers are made as the step needs them (a unit's first gradient, or its reduction) and
+        dropped by :meth:`release_buffers` after the step, as ``zero_grad(set_to_none=True)``
+        drops torch's gradients: between steps, and through the forward with its activations, a
+        rank holds no gradients. A model that has just been started holds none either.
         """
-        if self._allocated:
+        if self._has_buffer[ui]:
             return
-        self._allocated = True
-        for unit in self.units:
-            if self.accumulate_full:
-                unit.grad_full = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
-                unit.grad_shard = unit.grad_full[slice(*unit.shard_range)]
-            else:
-                unit.grad_shard = torch.zeros(unit.shard_size, dtype=unit.dtype, device=unit.device)
-        self.install_grad_views()
+        self._has_buffer[ui] = self.used = True
+        unit = self.units[ui]
+        if self.accumulate_full:
+            unit.grad_full = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
+            unit.grad_shard = unit.grad_full[slice(*unit.shard_range)]
+            self._install_unit_views(unit)
+        else:
+            unit.grad_shard = torch.zeros(unit.shard_size, dtype=unit.dtype, device=unit.device)
+
+    def _install_unit_views(self, unit: FlatUnit) -> None:
+        """Point the unit's ``.grad`` at its buffer; a gradient a param already holds outside it
+        (one whose hook has not run yet: DeepSpeed's ``ds_grad_is_ready = False`` parts) moves in."""
+        for p, view in zip(unit.params, unit.views(unit.grad_full)):
+            self._views[p] = view
+            if p.grad is view:
+                continue
+            if p.grad is not None and unit.is_materialized:
+                view.add_(p.grad.reshape(view.shape))
+            # a released stage-3 param has no shape to take a gradient of
+            p.grad = view if unit.is_materialized else None
 
     def install_grad_views(self) -> None:
-        """Stages 0-1: point every ``param.grad`` at its slice of the unit's flat buffer."""
+        """Stages 0-1: point every ``param.grad`` of a unit whose buffer exists at its slice of it
+        (stage 3 calls it once it has gathered units for a pipelined step)."""
         if not self.accumulate_full:
             return
-        if not self._allocated:
-            self.ensure_buffers()
-            return
+        for ui, unit in enumerate(self.units):
+            if self._has_buffer[ui]:
+                self._install_unit_views(unit)
+
+    def release_buffers(self) -> None:
+        """Drop every gradient buffer and ``.grad`` view (after the step); the next backward makes
+        them again, zeroed, unit by unit."""
+        for p, view in self._views.items():
+            if p.grad is view:
+                p.grad = None
         self._views = {}
         for unit in self.units:
-            for p, view in zip(unit.params, unit.views(unit.grad_full)):
-                # a released stage-3 param has no shape to take a gradient of
-                p.grad = view if unit.is_materialized else None
-                self._views[p] = view
+            unit.grad_full = unit.grad_shard = None
+        self._has_buffer = [False] * len(self.units)
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._shard_fresh = [True] * len(self.units)
+        self.received = [[False] * len(u.params) for u in self.units]
+
+    def buffer_bytes(self) -> int:
+        """Bytes of this rank's gradient buffers while they all exist (during a step's backward)."""
+        return sum((u.padded if self.accumulate_full else u.shard_size) * u.dtype.itemsize for u in self.units)
 
     def _repair_grad_views(self) -> None:
         """Re-point ``.grad`` at the flat buffer where user code replaced it.
@@ -178,7 +233,6 @@ class GradientReducer:
             return  # opened by the forward: a gradient may already have arrived in it
         self._open = True
         self.boundary = boundary
-        self.ensure_buffers()
         if self.accumulate_full:
             self._repair_grad_views()
         self._ready = [0] * len(self.units)
@@ -213,6 +267,11 @@ class GradientReducer:
                 "which its TiledMLP follows), or compute the gradient in one backward")
         self._arrived.add(p)
         if self.accumulate_full:
+            self._ensure_unit(ui)  # made by _before_accumulate unless a hook there was skipped
+            view = self._views[p]
+            if p.grad is not view:  # a param gathered since the views were installed
+                view.add_(p.grad.reshape(view.shape))
+                p.grad = view
             if not self.boundary or again:  # autograd added into the .grad view: nothing to do
                 return
         elif not again and self._staging[ui] is None and self._takes_grad(unit, p.grad):
@@ -280,6 +339,7 @@ class GradientReducer:
 
     def _reduce(self, ui: int, unit: FlatUnit) -> tuple[dist.Work | Pending | None, Callable[[], None] | None]:
         """Start the unit's collective; return its handle and what to do once it is done."""
+        self._ensure_unit(ui)  # a unit that got no gradient on this rank contributes zeros
         if unit.world == 1:
             if self.accumulate_full:
                 if self.group_size == 1:
@@ -325,10 +385,10 @@ class GradientReducer:
         self._handles = []
 
     def zero_grad(self) -> None:
-        if not self._allocated:
-            return
-        for unit in self.units:
-            (unit.grad_full if self.accumulate_full else unit.grad_shard).zero_()
-        self._shard_fresh = [True] * len(self.units)
-        self.received = [[False] * len(u.params) for u in self.units]
-        self.install_grad_views()
+        """Zero the buffers that exist and keep them (``zero_grad(set_to_none=False)``)."""
+        for ui, unit in enumerate(self.units):
+            if self._has_buffer[ui]:
+                (unit.grad_full if self.accumulate_full else unit.grad_shard).zero_()
+        for p, view in self._views.items():
+            p.grad = view if p.data.numel() else None
+        self._reset_window()

@@ -377,6 +377,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         that sum (full gradients), else its reduced shard (its unit holds it alone, laid out the
         same on both stages). An empty tensor for a param ZeRO does not train."""
         self.reducer.wait()
+        self.reducer.ensure_buffers()  # zeros where this stage's copy got no gradient
         out = []
         for p in params:
             if not self.reducer.has(p):
@@ -499,10 +500,15 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             w.wait()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradient buffers (the flat views stay installed)."""
+        """Drop the gradient buffers and ``.grad`` views (the next backward makes them again,
+        unit by unit, so no gradient memory is held through the forward); ``set_to_none=False``
+        zeroes them in place instead. ``step()`` ends with the default."""
         for piece in self.master_pieces:
             piece.grad = None
-        self.reducer.zero_grad()
+        if set_to_none:
+            self.reducer.release_buffers()
+        else:
+            self.reducer.zero_grad()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -564,9 +570,11 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         return out
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for each kind of model state (steady state, between steps).
+        """Bytes this rank holds for each kind of model state, at their largest in a step.
 
-        Gradient buffers exist from the first backward on; optimizer states from the first step.
+        Gradients count from the first backward on: their buffers exist from each unit's first
+        gradient of a step to the end of the step (none between steps or through the forward;
+        ``zero_grad``). Optimizer states count from the first step.
 
         Under fp32 the master shard *is* the working shard (one tensor), so ``master_params``
         is 0 there: its bytes are already counted in ``params``.
@@ -575,10 +583,10 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        report = {"params": 0, "gradients": 0, "master_params": 0, "optimizer_states": 0}
+        report = {"params": 0, "gradients": self.reducer.buffer_bytes() if self.reducer.used else 0,
+                  "master_params": 0, "optimizer_states": 0}
         for unit in self.units:
             report["params"] += nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
-            report["gradients"] += nbytes(unit.grad_full) if self.reducer.accumulate_full else nbytes(unit.grad_shard)
             if unit.master is not unit.shard:
                 report["master_params"] += nbytes(unit.master)
         for state in self.inner.state.values():

@@ -3,7 +3,11 @@
 For one rank the planner adds, at every pass of its schedule table (``schedule_table``, with
 its sends and receives), what is alive then:
 
-* **model states**: ``states.model_state_bytes`` (exactly ``memory_report()``);
+* **model states**: ``states.model_state_bytes`` (exactly ``memory_report()``), the gradient
+  buffers only from the step's first backward pass on: ``GradientReducer`` drops them after
+  the step and makes a unit's full buffer (stages 0-1) at its first gradient, taken here whole
+  from the start of that pass, or its reduced shard (stages 2-3) at its first reduction, taken
+  here from the end of the first pass that produces weight gradients;
 * **gathered stage-3 parameters**: the root units (for the micro-batch; under pipeline stages
   for the step) plus the block being run and the blocks prefetched after it
   (``stage3_prefetch_bucket_size``), as ``zero.stage3.ParamFetcher`` does (:func:`gathered`;
@@ -103,9 +107,11 @@ def step_extra(params: RankParams, zero: ZeroSetup, *, foreach: bool) -> int:
 
 
 def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_bytes: int, step_bytes: int,
-              table: list, chunk: ChunkProfile, hidden_bytes: int, *, pipelined: bool) -> RankMemory:
+              table: list, chunk: ChunkProfile, hidden_bytes: int, *, pipelined: bool,
+              full_grads: bool = True) -> RankMemory:
     """Walk one rank's actions (``table``: its list from ``schedule_table``; a single ``F0``/``B0`` pair
-    per micro-batch without pipeline stages) and take the largest total."""
+    per micro-batch without pipeline stages) and take the largest total. ``full_grads``: the
+    gradients are full buffers (made at a unit's first gradient), else reduced shards."""
     static = sum(states.values())
     held, in_block = gathered_bytes
     best = RankMemory(static + step_bytes + (held if pipelined else 0), states, held if pipelined else 0, 0, 0,
@@ -113,10 +119,12 @@ def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_b
     live, pending, waiting_send = 0, 0, 0
     split = any(x.kind == Kind.W for x in table)  # zb_h1: activations live until the weight pass
 
+    no_grads = states.get("gradients", 0)  # until the first backward pass of the step
+
     def consider(extra_act: int, buffers: int, block: bool, where: str) -> None:
         nonlocal best
         gathered_now = held + (in_block if block else 0)
-        total = static + gathered_now + extra_act + buffers
+        total = static - no_grads + gathered_now + extra_act + buffers
         if total > best.peak:
             best = RankMemory(total, states, gathered_now, extra_act, buffers, 0, where)
 
@@ -133,6 +141,8 @@ def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_b
                      f"F{a.microbatch}.{a.chunk}")
             live += profile.at_rest
         elif a.kind == Kind.B:
+            if full_grads and not split:
+                no_grads = 0
             profile = chunk(a.chunk)
             if profile.kind in ("first", "middle"):
                 pending -= hidden_bytes  # the received gradient
@@ -145,14 +155,18 @@ def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_b
                 consider(live - profile.at_rest + during, pending + waiting_send, profile.backward_peak_in_block,
                          f"B{a.microbatch}.{a.chunk}")
                 live -= profile.at_rest
+                no_grads = 0
             if profile.kind in ("middle", "last"):
                 waiting_send += hidden_bytes
         elif a.kind == Kind.W:
+            if full_grads:
+                no_grads = 0
             profile = chunk(a.chunk)
             during = max(profile.weight_grad_peak, profile.after_first_grad + staging_bytes)
             consider(live - profile.held_for_weights + during, pending + waiting_send,
                      profile.backward_peak_in_block, f"W{a.microbatch}.{a.chunk}")
             live -= profile.held_for_weights
+            no_grads = 0
     return best
 
 
@@ -181,4 +195,5 @@ def predict_rank(params: RankParams, zero: ZeroSetup, *, table: list, chunk: Chu
     states = model_state_bytes(params, zero, pipelined=pipelined)
     return rank_peak(states, gathered(params, zero, prefetch=prefetch, max_live=max_live),
                      staging(params, zero, pipelined=pipelined, overlap=overlap),
-                     step_extra(params, zero, foreach=foreach), table, chunk, hidden_bytes, pipelined=pipelined)
+                     step_extra(params, zero, foreach=foreach), table, chunk, hidden_bytes, pipelined=pipelined,
+                     full_grads=full_gradients(zero.stage, pipelined, dp=zero.dp))
