@@ -21,8 +21,11 @@ from models.init_trace import _CPU, OpRecord, Plan, Trace, TraceError, _tensors,
 # blocks of 16 and redraws the last 16 of a ragged tail. Checked by
 # tests/test_init_replay_chunks.py against whole draws, values and generator state alike.
 _CHUNKABLE_DRAWS = frozenset({torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default})
-DRAW_CHUNK_BYTES = 4 << 20
-"""A large draw runs in pieces of about this size, so its scratch never holds the whole tensor."""
+DRAW_CHUNK_BYTES = 1 << 20
+"""A draw over two pieces runs in pieces of about this size, so its scratch never holds the
+whole tensor. 1 MiB, not 4: a 6 MiB MLP weight of benchmark model B was drawn whole with 4 MiB
+pieces, and that scratch was still resident when the rank's last shard pages arrived (8-9 MiB
+of its peak RSS, measured with scripts/bench_init.py); the extra calls cost nothing measurable."""
 
 
 def draw_pieces(numel: int, row: int, itemsize: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
