@@ -227,6 +227,21 @@ def test_a_mid_sized_weight_is_drawn_in_pieces_too():
     assert src.last_stats.peak_bytes <= largest // 2, (src.last_stats, largest)
 
 
+def test_a_tensor_held_whole_is_not_kept_after_it_is_emitted():
+    """An embedding whose padding row is zeroed after its draw is held whole while it is made;
+    its storage then goes back to the allocator, not into the replay's spare buffer."""
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                      vocab_size=32000, pad_token_id=3)  # a 16 MB embedding with a padding row
+    eager, after, meta = _pair_of(cfg, 4)
+    src = InitReplay(meta)
+    name = "model.embed_tokens.weight"
+    got = dict(src.read({name: [(slice(0, 5),)], "lm_head.weight": [(slice(0, 2),)]}))
+    assert torch.equal(torch.get_rng_state(), after)
+    assert torch.equal(got[name][0], eager.get_parameter(name)[:5]) and not got[name][0][3].any()
+    assert src.last_stats.peak_bytes >= eager.get_parameter(name).nbytes  # held whole while made
+    assert src.last_stats.spare_bytes <= init_execute.spare_limit() < eager.get_parameter(name).nbytes
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
