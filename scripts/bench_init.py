@@ -1,6 +1,6 @@
 """Start-up cost: peak memory and wall time of building a model and ``initialize``, per rank.
 
-    python scripts/bench_init.py [--model 254m|B] [--nproc 4] [--only z3-meta,z3-eager,...]
+    python scripts/bench_init.py [--model 254m|B|B-pad] [--nproc 4] [--only z3-meta,z3-eager,...]
 
 Each runner is its own ``torchrun --standalone`` job (fresh processes, so a peak is its own):
 
@@ -46,6 +46,9 @@ MODELS = {
     "B": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
               num_attention_heads=12, num_key_value_heads=12),
 }
+# B with a padding token: its embedding's padding_idx row is zeroed after the draw, so the
+# init replay holds that tensor whole while it is made
+MODELS["B-pad"] = dict(MODELS["B"], pad_token_id=0)
 ALL = ["z3-eager", "z3-meta", "pp2tp2-eager", "pp2tp2-meta", "ds-zinit", "fsdp2-meta", "z3-pretrained", "hf-pretrained"]
 
 def parse_args(argv=None):
