@@ -21,8 +21,11 @@ from models.init_trace import _CPU, OpRecord, Plan, Trace, TraceError, _tensors,
 # blocks of 16 and redraws the last 16 of a ragged tail. Checked by
 # tests/test_init_replay_chunks.py against whole draws, values and generator state alike.
 _CHUNKABLE_DRAWS = frozenset({torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default})
-DRAW_CHUNK_BYTES = 4 << 20
-"""A large draw runs in pieces of about this size, so its scratch never holds the whole tensor."""
+DRAW_CHUNK_BYTES = 1 << 20
+"""A draw over two pieces runs in pieces of about this size, so its scratch never holds the
+whole tensor. 1 MiB, not 4: a 6 MiB MLP weight of benchmark model B was drawn whole with 4 MiB
+pieces, and that scratch was still resident when the rank's last shard pages arrived (8-9 MiB
+of its peak RSS, measured with scripts/bench_init.py); the extra calls cost nothing measurable."""
 
 
 def draw_pieces(numel: int, row: int, itemsize: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
@@ -60,6 +63,12 @@ class Stats:
     shadow_bytes: int = 0  # live shadows plus the spare buffer
     peak_bytes: int = 0  # the most shadow + scratch bytes alive at once (values handed back not counted)
     emitted_bytes: int = 0
+    spare_bytes: int = 0  # the largest storage ever kept for reuse
+
+
+def spare_limit() -> int:
+    """The largest freed storage kept for reuse: a few draw pieces (larger ones go back to the allocator)."""
+    return 4 * DRAW_CHUNK_BYTES
 
 
 class Executor(Trace):
@@ -75,10 +84,13 @@ class Executor(Trace):
     values)`` receives rows ``[r0, r1)`` as a flat tensor, the last call ending at the last
     row. The whole tensor is then never held: one piece of scratch is.
 
-    One *spare* storage, the largest freed so far, is recycled for the next shadow or scratch
-    that fits, whatever its size: with fresh allocations per op, glibc's heap grew by every
-    layer's draws (measured: RSS +52 MB while at most 9 MB were alive, for a 54 MB model), and
-    page faults on fresh buffers cost more than the draws themselves.
+    One *spare* storage, the largest freed so far up to :func:`spare_limit`, is recycled for
+    the next shadow or scratch that fits: with fresh allocations per op, glibc's heap grew by
+    every layer's draws (measured: RSS +52 MB while at most 9 MB were alive, for a 54 MB model),
+    and page faults on fresh buffers cost more than the draws themselves. A larger storage (a
+    tensor held whole: an embedding whose ``padding_idx`` row is zeroed after its draw) is
+    freed instead of kept: kept, its pages stayed resident to the end of the replay, when the
+    rank's shards are all filled, and added the whole tensor to the rank's peak.
     """
 
     def __init__(self, records: list[OpRecord], the_plan: Plan, emit, stream=None) -> None:
@@ -105,11 +117,14 @@ class Executor(Trace):
         return torch.UntypedStorage(nbytes, device=_CPU)
 
     def _release(self, st: torch.UntypedStorage) -> None:
+        if st.nbytes() > spare_limit():
+            return  # dropped: back to the allocator (glibc unmaps a large block at once)
         if self.spare is None or st.nbytes() > self.spare.nbytes():
             if self.spare is not None:
                 self.stats.shadow_bytes -= self.spare.nbytes()
             self.spare = st
             self.stats.shadow_bytes += st.nbytes()
+            self.stats.spare_bytes = max(self.stats.spare_bytes, st.nbytes())
 
     def _set_shadow(self, sid: int, st: torch.UntypedStorage) -> None:
         self._free(sid)

@@ -131,6 +131,7 @@ class ReplayStats:
     scratch_random_ops: int
     peak_bytes: int  # shadows plus scratch alive at once
     emitted_bytes: int  # the requested rectangles handed back
+    spare_bytes: int  # the largest freed storage kept for reuse (at most init_execute.spare_limit())
 
 
 class InitReplay:
@@ -337,7 +338,8 @@ class InitReplay:
             deliver(name, vals)
         s: Stats = ex.stats
         self.last_stats = ReplayStats(
-            time.perf_counter() - start, s.ops, s.computed_ops, s.scratch_random_ops, s.peak_bytes, s.emitted_bytes
+            time.perf_counter() - start, s.ops, s.computed_ops, s.scratch_random_ops, s.peak_bytes, s.emitted_bytes,
+            s.spare_bytes,
         )
 
 

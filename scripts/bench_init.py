@@ -1,6 +1,6 @@
 """Start-up cost: peak memory and wall time of building a model and ``initialize``, per rank.
 
-    python scripts/bench_init.py [--model 254m|B] [--nproc 4] [--only z3-meta,z3-eager,...]
+    python scripts/bench_init.py [--model 254m|B|B-pad] [--nproc 4] [--only z3-meta,z3-eager,...]
 
 Each runner is its own ``torchrun --standalone`` job (fresh processes, so a peak is its own):
 
@@ -16,7 +16,9 @@ Each runner is its own ``torchrun --standalone`` job (fresh processes, so a peak
 
 DIR is written once by the driver (``save_pretrained``, safetensors). Reported per runner, the
 maximum over ranks of: *added* = peak RSS (VmHWM) after start-up minus RSS before the build
-(imports and the process group already paid), the wall time from build to the end of
+(the process group, transformers' Llama code and the runner's own library, ``parallel3d``,
+``deepspeed`` or ``torch.distributed.fsdp``, already imported; the peak is reset after
+importing), *imports* = what those imports added to RSS, the wall time from build to the end of
 ``initialize``, and for Zero3D the model state it then holds (``memory_report()``) and its
 largest unit. Targets (issue 8): for z3-meta and pp2tp2-meta, added <= state + 2 largest
 units, and <= 0.5 x the full fp32 model at 4 ranks.
@@ -44,6 +46,9 @@ MODELS = {
     "B": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
               num_attention_heads=12, num_key_value_heads=12),
 }
+# B with a padding token: its embedding's padding_idx row is zeroed after the draw, so the
+# init replay holds that tensor whole while it is made
+MODELS["B-pad"] = dict(MODELS["B"], pad_token_id=0)
 ALL = ["z3-eager", "z3-meta", "pp2tp2-eager", "pp2tp2-meta", "ds-zinit", "fsdp2-meta", "z3-pretrained", "hf-pretrained"]
 
 def parse_args(argv=None):
@@ -69,6 +74,38 @@ def zero_config(stage: int, pp: int = 1, tp: int = 1) -> dict:
 def _kib(field: str) -> int:
     with open("/proc/self/status") as f:
         return int(re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M).group(1))
+
+
+def _reset_peak() -> None:
+    """Set VmHWM to the current RSS (Linux >= 4.0), so a peak while importing is not counted."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _import_runner(name: str) -> None:
+    """Import what the runner uses, before the baseline: *added* is then the model's and the
+    start-up's own memory, the same for every runner (the imports are reported apart)."""
+    import importlib
+    import logging
+
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM  # noqa: F401  (the modeling code is a lazy import)
+
+    if name == "ds-zinit":
+        os.environ["DS_ACCELERATOR"] = "cpu"
+        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+        import deepspeed
+        import deepspeed.comm.torch  # noqa: F401
+
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+    elif name == "fsdp2-meta":
+        importlib.import_module("torch.distributed.fsdp")
+    else:
+        importlib.import_module("parallel3d")
 
 
 def _build(cfg, meta: bool):
@@ -100,18 +137,9 @@ def _hf_pretrained(cfg, directory: str):
 
 
 def _deepspeed(cfg):
-    import logging
-
-    import torch.distributed as dist
-
-    os.environ["DS_ACCELERATOR"] = "cpu"
-    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     import deepspeed
-    import deepspeed.comm.torch  # noqa: F401
     from transformers import LlamaForCausalLM
 
-    sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.utils.logger.setLevel(logging.WARNING)
     config = zero_config(3)
     for key in ("tensor_parallel", "pipeline"):
         config.pop(key)
@@ -149,6 +177,10 @@ def run_runner(name: str, model: str, directory: str | None, out: str) -> None:
     dist.init_process_group("gloo")
     cfg = llama_config(model)
     dist.barrier()
+    before_imports = _kib("VmRSS")
+    _import_runner(name)
+    dist.barrier()
+    _reset_peak()
     base = _kib("VmRSS")
     t0 = time.perf_counter()
     if name == "ds-zinit":
@@ -163,13 +195,14 @@ def run_runner(name: str, model: str, directory: str | None, out: str) -> None:
                               **layout)
     wall = time.perf_counter() - t0
     dist.barrier()
-    row = torch.tensor([(_kib("VmHWM") - base) / 1024, wall, (state or 0) / 2**20, (unit or 0) / 2**20],
-                       dtype=torch.float64)
+    row = torch.tensor([(_kib("VmHWM") - base) / 1024, wall, (state or 0) / 2**20, (unit or 0) / 2**20,
+                        (base - before_imports) / 1024], dtype=torch.float64)
     dist.all_reduce(row, op=dist.ReduceOp.MAX)
     if dist.get_rank() == 0:
         with open(out, "a") as f:
             f.write(json.dumps({"runner": name, "added_mib": row[0].item(), "wall_s": row[1].item(),
-                                "state_mib": row[2].item() or None, "unit_mib": row[3].item() or None}) + "\n")
+                                "state_mib": row[2].item() or None, "unit_mib": row[3].item() or None,
+                                "imports_mib": row[4].item()}) + "\n")
     dist.destroy_process_group()
 
 
@@ -205,12 +238,12 @@ def main(argv=None) -> None:
     full_mib = n_params * 4 / 2**20
     print(f"\nmodel {args.model}: Llama {n_params / 1e6:.1f}M params, fp32 {full_mib:.0f} MiB; {args.nproc} ranks; "
           f"load average {os.getloadavg()[0]:.2f}; torch {torch.__version__}")
-    fmt = "{:<14} {:>10} {:>9} {:>8} {:>10} {:>9}"
-    print(fmt.format("runner", "added MiB", "x model", "wall s", "state MiB", "unit MiB"))
+    fmt = "{:<14} {:>10} {:>9} {:>8} {:>10} {:>9} {:>12}"
+    print(fmt.format("runner", "added MiB", "x model", "wall s", "state MiB", "unit MiB", "imports MiB"))
     for r in rows:
         cell = lambda v: f"{v:.0f}" if v else "-"  # noqa: E731
         print(fmt.format(r["runner"], f"{r['added_mib']:.0f}", f"{r['added_mib'] / full_mib:.2f}", f"{r['wall_s']:.1f}",
-                         cell(r["state_mib"]), cell(r["unit_mib"])))
+                         cell(r["state_mib"]), cell(r["unit_mib"]), f"{r['imports_mib']:.0f}"))
     print("\ntargets (added memory per rank):")
     for r in rows:
         if r["runner"] in ("z3-meta", "pp2tp2-meta"):

@@ -22,7 +22,10 @@ from tests.tiny_families import FAMILIES, tiny_config
 
 def _pair(family: str, seed: int = 0, **kwargs):
     """(eager model, generator state after eager construction, the same model built on meta)."""
-    cfg = tiny_config(family)
+    return _pair_of(tiny_config(family), seed, **kwargs)
+
+
+def _pair_of(cfg: PretrainedConfig, seed: int, **kwargs):
     torch.manual_seed(seed)
     eager = AutoModelForCausalLM.from_config(cfg, **kwargs)
     after = torch.get_rng_state()
@@ -196,13 +199,8 @@ def test_draws_in_pieces_equal_one_whole_draw(dtype, op):
 
 def test_a_large_tensor_is_drawn_in_pieces_never_whole():
     cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
-                      vocab_size=32000)  # a 16 MB embedding and head: four draw pieces each
-    torch.manual_seed(0)
-    eager = AutoModelForCausalLM.from_config(cfg)
-    after = torch.get_rng_state()
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(cfg)
+                      vocab_size=32000)  # a 16 MB embedding and head: drawn in pieces
+    eager, after, meta = _pair_of(cfg, 0)
     src = InitReplay(meta)
     name = "model.embed_tokens.weight"
     rows = [(slice(0, 3),), (slice(12000, 20000), slice(5, 9))]
@@ -212,6 +210,36 @@ def test_a_large_tensor_is_drawn_in_pieces_never_whole():
         assert torch.equal(value, eager.get_parameter(name)[rect])
     assert torch.equal(got["lm_head.weight"][0], eager.lm_head.weight[31990:])
     assert src.last_stats.peak_bytes <= 2 * init_execute.DRAW_CHUNK_BYTES + 32000 * 128 * 4 // 8, src.last_stats
+
+
+def test_a_mid_sized_weight_is_drawn_in_pieces_too():
+    """A 6 MiB MLP weight (benchmark model B's) is not held whole: no scratch of its size."""
+    cfg = LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=1, num_attention_heads=12,
+                      vocab_size=512)
+    eager, after, meta = _pair_of(cfg, 2)
+    src = InitReplay(meta)
+    name = "model.layers.0.mlp.up_proj.weight"
+    largest = eager.get_parameter(name).nbytes
+    flat = torch.empty(eager.get_parameter(name).numel())
+    src.fill({name: [((slice(None),), flat.view(2048, 768))]})
+    assert torch.equal(torch.get_rng_state(), after)
+    assert torch.equal(flat.view(2048, 768), eager.get_parameter(name))
+    assert src.last_stats.peak_bytes <= largest // 2, (src.last_stats, largest)
+
+
+def test_a_tensor_held_whole_is_not_kept_after_it_is_emitted():
+    """An embedding whose padding row is zeroed after its draw is held whole while it is made;
+    its storage then goes back to the allocator, not into the replay's spare buffer."""
+    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                      vocab_size=32000, pad_token_id=3)  # a 16 MB embedding with a padding row
+    eager, after, meta = _pair_of(cfg, 4)
+    src = InitReplay(meta)
+    name = "model.embed_tokens.weight"
+    got = dict(src.read({name: [(slice(0, 5),)], "lm_head.weight": [(slice(0, 2),)]}))
+    assert torch.equal(torch.get_rng_state(), after)
+    assert torch.equal(got[name][0], eager.get_parameter(name)[:5]) and not got[name][0][3].any()
+    assert src.last_stats.peak_bytes >= eager.get_parameter(name).nbytes  # held whole while made
+    assert src.last_stats.spare_bytes <= init_execute.spare_limit() < eager.get_parameter(name).nbytes
 
 
 class _Net(nn.Module):

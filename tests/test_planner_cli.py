@@ -139,3 +139,18 @@ def test_auto_errors(config, message):
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, **config}
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parallel3d.initialize(model=make_model("llama"), config=config)
+
+
+def test_a_config_without_auto_does_not_load_the_planner():
+    """The planner's modules cost a rank ~2 MiB of RSS in initialize: loaded only for "auto"."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; from parallel3d.planner.auto import resolve_auto; from tests.tiny import make_model\n"
+        "cfg = {'train_batch_size': 8, 'tensor_parallel': {'size': 1}}\n"
+        "assert resolve_auto(cfg, make_model('llama'), 1, torch.device('cpu')) == cfg\n"
+        "print(sorted(m for m in sys.modules if m.startswith('parallel3d.planner.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "parallel3d.planner.predict" not in out and "parallel3d.planner.search" not in out, out
