@@ -12,7 +12,9 @@ Each type runs under three layouts on two gloo ranks against one process
 already there are skipped unless named or ``--redo``), and several runs (``--shard K/N``, each
 its own port) can share the file. Two worker processes serve many types (imports cost seconds);
 a type that gives no result within ``--timeout`` seconds (a hang, a crash) is recorded as
-``fail`` and the workers are started afresh. ``--table`` writes the table between the markers
+``fail`` and the workers are started afresh. Each line records the transformers version; a type
+last recorded under another version than the installed one is pending again, and the table
+marks its row with that version until it is run. ``--table`` writes the table between the markers
 in README.md and prints the counts per layout.
 """
 
@@ -137,19 +139,31 @@ class Workers:
 
 
 def load(path: Path) -> dict[str, dict[str, str]]:
-    """The last recorded outcome per type and layout (a later line for some layouts keeps the others)."""
+    """The last recorded outcome per type and layout (a later line for some layouts keeps the
+    others); a type last recorded under another transformers version than the installed one
+    carries it under ``"transformers"``."""
+    import transformers
+
     out: dict[str, dict[str, str]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
-                out.setdefault(record["type"], {}).update(record["outcomes"])
+                outcomes = out.setdefault(record["type"], {})
+                outcomes.pop("transformers", None)
+                outcomes.update(record["outcomes"])
+                version = record.get("transformers")
+                if version and version != transformers.__version__:
+                    outcomes["transformers"] = version
     return out
 
 
 def append(path: Path, model_type: str, outcomes: dict[str, str], seconds: float) -> None:
     """One line, written at once (O_APPEND): runs sharing the file do not interleave lines."""
-    line = json.dumps({"type": model_type, "outcomes": outcomes, "seconds": round(seconds, 1)}) + "\n"
+    import transformers
+
+    line = json.dumps({"type": model_type, "outcomes": outcomes, "seconds": round(seconds, 1),
+                       "transformers": transformers.__version__}) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())
@@ -199,7 +213,7 @@ def main() -> None:
         write_table(load(args.out), README, BEGIN, END, all_types())
         return
     done = load(args.out)
-    types = args.types or [t for t in all_types() if args.redo or t not in done]
+    types = args.types or [t for t in all_types() if args.redo or t not in done or "transformers" in done[t]]
     k, n = (int(x) for x in args.shard.split("/"))
     layouts = tuple(args.layouts.split(","))
     if not layouts or set(layouts) - set(LAYOUTS):

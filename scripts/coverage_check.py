@@ -34,16 +34,27 @@ MAX_PARAMS = 60_000_000
 LAYOUTS = ("zero3", "tp2", "pp2")
 
 
-def tiny_model(model_type: str) -> torch.nn.Module:
-    """The type's tiny model (``coverage_tiny.py``); the same on every call (seed 0)."""
+def _text_part(config: Any) -> Any:
+    try:
+        return config.get_text_config()
+    except ValueError:  # several text parts (MusicGen): the model is not one causal LM
+        return config
+
+
+def tiny_model(model_type: str, **from_config: Any) -> torch.nn.Module:
+    """The type's tiny model (``coverage_tiny.py``); the same on every call (seed 0).
+    ``from_config``: more arguments for ``from_config`` (the tests' ``experts_implementation``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     defaults = AutoConfig.for_model(model_type)
     sizes = tiny_sizes(defaults)
+    parts = [get(defaults, name) for name in getattr(defaults, "sub_configs", {})]
+    widths = {get(part, "hidden_size") for part in (defaults, _text_part(defaults), *parts) if part is not None}
     for name in getattr(defaults, "sub_configs", {}):  # a multimodal model's text and vision parts
         part = get(defaults, name)
-        if hasattr(part, "to_dict"):  # only the sizes: lists per layer are derived again from them
-            own = {"model_type": part.model_type, **tiny_sizes(part)} if part.model_type else tiny_sizes(part)
+        if hasattr(part, "to_dict"):
+            own = tiny_sizes(part, widths)
+            own = {"model_type": part.model_type, **own} if part.model_type else own
             sizes[name] = {**own, **sizes.get(name, {})}
     config = AutoConfig.for_model(model_type, **sizes)
     drop_off(config)
@@ -52,7 +63,7 @@ def tiny_model(model_type: str) -> torch.nn.Module:
     if size > MAX_PARAMS:
         raise ValueError(f"{size / 1e6:.0f}M parameters: the tiny config did not reach its sizes")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", **from_config)
 
 
 def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
@@ -113,6 +124,18 @@ def engine_config(layout: str) -> dict[str, Any]:
     return config
 
 
+def _what(exc: Exception) -> str:
+    """An exception in one line; for transformers' empty ImportError, the backends it asked for."""
+    text = str(exc).strip()
+    if isinstance(exc, ImportError) and not text:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        backends = tb.tb_frame.f_locals.get("backends") if tb is not None else None
+        text = f"needs {', '.join(backends)}, not installed" if backends else "a package it needs is not installed"
+    return f"{type(exc).__name__}: {text.splitlines()[0][:80] if text else ''}"
+
+
 def _reason(exc: Exception) -> str:
     """A ConfigError's message without the model class prefix (the table names the type)."""
     text = " ".join(str(exc).split())
@@ -139,15 +162,32 @@ def _compare(losses: list[float], want: list[float], got: dict[str, torch.Tensor
     return "pass"
 
 
+_ORACLE: dict[str, Any] = {}  # the last type's oracle (or its exception), shared by its layouts
+
+
+def _cached_oracle(model_type: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    if model_type not in _ORACLE:
+        _ORACLE.clear()
+        try:
+            _ORACLE[model_type] = oracle(model_type)
+        except Exception as exc:  # noqa: BLE001 - kept to be raised again for every layout
+            _ORACLE[model_type] = exc
+    found = _ORACLE[model_type]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
 def check(model_type: str, layout: str) -> str:
-    """This rank's outcome for ``model_type`` under ``layout`` (module docstring)."""
+    """This rank's outcome for ``model_type`` under ``layout`` (module docstring). The oracle is
+    trained once per type: it is the same for every layout, and the engine runs on fresh copies."""
     import parallel3d
     from parallel3d.errors import ConfigError
 
     try:
-        want, before, after = oracle(model_type)
+        want, before, after = _cached_oracle(model_type)
     except Exception as exc:  # noqa: BLE001 - the tiny config is not one transformers runs
-        return f"skip: tiny config fails in transformers ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
+        return f"skip: tiny config fails in transformers ({_what(exc)})"
     try:
         engine, _, _, _ = parallel3d.initialize(model=tiny_model(model_type), config=engine_config(layout))
     except ConfigError as exc:

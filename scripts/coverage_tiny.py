@@ -19,6 +19,8 @@ of types:
   to be derived), so q/k/v, latent-attention and per-layer dims keep their relations (dots3:
   head_dim = nope + rope) and stay nonzero; a state-space mixer's head count follows from the
   tiny width (heads x head dim = expand x hidden);
+* **tied widths**: other sizes equal to a default hidden width (a vision adapter's input and
+  output) become 32, and other vocabularies (hashed byte groups, per-layer inputs) 96;
 * **shared counts**: ``n_shared_experts`` is 1 (dots1's default None is not a config
   transformers can run).
 
@@ -173,9 +175,26 @@ def _mamba_heads(config: Any, sizes: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def tiny_sizes(config: Any) -> dict[str, Any]:
-    """The keyword arguments that make ``config``'s type tiny (module docstring)."""
+def _tied_widths(config: Any, widths: set[int]) -> dict[str, int]:
+    """Stored sizes that equal a default hidden width (``widths``: the config's own, and every
+    part's for a part of a multimodal one) become the tiny width: dots3's vision adapter maps the
+    vision width to the text width, BLT's local decoder reads its global model's width. Vocabularies (hash or per-layer ones) become the tiny one."""
+    out = {}
+    for key, value in _stored(config).items():
+        if not _positive_int(value) or key in TINY or key.endswith("head_dim") or "divisible" in key:
+            continue
+        if "vocab" in key and value > VOCAB:
+            out[key] = VOCAB
+        elif value in widths and re.search(r"dim|size", key) and not re.search(r"window|position|length|chunk|patch", key):
+            out[key] = TINY["hidden_size"]
+    return out
+
+
+def tiny_sizes(config: Any, widths: set[int] = frozenset()) -> dict[str, Any]:
+    """The keyword arguments that make ``config``'s type tiny (module docstring); ``widths``: the
+    default hidden widths of the model it is part of."""
     sizes = {k: v for k, v in TINY.items() if _settable(config, k)}
+    sizes.update(_tied_widths(config, set(widths) | {get(config, "hidden_size")}))
     sizes.update(_head_dims(config))
     sizes.update(_mamba_heads(config, sizes))
     if _settable(config, "kv_lora_rank") and "num_attention_heads" in sizes:  # latent attention: keys and
@@ -198,6 +217,11 @@ def _overrides_for(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
         # its decoder layers index layer_types, which the default leaves None; LFM2's checkpoints
         # alternate short convolutions and attention
         out["layer_types"] = ["conv", "full_attention"] * (sizes.get("num_hidden_layers", 4) // 2)
+    if get(config, "indexer_compress_ratio", 0) is None and get(config, "indexer_n_heads", 0) is None:
+        # Qwen4-Exp leaves its sparse-attention indexer's sizes None, which its indexed-attention
+        # layers divide ("None // None"); any small consistent sizes run
+        out.update(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=HEAD_DIM, indexer_budget=8,
+                   indexer_compress_ratio=2)
     rope = get(config, "rope_parameters")
     layer_types = sizes.get("layer_types", get(config, "layer_types"))
     if rope == {} and isinstance(layer_types, list):
