@@ -225,6 +225,9 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
                     module, group, input_comm="none" if parent in regions else "copy",
                     gather_output=layer.gather_output, packed=layer.packed, replicas=kv_layers.get(name, 1))
             else:
+                if sp and parent not in regions:
+                    raise ConfigError(f"sequence parallelism: row-parallel {name} splits a replicated input outside a "
+                                      "module that tensor parallelism enters, so its sequence is never gathered")
                 new = RowParallelLinear(module, group, split_input=layer.split_input, packed=layer.packed,
                                         output_comm="reduce_scatter_seq" if sp else "all_reduce")
                 rows.append(new)
