@@ -133,7 +133,9 @@ def _what(exc: Exception) -> str:
             tb = tb.tb_next
         backends = tb.tb_frame.f_locals.get("backends") if tb is not None else None
         text = f"needs {', '.join(backends)}, not installed" if backends else "a package it needs is not installed"
-    return f"{type(exc).__name__}: {text.splitlines()[0][:80] if text else ''}"
+    if exc.__cause__ is not None and text.splitlines()[0].endswith(":"):  # a validator's: its cause says what
+        text = f"{text.splitlines()[0]} {exc.__cause__}"
+    return f"{type(exc).__name__}: {text.splitlines()[0][:160] if text else ''}"
 
 
 def _reason(exc: Exception) -> str:
