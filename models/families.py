@@ -98,6 +98,17 @@ def _bloom_tp(config: Any, tp: int) -> PlanEntries:
             "h.*.mlp.dense_h_to_4h": "colwise", "h.*.mlp.dense_4h_to_h": "rowwise"}
 
 
+def _gemma3n_tp_check(config: Any, tp: int) -> None:
+    """Gemma 3n's MLP keeps the largest gate activations of each token by the mean and standard
+    deviation over all its intermediate features (``_gaussian_topk``), which its plan splits."""
+    sparse = [i for i, s in enumerate(getattr(config, "activation_sparsity_pattern", None) or ()) if s > 0]
+    if sparse:
+        raise TPPlanError(f"Gemma 3n's activation sparsity (activation_sparsity_pattern > 0 in layers {sparse}) "
+                          "thresholds each token's gate activations by their mean and standard deviation over all "
+                          "intermediate features, which tensor parallelism splits across ranks; set the pattern to 0 "
+                          "to train it with tensor parallelism")
+
+
 def _gptj_tp(config: Any, tp: int) -> PlanEntries:
     return {"h.*.attn.q_proj": "colwise", "h.*.attn.k_proj": "colwise", "h.*.attn.v_proj": "colwise",
             "h.*.attn.out_proj": "rowwise", "h.*.mlp.fc_in": "colwise", "h.*.mlp.fc_out": "rowwise"}
@@ -148,6 +159,7 @@ RECORDS: tuple[FamilyRecord, ...] = (
         "h": (["hidden_states", "attention_mask"], ["hidden_states"]),
         "ln_f": (["hidden_states"], ["hidden_states"]),
     }),
+    FamilyRecord("Gemma 3n", ("gemma3n", "gemma3n_text"), tp_check=_gemma3n_tp_check),
     FamilyRecord("GPT-J", ("gptj",), tp_plan=_gptj_tp, pp_plan=_WTE_H_LNF),
     FamilyRecord("CodeGen", ("codegen",), tp_plan=_codegen_tp, tp_size_attrs=("embed_dim",), pp_plan=_WTE_H_LNF),
     # HF's plan names the dense layers' MLP but not the shared expert of the sparse ones

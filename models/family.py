@@ -44,6 +44,9 @@ class FamilyRecord:
     tp_plan: plan entries (see :data:`PlanEntries`) laid over ``base_model_tp_plan``; a
         callable ``(config, tp_size) -> entries`` when they depend on the config (it raises
         :class:`TPPlanError` with the reason when the family cannot be split that way).
+    tp_check: ``(config, tp_size) -> None``, raising :class:`TPPlanError` with the reason when
+        the family's own plan would split something its forward needs whole (Gemma 3n's
+        activation sparsity).
     tp_size_attrs: attributes of a head-splitting attention module that hold a width in
         features and become per-rank (divided by T), besides the head counts every family has.
     tp_head_inputs: inputs of a head-splitting attention module laid out per head, which each
@@ -59,6 +62,7 @@ class FamilyRecord:
     name: str
     model_types: tuple[str, ...] = ()
     tp_plan: PlanEntries | Callable[[Any, int], PlanEntries] | None = None
+    tp_check: Callable[[Any, int], None] | None = None
     tp_size_attrs: tuple[str, ...] = ()
     tp_head_inputs: Mapping[str, str] = field(default_factory=dict)
     pp_plan: PPPlan | None = None
@@ -67,6 +71,8 @@ class FamilyRecord:
 
     def tp_entries(self, config: Any, tp_size: int) -> PlanEntries:
         """The record's plan entries for ``config`` at tensor-parallel size ``tp_size``."""
+        if self.tp_check is not None:
+            self.tp_check(text_config(config), tp_size)
         if self.tp_plan is None:
             return {}
         return self.tp_plan(text_config(config), tp_size) if callable(self.tp_plan) else self.tp_plan

@@ -46,7 +46,8 @@ class ModelTPPlan:
     ``layers``: planned modules; ``experts``: each ``experts`` module's planned parameters
     (local names); ``regions``: the modules that own a row layer (attention,
     MLP), entered once for all of their column layers, except a repeated block itself (OPT keeps
-    fc1 and fc2 in its decoder layer: such a pair's column enters tensor parallelism on its own);
+    fc1 and fc2 in its decoder layer: such a pair's column enters tensor parallelism on its own)
+    and a module whose only planned layers split their replicated input themselves;
     ``attention_modules``: parents of head-splitting columns,
     with the attributes (``divide_attrs``) and per-head inputs (``head_inputs``) that become
     per-rank there.
@@ -131,8 +132,14 @@ def resolve_tp_plan(model: nn.Module, tp_size: int) -> ModelTPPlan:
 
     record = family_record(model.config)
     blocks = record.block_names(model)
+    columns = {name.rpartition(".")[0] for name, layer in result.layers.items() if layer.kind == "column"}
     for name, layer in result.layers.items():
         parent = name.rpartition(".")[0]
+        if layer.split_input and parent not in columns:
+            # a row layer that splits a replicated input itself (Qwen4-Exp's hyper-connection
+            # mixer) gathers that input's gradient itself: its module, which computes on the
+            # whole input besides, is no region (a region's entry would sum those gradients)
+            continue
         if layer.kind == "row" and type(model.get_submodule(parent)).__name__ not in blocks:
             result.regions.add(parent)
     for name, layer in result.layers.items():

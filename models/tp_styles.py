@@ -49,12 +49,22 @@ HF_STYLES: dict[str, LayerPlan | None] = {
     "replicate": LayerPlan("replicate"),
     "local_params": LayerPlan("replicate"),
     "moe_tp_experts": LayerPlan("experts"),
+    # MLA's kv_a_proj_with_mqa (DeepSeek V2/V3.2, GLM-4 MoE Lite, LongCat, MiniCPM3): a replicated
+    # projection inside the attention region; its output's rope slice bypasses the split kv_b_proj
+    # and feeds this rank's heads only, so (as transformers' MlaKvAProjParallel sums that slice's
+    # gradient) its weight gradient is partial: summed over tp.
+    "mla_kv_a_proj": LayerPlan("partial_grad"),
+    # a module holding stacked weights that the plan splits by parameter (Inkling's shared
+    # experts: gate/up colwise, down rowwise) whose output is a partial sum: transformers'
+    # AllReduceParallel. The same as an experts module: a slice per rank, entered with copy_to_tp,
+    # its output all-reduced; experts.py refuses it when it holds a weight the plan does not split.
+    "all_reduce": LayerPlan("experts"),
     # handled elsewhere: the input embedding is always vocab-parallel; norms follow the
     # `sequence_parallel` switch of apply_tensor_parallel.
     "embedding_rowwise": None,
     "sequence_parallel": None,
 }
-UNSUPPORTED_HF_STYLES = ("packed_rowwise", "embedding_colwise", "all_reduce", "mla_kv_a_proj", "moe_identity_expert")
+UNSUPPORTED_HF_STYLES = ("packed_rowwise", "embedding_colwise", "moe_identity_expert")
 
 
 def style(value: str | LayerPlan, key: str, owner: str) -> LayerPlan | None:

@@ -2,6 +2,7 @@
 
     nice python scripts/coverage.py [model_type ...]          # default: every causal-LM type
     python scripts/coverage.py --shard 1/2                    # every second pending type (run 0/2 beside it)
+    python scripts/coverage.py --layouts tp2 deepseek_v2      # only some layouts (the others' results stay)
     python scripts/coverage.py --table                        # README table and counts from the results
 
 Each type runs under three layouts on two gloo ranks against one process
@@ -11,7 +12,9 @@ Each type runs under three layouts on two gloo ranks against one process
 already there are skipped unless named or ``--redo``), and several runs (``--shard K/N``, each
 its own port) can share the file. Two worker processes serve many types (imports cost seconds);
 a type that gives no result within ``--timeout`` seconds (a hang, a crash) is recorded as
-``fail`` and the workers are started afresh. ``--table`` writes the table between the markers
+``fail`` and the workers are started afresh. Each line records the transformers version; a type
+last recorded under another version than the installed one is pending again, and the table
+marks its row with that version until it is run. ``--table`` writes the table between the markers
 in README.md and prints the counts per layout.
 """
 
@@ -41,7 +44,7 @@ BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
 RESTART_EVERY = 25  # types per pair of workers (each initialize builds process groups)
 
 
-def worker(rank: int, port: int, jobs: Any, results: Any) -> None:
+def worker(rank: int, port: int, jobs: Any, results: Any, layouts: tuple[str, ...]) -> None:
     """One of two ranks: for each type from ``jobs``, every layout; rank 0 reports the agreed outcomes."""
     import torch.distributed as dist
     import transformers
@@ -55,7 +58,7 @@ def worker(rank: int, port: int, jobs: Any, results: Any) -> None:
     parent = os.getppid()
     while (model_type := _next_job(jobs, parent)) is not None:
         outcomes = {}
-        for layout in LAYOUTS:
+        for layout in layouts:
             mine = check(model_type, layout)
             both: list[str] = [""] * 2
             dist.all_gather_object(both, mine)
@@ -93,14 +96,15 @@ def free_port() -> int:
 class Workers:
     """Two worker processes and their queues."""
 
-    def __init__(self) -> None:
+    def __init__(self, layouts: tuple[str, ...]) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         port = free_port()
         self.jobs = [ctx.Queue() for _ in range(2)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=worker, args=(r, port, self.jobs[r], self.results), daemon=True)
+        self.procs = [ctx.Process(target=worker, args=(r, port, self.jobs[r], self.results, layouts),
+                                 daemon=True)
                       for r in range(2)]
         for p in self.procs:
             p.start()
@@ -135,19 +139,31 @@ class Workers:
 
 
 def load(path: Path) -> dict[str, dict[str, str]]:
-    """The last recorded outcomes per type."""
+    """The last recorded outcome per type and layout (a later line for some layouts keeps the
+    others); a type last recorded under another transformers version than the installed one
+    carries it under ``"transformers"``."""
+    import transformers
+
     out: dict[str, dict[str, str]] = {}
     if path.exists():
         for line in path.read_text().splitlines():
             if line.strip():
                 record = json.loads(line)
-                out[record["type"]] = record["outcomes"]
+                outcomes = out.setdefault(record["type"], {})
+                outcomes.pop("transformers", None)
+                outcomes.update(record["outcomes"])
+                version = record.get("transformers")
+                if version and version != transformers.__version__:
+                    outcomes["transformers"] = version
     return out
 
 
 def append(path: Path, model_type: str, outcomes: dict[str, str], seconds: float) -> None:
     """One line, written at once (O_APPEND): runs sharing the file do not interleave lines."""
-    line = json.dumps({"type": model_type, "outcomes": outcomes, "seconds": round(seconds, 1)}) + "\n"
+    import transformers
+
+    line = json.dumps({"type": model_type, "outcomes": outcomes, "seconds": round(seconds, 1),
+                       "transformers": transformers.__version__}) + "\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         os.write(fd, line.encode())
@@ -161,19 +177,19 @@ def all_types() -> list[str]:
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def run(types: list[str], out: Path, timeout: float) -> None:
-    workers = Workers()
+def run(types: list[str], out: Path, timeout: float, layouts: tuple[str, ...] = LAYOUTS) -> None:
+    workers = Workers(layouts)
     try:
         for model_type in types:
             if workers.served >= RESTART_EVERY:
                 workers.stop()
-                workers = Workers()
+                workers = Workers(layouts)
             start = time.monotonic()
             outcomes = workers.run(model_type, timeout)
             if outcomes is None:
-                outcomes = {layout: f"fail: no result within {timeout:.0f} s (a hang or a crash)" for layout in LAYOUTS}
+                outcomes = {layout: f"fail: no result within {timeout:.0f} s (a hang or a crash)" for layout in layouts}
                 workers.stop(kill=True)
-                workers = Workers()
+                workers = Workers(layouts)
             append(out, model_type, outcomes, time.monotonic() - start)
             print(f"{model_type:28s} " + " | ".join(f"{k}: {v[:70]}" for k, v in outcomes.items()), flush=True)
     finally:
@@ -188,6 +204,7 @@ def main() -> None:
     parser.add_argument("--redo", action="store_true", help="run types already recorded again")
     parser.add_argument("--shard", default="0/1", help="K/N: only every N-th pending type, from the K-th")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a type may take")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--table", action="store_true", help="write README's table from the results and stop")
     args = parser.parse_args()
     if args.table:
@@ -196,9 +213,12 @@ def main() -> None:
         write_table(load(args.out), README, BEGIN, END, all_types())
         return
     done = load(args.out)
-    types = args.types or [t for t in all_types() if args.redo or t not in done]
+    types = args.types or [t for t in all_types() if args.redo or t not in done or "transformers" in done[t]]
     k, n = (int(x) for x in args.shard.split("/"))
-    run(types[k::n], args.out, args.timeout)
+    layouts = tuple(args.layouts.split(","))
+    if not layouts or set(layouts) - set(LAYOUTS):
+        parser.error(f"--layouts {args.layouts!r}: expected a comma-separated list of {', '.join(LAYOUTS)}")
+    run(types[k::n], args.out, args.timeout, layouts)
 
 
 if __name__ == "__main__":

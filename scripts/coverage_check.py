@@ -1,9 +1,9 @@
 """One causal-LM type under one layout on two ranks, against one process: the checks behind
 ``scripts/coverage.py``.
 
-The model is a tiny random-init one built from the type's default config (hidden 32, two
-blocks, vocabulary 96; sizes the type does not have are left alone) with dropout off and
-eager attention. Every rank first trains it itself (the oracle: two plain-SGD steps, each over
+The model is a tiny random-init one built from the type's default config (hidden 32, four
+blocks, vocabulary 96; sizes the type does not have are left alone; ``coverage_tiny.py`` says
+how the rest follows) with dropout off and eager attention. Every rank first trains it itself (the oracle: two plain-SGD steps, each over
 two padded micro-batches with ignored labels), then through ``parallel3d.initialize`` on the
 layout, and compares each step's loss and every parameter's update (``engine.full_parameters``)
 with the oracle's. Layouts, two ranks each:
@@ -25,56 +25,45 @@ from typing import Any
 
 import torch
 
-VOCAB, SEQ, MICRO = 96, 8, 2
+from coverage_tiny import VOCAB, drop_off, get, tiny_sizes
+
+SEQ, MICRO = 8, 2
 STEPS, LR = 2, 0.5
 RTOL = 1e-4
 MAX_PARAMS = 60_000_000
 LAYOUTS = ("zero3", "tp2", "pp2")
-TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_local_experts=4,
-            n_routed_experts=4, num_experts_per_tok=2, n_embd=32, n_layer=4, n_head=4, n_positions=64, n_inner=48,
-            ffn_dim=48, ffn_hidden_size=48, rotary_dim=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-            qk_nope_head_dim=8, v_head_dim=8,  # multi-head latent attention: its rotary part is head_dim
-            d_model=32, decoder_layers=4, encoder_layers=2, decoder_attention_heads=4, encoder_attention_heads=4,
-            decoder_ffn_dim=48, encoder_ffn_dim=48, num_layers=4,  # encoder-decoder names
-            n_group=1, topk_group=1)  # grouped expert routing over the tiny expert count
 
 
-def _settable(config: Any, key: str) -> bool:
-    """Whether ``config`` has ``key`` as a size it stores (not a derived, read-only property)."""
-    prop = getattr(type(config), key, None)
-    return hasattr(config, key) and not (isinstance(prop, property) and prop.fset is None)
+def _text_part(config: Any) -> Any:
+    try:
+        return config.get_text_config()
+    except ValueError:  # several text parts (MusicGen): the model is not one causal LM
+        return config
 
 
-def _tiny_sizes(defaults: Any) -> dict[str, Any]:
-    sizes = {k: v for k, v in TINY.items() if _settable(defaults, k)}
-    if _settable(defaults, "kv_lora_rank") and "num_attention_heads" in sizes:  # latent attention: keys and
-        sizes["num_key_value_heads"] = sizes["num_attention_heads"]  # values for every query head
-    return sizes
-
-
-def tiny_model(model_type: str) -> torch.nn.Module:
-    """The type's tiny model; the same on every call (seed 0)."""
+def tiny_model(model_type: str, **from_config: Any) -> torch.nn.Module:
+    """The type's tiny model (``coverage_tiny.py``); the same on every call (seed 0).
+    ``from_config``: more arguments for ``from_config`` (the tests' ``experts_implementation``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     defaults = AutoConfig.for_model(model_type)
-    sizes = _tiny_sizes(defaults)
+    sizes = tiny_sizes(defaults)
+    parts = [get(defaults, name) for name in getattr(defaults, "sub_configs", {})]
+    widths = {get(part, "hidden_size") for part in (defaults, _text_part(defaults), *parts) if part is not None}
     for name in getattr(defaults, "sub_configs", {}):  # a multimodal model's text and vision parts
-        part = getattr(defaults, name, None)
-        if hasattr(part, "to_dict"):  # only the sizes: lists per layer are derived again from them
-            sizes[name] = {"model_type": part.model_type, **_tiny_sizes(part)} if part.model_type else _tiny_sizes(part)
+        part = get(defaults, name)
+        if hasattr(part, "to_dict"):
+            own = tiny_sizes(part, widths)
+            own = {"model_type": part.model_type, **own} if part.model_type else own
+            sizes[name] = {**own, **sizes.get(name, {})}
     config = AutoConfig.for_model(model_type, **sizes)
-    for part in {id(c): c for c in (config, config.get_text_config())}.values():  # every dropout rate off
-        for key, value in vars(part).items():
-            if isinstance(value, float) and re.search(r"dropout|pdrop|drop_prob|layerdrop|drop_path|jitter", key):
-                setattr(part, key, 0.0)
+    drop_off(config)
     with torch.device("meta"):  # a type that names its sizes differently keeps its full size
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
     if size > MAX_PARAMS:
         raise ValueError(f"{size / 1e6:.0f}M parameters: the tiny config did not reach its sizes")
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager", **from_config)
 
 
 def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
@@ -135,6 +124,20 @@ def engine_config(layout: str) -> dict[str, Any]:
     return config
 
 
+def _what(exc: Exception) -> str:
+    """An exception in one line; for transformers' empty ImportError, the backends it asked for."""
+    text = str(exc).strip()
+    if isinstance(exc, ImportError) and not text:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        backends = tb.tb_frame.f_locals.get("backends") if tb is not None else None
+        text = f"needs {', '.join(backends)}, not installed" if backends else "a package it needs is not installed"
+    if exc.__cause__ is not None and text.splitlines()[0].endswith(":"):  # a validator's: its cause says what
+        text = f"{text.splitlines()[0]} {exc.__cause__}"
+    return f"{type(exc).__name__}: {text.splitlines()[0][:160] if text else ''}"
+
+
 def _reason(exc: Exception) -> str:
     """A ConfigError's message without the model class prefix (the table names the type)."""
     text = " ".join(str(exc).split())
@@ -161,15 +164,32 @@ def _compare(losses: list[float], want: list[float], got: dict[str, torch.Tensor
     return "pass"
 
 
+_ORACLE: dict[str, Any] = {}  # the last type's oracle (or its exception), shared by its layouts
+
+
+def _cached_oracle(model_type: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    if model_type not in _ORACLE:
+        _ORACLE.clear()
+        try:
+            _ORACLE[model_type] = oracle(model_type)
+        except Exception as exc:  # noqa: BLE001 - kept to be raised again for every layout
+            _ORACLE[model_type] = exc
+    found = _ORACLE[model_type]
+    if isinstance(found, Exception):
+        raise found
+    return found
+
+
 def check(model_type: str, layout: str) -> str:
-    """This rank's outcome for ``model_type`` under ``layout`` (module docstring)."""
+    """This rank's outcome for ``model_type`` under ``layout`` (module docstring). The oracle is
+    trained once per type: it is the same for every layout, and the engine runs on fresh copies."""
     import parallel3d
     from parallel3d.errors import ConfigError
 
     try:
-        want, before, after = oracle(model_type)
+        want, before, after = _cached_oracle(model_type)
     except Exception as exc:  # noqa: BLE001 - the tiny config is not one transformers runs
-        return f"skip: tiny config fails in transformers ({type(exc).__name__}: {str(exc).splitlines()[0][:80]})"
+        return f"skip: tiny config fails in transformers ({_what(exc)})"
     try:
         engine, _, _, _ = parallel3d.initialize(model=tiny_model(model_type), config=engine_config(layout))
     except ConfigError as exc:

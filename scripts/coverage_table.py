@@ -44,7 +44,11 @@ def counts_text(results: dict[str, dict[str, str]], types: list[str]) -> str:
     import transformers
 
     c = counts(results)
-    lines = [f"transformers {transformers.__version__}: {len(results)} of its {len(types)} causal-LM types tried.", ""]
+    older = sorted({r["transformers"] for r in results.values() if "transformers" in r})
+    carried = sum(1 for r in results.values() if "transformers" in r)
+    lines = [f"transformers {transformers.__version__}: {len(results)} of its {len(types)} causal-LM types tried"
+             + (f"; {carried} of them not yet under {transformers.__version__}: their rows carry the results of "
+                f"transformers {', '.join(older)}, marked in the table." if carried else "."), ""]
     lines += ["| layout | " + " | ".join(KINDS) + " |", "|---|" + "---|" * len(KINDS)]
     lines += [f"| {HEADERS[layout]} | " + " | ".join(str(c[layout][k]) for k in KINDS) + " |" for layout in LAYOUTS]
     planned = [t for t in results if _plan_of(t) == "HF"]
@@ -77,7 +81,8 @@ def table_text(results: dict[str, dict[str, str]], types: list[str]) -> str:
     for model_type in types:
         if model_type in results:
             outcomes = results[model_type]
-            rows.append(f"| `{model_type}` | {_plan_of(model_type)} | "
+            old = f" ({outcomes['transformers']})" if "transformers" in outcomes else ""
+            rows.append(f"| `{model_type}`{old} | {_plan_of(model_type)} | "
                         + " | ".join(cell(outcomes.get(layout)) for layout in LAYOUTS) + " |")
     rows += [""] + [f"{n}. {reason}" for reason, n in notes.items()]
     return "\n".join(rows)

@@ -25,6 +25,10 @@ _DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden
               num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 _WINDOW = 4  # < the 8 tokens of a micro-batch, > its 3 padded ones (no query without a key)
 
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=16,
+            n_shared_experts=1)
+
 # spec -> (config overrides, attention implementation); a spec is a model type or one of VARIANTS
 SPECS: dict[str, tuple[dict, str]] = {
     "gemma": (dict(head_dim=8), "sdpa"),  # sqrt(hidden) normalizer inside the embedding
@@ -49,6 +53,11 @@ SPECS: dict[str, tuple[dict, str]] = {
                        shared_expert_intermediate_size=24, decoder_sparse_step=1), "sdpa"),
     "qwen3_moe": (dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        decoder_sparse_step=1), "sdpa"),
+    # multi-head latent attention (q and kv compressed to a rank, a rotary slice shared by every
+    # head) with routed and shared experts after a dense first layer. DeepSeek V3's plan splits
+    # only the MLPs; DeepSeek V2's also the attention, through kv_a_proj_with_mqa's 'mla_kv_a_proj'.
+    "deepseek_v3": (dict(_MLA, first_k_dense_replace=1), "eager"),
+    "deepseek_v2": (dict(_MLA, first_k_dense_replace=1), "eager"),
     # families whose configs carry no plans: zero3d's records (models/families.py)
     "falcon": (dict(num_kv_heads=4, multi_query=False, new_decoder_architecture=False, parallel_attn=True,
                     ffn_hidden_size=48), "sdpa"),  # classic layout [heads, (q, k, v), head_dim]
@@ -67,7 +76,7 @@ SPECS: dict[str, tuple[dict, str]] = {
     "stablelm_qk": (dict(qk_layernorm=True, use_parallel_residual=True), "sdpa"),  # a LayerNorm per head
 }
 
-_MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
+_MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"}
 
 
 # specs that are another layout of a family

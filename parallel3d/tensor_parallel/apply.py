@@ -145,6 +145,20 @@ def _check_embedding(model: nn.Module) -> None:
                           "embedding would drop")
 
 
+def _check_head(model: nn.Module) -> None:
+    """Refuse an lm head the vocabulary-parallel one would not reproduce: a Linear subclass with
+    parameters besides its weight and bias or a forward of its own (Dory's learned per-token
+    logit scale)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear):
+        return
+    extra = [n for n, _ in head.named_parameters() if n not in ("weight", "bias")]
+    if extra or type(head).forward is not nn.Linear.forward:
+        what = f"holds parameters besides its weight and bias ({', '.join(extra)})" if extra else "has a forward of its own"
+        raise ConfigError(f"{type(model).__name__}: its lm head {type(head).__name__} {what}, which the "
+                          "vocabulary-parallel head would not reproduce")
+
+
 def _check_row_outputs(model: nn.Module, plan: ModelTPPlan) -> None:
     """Refuse a row layer of a head-splitting attention whose output is not the model's width.
 
@@ -211,6 +225,9 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
                     module, group, input_comm="none" if parent in regions else "copy",
                     gather_output=layer.gather_output, packed=layer.packed, replicas=kv_layers.get(name, 1))
             else:
+                if sp and parent not in regions:
+                    raise ConfigError(f"sequence parallelism: row-parallel {name} splits a replicated input outside a "
+                                      "module that tensor parallelism enters, so its sequence is never gathered")
                 new = RowParallelLinear(module, group, split_input=layer.split_input, packed=layer.packed,
                                         output_comm="reduce_scatter_seq" if sp else "all_reduce")
                 rows.append(new)
@@ -305,6 +322,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     _check_intermediate(model, world)
     _check_row_outputs(model, plan)
     _check_embedding(model)
+    _check_head(model)
     check_logit_transforms(model)
     kv_layers = dict.fromkeys(kv_projections(model, plan, layout), layout.kv_replicas) if layout else {}
     left_behind = find_left_behind(model, plan, layout, world)

@@ -62,19 +62,47 @@ def head_layout(model: nn.Module, plan: ModelTPPlan, world: int) -> HeadLayout |
     """
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cls = type(model).__name__
-    heads = getattr(cfg, "num_attention_heads", None)
+    heads = _global(cfg, "num_attention_heads")
     if not plan.heads_sharded or not isinstance(heads, int):
         return None
-    kv = next((v for v in (getattr(cfg, a, None) for a in KV_COUNT_ATTRS) if isinstance(v, int) and v), heads)
+    kv = next((v for v in (_global(cfg, a) for a in KV_COUNT_ATTRS) if isinstance(v, int) and v), heads)
+    for layer_heads, layer_kv in {(heads, kv), *_per_layer_heads(cfg, heads, kv)}:
+        _check_split(cls, world, layer_heads, layer_kv, varying=(layer_heads, layer_kv) != (heads, kv))
+    head_dim = _global(cfg, "head_dim") or cfg.hidden_size // heads
+    return HeadLayout(heads=heads, kv_heads=kv, head_dim=head_dim, world=world)
+
+
+def _global(cfg: Any, key: str) -> Any:
+    """The config's global value of ``key``; transformers refuses to read an attribute that its
+    heterogeneous configs (``per_layer_config``) set per layer, so it is read past that check."""
+    raw = getattr(cfg, "_getattr_without_heterogeneous_validation", None)
+    return raw(key, None) if raw is not None else getattr(cfg, key, None)
+
+
+def _per_layer_heads(cfg: Any, heads: int, kv: int) -> set[tuple[int, int]]:
+    """(query heads, kv heads) of every layer whose config overrides them (dots3's layers)."""
+    varying = set(getattr(cfg, "per_layer_attributes", None) or ()) & {"num_attention_heads", *KV_COUNT_ATTRS}
+    if not varying:
+        return set()
+    out = set()
+    for layer in cfg.per_layer_config:
+        layer_heads = _global(layer, "num_attention_heads") or heads
+        out.add((layer_heads, next((v for v in (_global(layer, a) for a in KV_COUNT_ATTRS) if v), layer_heads)))
+    return out
+
+
+def _check_split(cls: str, world: int, heads: int, kv: int, varying: bool) -> None:
+    where = " in the layers whose per_layer_config sets them" if varying else ""
     if heads % world:
-        raise ConfigError(f"tensor_parallel.size={world} must divide num_attention_heads={heads} of {cls} "
+        raise ConfigError(f"tensor_parallel.size={world} must divide num_attention_heads={heads} of {cls}{where} "
                           f"(each rank holds whole heads)")
     if kv % world and world % kv:
-        raise ConfigError(f"tensor_parallel.size={world} must divide num_key_value_heads={kv} of {cls} or be a "
+        raise ConfigError(f"tensor_parallel.size={world} must divide num_key_value_heads={kv} of {cls}{where} or be a "
                           f"multiple of it (num_attention_heads={heads}; each rank holds whole key/value heads, "
                           f"replicated when the tp size exceeds their count)")
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return HeadLayout(heads=heads, kv_heads=kv, head_dim=head_dim, world=world)
+    if varying and kv < world:
+        raise ConfigError(f"{cls}: tensor_parallel.size={world} exceeds num_key_value_heads={kv} in the layers whose "
+                          "per_layer_config sets it; replicated key/value heads need one kv-head count in every layer")
 
 
 def kv_projections(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout) -> set[str]:
@@ -106,24 +134,26 @@ def kv_projections(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout) -> s
 def localize_head_counts(module: nn.Module, attrs: tuple[str, ...], layout: HeadLayout | None, world: int) -> None:
     """Make an attention module's head-count attributes per-rank (``attrs``: those it has).
 
-    Query-head counts become H/T, kv-head counts K/T (1 when replicated), the group size
-    ``num_key_value_groups`` their ratio (K read from the module's own group size); any other
-    listed attribute (GPT-2's ``split_size``, ``embed_dim``) is divided by T.
+    Every listed count (query heads, kv heads, GPT-2's ``split_size``, ``embed_dim``) is the
+    module's own divided by T, a kv-head count below T becomes 1 (replicated); the group size
+    ``num_key_value_groups`` their ratio (K read from the module's own group size), so layers
+    with their own head counts keep them.
     """
+    own_heads = next((v for v in (getattr(module, a, None) for a in Q_COUNT_ATTRS) if isinstance(v, int)), None)
     for attr in attrs:
-        if layout is not None and attr in Q_COUNT_ATTRS:
-            value = layout.local_heads
-        elif layout is not None and attr in KV_COUNT_ATTRS:
-            value = layout.local_kv_heads
+        value = getattr(module, attr)
+        if layout is not None and attr in KV_COUNT_ATTRS and value < world:
+            value = 1  # a replicated kv head
         else:
-            value = getattr(module, attr) // world
+            value //= world
         setattr(module, attr, value)
     groups = getattr(module, "num_key_value_groups", None)
     if layout is not None and isinstance(groups, int) and groups:
-        # this module's own kv-head count, which may differ from the config's (MiMo-V2-Flash
-        # doubles it in its sliding-window layers)
-        kv = layout.heads // groups
-        module.num_key_value_groups = layout.local_heads // (kv // layout.world if kv >= layout.world else 1)
+        # this module's own counts, which may differ from the config's (MiMo-V2-Flash doubles its
+        # kv heads in its sliding-window layers; dots3 sets head counts per layer)
+        heads = own_heads or layout.heads
+        kv = heads // groups
+        module.num_key_value_groups = (heads // world) // (kv // world if kv >= world else 1)
 
 
 def _narrow_heads(value: Any, layout: str, heads: int, start: int, count: int) -> Any:

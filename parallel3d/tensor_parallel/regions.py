@@ -17,6 +17,14 @@ the replicas drift apart. Each such parameter gets one of three treatments:
 - **split it along the heads**: a parameter whose leading dim is the query- or kv-head count
   and that is per head (shape [heads] or [heads, head_dim]); kv-head ones follow the kv
   replication (``heads.py``);
+- **sum its gradient over tp, upstream of the split**: a Linear or norm whose output width is
+  the input width of one of the region's split column layers, other than the hidden size
+  (multi-head latent attention: DeepSeek's ``q_a_proj``, ``q_a_layernorm``, ``kv_a_layernorm``
+  compress the hidden states to a rank that ``q_b_proj``/``kv_b_proj`` expand into split heads).
+  It computes on replicated activations, so its forward is exact; the gradient reaching it is
+  this rank's heads' share until the region's entry sums it, and a parameter's gradient is
+  linear in that share, so the sum over tp is the whole. The hidden size is left out because a
+  module of that width may sit after the row layer, where the gradient is already whole;
 - **refuse the model**, naming the parameter: anything else (a weight over all features, a
   matrix), whose correct handling cannot be read from shapes.
 
@@ -34,6 +42,7 @@ from torch import nn
 from models.tp_plans import ModelTPPlan
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.heads import HeadLayout
+from parallel3d.tensor_parallel.layers import _linear_parts
 from parallel3d.tensor_parallel.sharding import ShardSpec, make_spec
 
 
@@ -60,9 +69,21 @@ def _is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)) or "Norm" in type(module).__name__
 
 
-def _treatment(param: nn.Parameter, owner: nn.Module, layout: HeadLayout | None, world: int) -> str | ShardSpec | None:
-    """"sum", the ShardSpec to split with, or None (refuse); see the module docstring."""
-    if param.numel() == 1:
+def _out_width(module: nn.Module) -> int | None:
+    """The output features of a Linear or a norm (its weight's size), else None."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    weight = getattr(module, "weight", None)
+    if _is_norm(module) and isinstance(weight, nn.Parameter) and weight.dim() == 1:
+        return weight.shape[0]
+    return None
+
+
+def _treatment(param: nn.Parameter, owner: nn.Module, layout: HeadLayout | None, world: int,
+               upstream: set[int] = frozenset()) -> str | ShardSpec | None:
+    """"sum", the ShardSpec to split with, or None (refuse); see the module docstring. ``upstream``:
+    the input widths of the region's split columns (the hidden size left out)."""
+    if param.numel() == 1 or _out_width(owner) in upstream:
         return "sum"
     if layout is None:
         return None
@@ -80,21 +101,25 @@ def _treatment(param: nn.Parameter, owner: nn.Module, layout: HeadLayout | None,
 def find_left_behind(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout | None, world: int) -> LeftBehind:
     """Classify every parameter of a split region that no planned layer owns; refuse what cannot be handled."""
     found = LeftBehind()
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for region, columns in sorted(split_regions(plan).items()):
         module = model.get_submodule(region)
+        upstream = {model.get_submodule(c).weight.shape[1 - _linear_parts(model.get_submodule(c))[2]] for c in columns}
+        upstream.discard(getattr(cfg, "hidden_size", None))
         for local, param in module.named_parameters():
             name = f"{region}.{local}"
             owner_name = name.rpartition(".")[0]
             if owner_name in plan.layers and owner_name != region:  # a parallel layer, or a module the plan names
                 continue
             owner = model.get_submodule(owner_name)
-            treatment = _treatment(param, owner, layout if region in plan.attention_modules else None, world)
+            treatment = _treatment(param, owner, layout if region in plan.attention_modules else None, world, upstream)
             if treatment is None:
                 raise ConfigError(
                     f"{type(model).__name__}: parameter {name} (shape {list(param.shape)}, in {type(owner).__name__}) "
                     f"acts on the activations that tensor parallelism splits between {columns} and the row layer of "
                     f"{region}, and neither its plan entry nor its shape says how to split it; zero3d handles "
-                    f"scalars, per-head-dim norms and per-head parameters there (shape [heads] or [heads, head_dim])")
+                    f"scalars, per-head-dim norms, per-head parameters (shape [heads] or [heads, head_dim]) and Linears "
+                    f"or norms feeding a split column there")
             if treatment == "sum":
                 found.summed.add(name)
             else:
