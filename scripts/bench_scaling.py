@@ -99,18 +99,23 @@ def ratios(results: list[dict], nproc: int) -> list[dict]:
             continue
         spec = next(r["spec"] for r in results if r["model"] == name)
         per_batch = {s: stats[s]["median_s"] / BATCHES[s](nproc) for s in stats}
+        cpu = {s: stats[s]["cpu_s"] / BATCHES[s](nproc) for s in stats}
         rows.append({"model": name, "params": stats["ddp"]["params"], "tokens": spec["micro"] * spec["seq"],
                      "ddp_s": stats["ddp"]["median_s"],
-                     **{s: per_batch[s] / per_batch["ddp"] for s in STAGES if s in stats}})
+                     **{s: per_batch[s] / per_batch["ddp"] for s in STAGES if s in stats},
+                     "cpu": {s: cpu[s] / cpu["ddp"] for s in STAGES if s in stats}})
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
+def print_table(rows: list[dict], cpu: bool = False) -> None:
+    """Wall-clock ratios, or (``cpu``) the same per token in the busiest rank's CPU seconds, which a
+    loaded machine inflates less (but which leave out waits: the pipeline's bubble, a collective's)."""
     fmt = "{:<8} {:>9} {:>7} {:>8}" + " {:>7}" * len(STAGES)
     print(fmt.format("model", "params M", "tokens", "DDP s", *LABELS.values()))
     for r in rows:
+        ratio = r["cpu"] if cpu else r
         print(fmt.format(r["model"], f"{r['params'] / 1e6:.1f}", r["tokens"], f"{r['ddp_s']:.3f}",
-                         *(f"{r[s]:.3f}" if s in r else "-" for s in STAGES)))
+                         *(f"{ratio[s]:.3f}" if s in ratio else "-" for s in STAGES)))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -149,6 +154,8 @@ def main(argv=None) -> None:
     print(f"\n{args.nproc} ranks, fp32 AdamW, time per token over DDP's (median step of {args.rounds} round(s)); "
           f"load average {os.getloadavg()[0]:.2f} at the end")
     print_table(rows)
+    print("\nthe same in CPU seconds per token over DDP's (busiest rank)")
+    print_table(rows, cpu=True)
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}")

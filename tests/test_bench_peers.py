@@ -56,10 +56,11 @@ def test_scaling_benchmark_runs_end_to_end(tmp_path, capsys):
     import bench_scaling
 
     bench_scaling.main(["--models", "T", "--seqs", "16", "--plot", str(tmp_path / "scaling.png")])
-    table = capsys.readouterr().out.split("time per token over DDP's")[1]
-    rows = [line.split() for line in table.strip().splitlines() if line.startswith("T@")]
-    assert [r[0] for r in rows] == ["T@16"]
-    assert all(len(r) == 9 and float(x) > 0 for r in rows for x in r[4:]), rows
+    wall, cpu = capsys.readouterr().out.split("time per token over DDP's")[1].split("CPU seconds per token")
+    for table in (wall, cpu):
+        rows = [line.split() for line in table.strip().splitlines() if line.startswith("T@")]
+        assert [r[0] for r in rows] == ["T@16"]
+        assert all(len(r) == 9 and float(x) > 0 for r in rows for x in r[4:]), rows
     assert (tmp_path / "scaling.png").stat().st_size > 1000
     for bad in (["--models", "Q"], ["--seqs", "x"], ["--nproc", "3"]):
         with pytest.raises(SystemExit):
