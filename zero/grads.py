@@ -10,9 +10,9 @@ dropped, and a full unit is reduce-scattered into the shard on every micro-batch
 Buffers live for one step: a unit's buffer is made (zeroed) at its first gradient of the step
 (or its reduction) and every buffer is dropped after the step, so between steps and through
 the forward, while activations pile up, a rank holds no gradients (FSDP2 and torch's
-``zero_grad(set_to_none=True)`` behave the same). Stages 0-1 make a unit's buffer from a hook
-that runs before autograd accumulates the unit's first gradient, and point the ``.grad`` of
-its params at their views, so autograd adds into the buffer in place.
+``zero_grad(set_to_none=True)`` behave the same). Stages 0-1 move a unit's first gradient into
+its new buffer and point the ``.grad`` of its params at their views, so autograd adds the rest
+of the step's gradients into the buffer in place.
 
 Units are reduced in one fixed *launch order*, the same on every rank: a unit's collective
 starts once its last gradient has arrived *and* every unit before it in that order has
@@ -108,25 +108,11 @@ class GradientReducer:
         self._handles: list = []
         # received[ui][pi]: param pi of unit ui got a gradient in this accumulation window
         self.received = [[False] * len(u.params) for u in self.units]
-        self._has_buffer = [False] * len(self.units)  # the unit's gradient buffer exists this step
         self.used = False  # some backward has run: memory_report() counts gradient buffers from then on
         for ui, unit in enumerate(self.units):
             for pi, p in enumerate(unit.params):
                 self._unit_index[p] = (ui, pi)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
-                if self.accumulate_full:
-                    self._handles.append(p.register_hook(self._before_accumulate(ui)))
-
-    def _before_accumulate(self, ui: int) -> Callable[[torch.Tensor], None]:
-        """A hook that runs before autograd accumulates a gradient of unit ``ui``'s param: the
-        unit's buffer is made first, so autograd adds into its ``.grad`` view in place, as into
-        a buffer kept across steps (no copy of the unit's first gradient)."""
-
-        def hook(grad: torch.Tensor) -> None:
-            if self._accepting and not self._has_buffer[ui]:
-                self._ensure_unit(ui)
-
-        return hook
 
     def ensure_buffers(self) -> None:
         """Allocate every unit's gradient buffer (zeroed) that does not exist yet."""
@@ -141,10 +127,10 @@ class GradientReducer:
         drops torch's gradients: between steps, and through the forward with its activations, a
         rank holds no gradients. A model that has just been started holds none either.
         """
-        if self._has_buffer[ui]:
-            return
-        self._has_buffer[ui] = self.used = True
         unit = self.units[ui]
+        if unit.grad_shard is not None:
+            return
+        self.used = True
         if self.accumulate_full:
             unit.grad_full = torch.zeros(unit.padded, dtype=unit.dtype, device=unit.device)
             unit.grad_shard = unit.grad_full[slice(*unit.shard_range)]
@@ -154,7 +140,8 @@ class GradientReducer:
 
     def _install_unit_views(self, unit: FlatUnit) -> None:
         """Point the unit's ``.grad`` at its buffer; a gradient a param already holds outside it
-        (one whose hook has not run yet: DeepSpeed's ``ds_grad_is_ready = False`` parts) moves in."""
+        (the one whose arrival made the buffer, or one whose hook has not run yet: DeepSpeed's
+        ``ds_grad_is_ready = False`` parts) moves in."""
         for p, view in zip(unit.params, unit.views(unit.grad_full)):
             self._views[p] = view
             if p.grad is view:
@@ -169,8 +156,8 @@ class GradientReducer:
         (stage 3 calls it once it has gathered units for a pipelined step)."""
         if not self.accumulate_full:
             return
-        for ui, unit in enumerate(self.units):
-            if self._has_buffer[ui]:
+        for unit in self.units:
+            if unit.grad_full is not None:
                 self._install_unit_views(unit)
 
     def release_buffers(self) -> None:
@@ -182,7 +169,6 @@ class GradientReducer:
         self._views = {}
         for unit in self.units:
             unit.grad_full = unit.grad_shard = None
-        self._has_buffer = [False] * len(self.units)
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -267,7 +253,7 @@ class GradientReducer:
                 "which its TiledMLP follows), or compute the gradient in one backward")
         self._arrived.add(p)
         if self.accumulate_full:
-            self._ensure_unit(ui)  # made by _before_accumulate unless a hook there was skipped
+            self._ensure_unit(ui)  # the unit's first gradient of the step moves into its new buffer
             view = self._views[p]
             if p.grad is not view:  # a param gathered since the views were installed
                 view.add_(p.grad.reshape(view.shape))
@@ -386,8 +372,8 @@ class GradientReducer:
 
     def zero_grad(self) -> None:
         """Zero the buffers that exist and keep them (``zero_grad(set_to_none=False)``)."""
-        for ui, unit in enumerate(self.units):
-            if self._has_buffer[ui]:
+        for unit in self.units:
+            if unit.grad_shard is not None:
                 (unit.grad_full if self.accumulate_full else unit.grad_shard).zero_()
         for p, view in self._views.items():
             p.grad = view if p.data.numel() else None
