@@ -12,20 +12,27 @@ def fetch_unit_modules(model: nn.Module) -> list[nn.Module]:
 
     HF models name their block class in ``_no_split_modules`` (``LlamaDecoderLayer``,
     ``GPT2Block``...), unless their family record names it (:mod:`models.families`); those are
-    the ZeRO-3 fetch units. A model without either gets no blocks, and ZeRO-3 then gathers all
-    of its parameters as one root unit. A named module holding a parameter that a module outside
-    it also uses (BERT's embeddings, tied to the head) is no block: released after its forward,
-    it would be missing at the other use; it stays with the root units.
+    the ZeRO-3 fetch units. A model that names none (BERT-style and encoder-decoder families,
+    plain ``nn.Module`` s) gets the members of its ``nn.ModuleList`` s of one class (the layers
+    it loops over); a model without those gets no blocks. A named module holding a parameter
+    that a module outside it also uses (BERT's embeddings, tied to the head) is no block:
+    released after its forward, it would be missing at the other use; it stays with the root
+    units. So does everything outside the blocks: a module whose forward its parent runs past
+    the module hooks (ProphetNet calls ``position_embeddings._forward``) is then gathered.
     """
     names = family_record(getattr(model, "config", None)).block_names(model)
+    if names:
+        candidates = [m for m in model.modules() if type(m).__name__ in names]
+    else:
+        candidates = [m for m in model.modules() if _is_layer_list(m) for m in m]
     users: dict[int, set[int]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             users.setdefault(id(p), set()).add(id(module))
     blocks: list[nn.Module] = []
     inside: set[int] = set()
-    for module in model.modules():
-        if id(module) in inside or type(module).__name__ not in names:
+    for module in candidates:
+        if id(module) in inside:
             continue
         members = {id(m) for m in module.modules()}
         if any(users[id(p)] - members for p in module.parameters()):
@@ -33,6 +40,12 @@ def fetch_unit_modules(model: nn.Module) -> list[nn.Module]:
         blocks.append(module)
         inside |= members
     return blocks
+
+
+def _is_layer_list(module: nn.Module) -> bool:
+    """A ModuleList of two or more modules of one class, each holding parameters: a model's layers."""
+    return (isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1
+            and all(next(m.parameters(), None) is not None for m in module))
 
 
 def tied_parameter_names(model: nn.Module) -> dict[str, str]:

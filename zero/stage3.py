@@ -266,6 +266,10 @@ class ParamFetcher:
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(hook)
+                    if t._is_view() and t._base.grad_fn is not None:
+                        # An in-place op on a view output (``x = linear(x3d); x += y``) moves the view
+                        # to a new graph node and drops its hook; the base's node stays in the graph.
+                        t._base.register_hook(hook)
         return output
 
     def _pre_backward(self, mi: int, grad: torch.Tensor) -> None:
