@@ -9,6 +9,7 @@ come back. Errors on loading are checked by their messages.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -240,9 +241,13 @@ def _damage(ckpt_dir: str, how: str) -> str:
     before = engine.full_parameters()
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
+        if how.startswith("format1"):
+            _as_format_1(Path(ckpt_dir, tag))
         file = Path(ckpt_dir, tag, "__1_0.distcp")
         data = bytearray(file.read_bytes())
-        if how == "flipped":
+        if how == "format1":
+            pass
+        elif how.endswith("flipped"):
             for i in range(len(data) // 2, len(data) // 2 + 64):
                 data[i] ^= 0x5A
             file.write_bytes(bytes(data))
@@ -256,9 +261,29 @@ def _damage(ckpt_dir: str, how: str) -> str:
     return message if all(torch.equal(before[n], after[n]) for n in before) else "state changed: " + message
 
 
-@pytest.mark.parametrize("how", ["flipped", "truncated", "missing"])
+def _as_format_1(tag_dir: Path) -> None:
+    """Rewrite a checkpoint's dcp.json as format /1 wrote it: a CRC-32 per chunk."""
+    import zlib
+
+    path = tag_dir / "dcp.json"
+    doc = json.loads(path.read_text())
+    doc["format"] = "zero3d-dcp-json/1"
+    for tensor in doc["tensors"].values():
+        for c in tensor["chunks"]:
+            with open(tag_dir / c["file"], "rb") as f:
+                f.seek(c["offset"])
+                c["crc32"] = zlib.crc32(f.read(c["length"]))
+            del c["xxh3_64"]
+    path.write_text(json.dumps(doc))
+
+
+def test_a_format_1_checkpoint_loads(dist, tmp_path):
+    assert dist.run(DP, _damage, str(tmp_path), "format1", timeout=120) == ["no error"] * DP
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated", "missing", "format1_flipped"])
 def test_a_damaged_file_stops_every_rank_before_anything_changes(dist, tmp_path, how):
     for msg in dist.run(DP, _damage, str(tmp_path), how, timeout=120):
-        what = {"flipped": "altered", "truncated": "truncated", "missing": "missing"}[how]
+        what = {"truncated": "truncated", "missing": "missing"}.get(how, "altered")
         assert msg.startswith(f"CorruptCheckpointError: checkpoint file {tmp_path}/global_step1/__1_0.distcp is "
                               f"damaged ({what})"), msg
