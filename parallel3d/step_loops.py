@@ -104,6 +104,10 @@ class PipelineLoop:
             sum_tied_grads=False,  # done in train(), on what ZeRO holds
             record=config.pipeline.record_timeline,
         )
+        reap = engine.optimizer.reap_reductions
+        for chunk in pipe.chunks:  # the hooks live as long as the model's blocks
+            for block in chunk.layers:
+                block.register_forward_pre_hook(lambda *_: reap())
 
     def _begin_pass(self, pass_: BackwardPass) -> None:
         if pass_.accumulates_weights:

@@ -29,8 +29,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 transformers.logging.set_verbosity_error()
 
 # 25 MB of fp32 = DDP's default bucket_cap_mb; every runner with a bucket knob gets this size.
-BUCKET_MB = 25
-BUCKET_NUMEL = BUCKET_MB * 2**20 // 4  # 6_553_600 elements
+BUCKET_MB = float(os.environ.get("ZERO3D_BENCH_BUCKET_MB", "25"))  # bench_zero.py --bucket-mb
+BUCKET_NUMEL = int(BUCKET_MB * 2**20 // 4)  # 6_553_600 elements at 25 MB
 PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's default stage3_param_persistence_threshold
 MAX_LIVE = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters
 ADAMW = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -52,6 +52,8 @@ def parse_args(argv=None):
     ap.add_argument("--nproc", type=int, help="ranks per runner (default: torchrun's world size, else 2)")
     ap.add_argument("--json", help="also write every run's raw result (one JSON line each) here")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds before a runner job is killed")
+    ap.add_argument("--bucket-mb", type=float, help="reduce/gather bucket size of every runner in MB (default 25; "
+                                                    "ZeRO-2's gradients in flight are a few buckets)")
     ap.add_argument("--runner", help=argparse.SUPPRESS)  # internal: run one runner (under torchrun)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -174,7 +176,8 @@ def print_header(args, r0: dict, wall_s: float, load0: float) -> None:
           f"{spec['seq']} tokens per rank, dp {r0['world']}, fp32 AdamW, clip 1.0; {len(r0['step_s'])} timed "
           f"steps x {args.rounds} rounds per runner{how}; {wall_s:.0f}s wall")
     print(f"load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end; {os.cpu_count()} CPUs; "
-          f"torch {r0['torch']}; MALLOC_MMAP_THRESHOLD_={malloc}")
+          f"torch {r0['torch']}; MALLOC_MMAP_THRESHOLD_={malloc}; buckets "
+          f"{os.environ.get('ZERO3D_BENCH_BUCKET_MB', '25')} MB")
     print("median s: over all timed steps of all rounds (slowest rank per step); min s: fastest such step; "
           "cpu s: median CPU seconds of the busiest rank per step")
     print("peak MiB: VmHWM of the whole process (setup included); train MiB: VmHWM over the training "
@@ -222,6 +225,8 @@ def main() -> None:
         run(args.runner.split(","), args.model, args.steps or spec.steps,
             spec.warmup if args.warmup is None else args.warmup, args.out)
     elif int(os.environ.get("RANK", 0)) == 0:
+        if args.bucket_mb is not None:  # read by bench_runners in every runner job
+            os.environ["ZERO3D_BENCH_BUCKET_MB"] = str(args.bucket_mb)
         drive(args)
     # Other torchrun ranks of the driver have nothing to do.
 

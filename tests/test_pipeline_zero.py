@@ -105,6 +105,42 @@ def test_stage3_gathers_blocks_per_use_inside_pipelines(dist, schedule, extra, m
         assert blocks == 4 and 1 <= gathered <= most, gathered
 
 
+def _pending_at_block_forwards() -> tuple[list[int], list[int]]:
+    """ZeRO-2 under 1F1B: the reductions still pending when each block's forward starts, before
+    and after the engine's reap hook, once every one of them has completed on the wire."""
+    import parallel3d
+
+    config = ds_config(2, GAS, DP, reduce_bucket_size=3000, overlap_comm=True)
+    config["pipeline"] = {"stages": PP, "schedule": "1f1b"}
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama", num_hidden_layers=4), config=config)
+    reducer = engine.optimizer.reducer
+    before, after = [], []
+
+    def complete_on_the_wire(*_):  # runs first: the collectives finish, their buffers stay held
+        for work, _ in reducer._pending:
+            for w in getattr(work, "works", [work] if work is not None else []):
+                w.wait()
+        before.append(len(reducer._pending))
+
+    for chunk in engine.loop.pipe.chunks:
+        for block in chunk.layers:
+            block.register_forward_pre_hook(complete_on_the_wire, prepend=True)
+            block.register_forward_pre_hook(lambda *_: after.append(len(reducer._pending)))
+    data_iter = iter(rank_micro_batches(token_batches(2, GAS, DP), engine.mesh.local_rank("dp")))
+    for _ in range(2):
+        engine.train_batch(data_iter)
+    return before, after
+
+
+def test_finished_reductions_are_freed_before_the_next_forward(dist):
+    """The last units a backward pass launches (the embedding's, on the first stage) are not kept
+    alive through the next forward once their collective is done."""
+    results = dist.run(PP * DP, _pending_at_block_forwards)
+    assert any(max(before) > 0 for before, _ in results)  # a pass left reductions in flight
+    for _, after in results:
+        assert after and max(after) == 0, after
+
+
 def _forward_under_pipeline():
     import parallel3d
 

@@ -28,6 +28,10 @@ class Pending:
         self.works = works
         self.then = then
 
+    def is_completed(self) -> bool:
+        """Whether every collective has finished (``wait`` would not block)."""
+        return all(work.is_completed() for work in self.works)
+
     def wait(self) -> None:
         for work in self.works:
             work.wait()

@@ -351,6 +351,13 @@ class GradientReducer:
             if finish is not None:
                 finish()
 
+    def reap(self) -> None:
+        """Finish the oldest reductions that have completed, without waiting for the others: their
+        staging buffers (the gradients themselves, for a unit of one large parameter) are freed
+        now rather than at the next backward's launches."""
+        while self._pending and (self._pending[0][0] is None or self._pending[0][0].is_completed()):
+            self._drain(keep=len(self._pending) - 1)
+
     def finish_backward(self, wait: bool = True) -> None:
         """After backward: reduce units whose params got no gradient, then (``wait``) wait for all."""
         self._open = self._accepting = False

@@ -322,6 +322,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     # -- pipelines (``settings.pipelined``): the schedule's passes, in this order ----------
     #   begin_window()                                   once per step (or per evaluation)
     #   begin_pass(chunk, last) / end_pass()             around every weight-accumulating backward pass
+    #   reap_reductions()                                before each block's forward (frees finished reductions;
+    #                                                    begin_pass does too)
     #   begin_input_pass(chunk) / release_blocks(chunk)  around an input-gradient-only pass (zb_h1's B);
     #   gather_blocks_of(params)                         in its W, before each group of weight gradients
     #   tied_gradients(params) -> summed across stages    after the schedule's last pass
@@ -349,6 +351,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         reduced during and after its ``last`` pass of the step only.
         """
         units = [ui for ui in self._chunk_units.get(chunk, ()) if ui not in self._held_units]
+        self.reducer.reap()
         self.reducer.start_backward(boundary=last, units=units)
 
     def gather_blocks_of(self, params: Sequence[nn.Parameter]) -> None:
@@ -371,6 +374,13 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     def end_pass(self) -> None:
         """The pass has ended: launch the chunk's units that got no gradient (zeros), without waiting."""
         self.reducer.finish_backward(wait=False)
+
+    def reap_reductions(self) -> None:
+        """Between passes (before each block's forward): free the buffers of the reductions that
+        have finished. The last units a pass launched (on the first stage the embedding, whose
+        gradient is its own staging buffer) would otherwise stay alive through the next forward,
+        at the step's activation peak, until the next backward launches its units."""
+        self.reducer.reap()
 
     def tied_gradients(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
         """What to sum across a tied param's stages: its full gradient while it is still held for
