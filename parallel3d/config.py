@@ -45,7 +45,8 @@ IGNORED_KEYS: dict[str, str] = {
     "timers": "only configures DeepSpeed's throughput timer logging",
     "zero_allow_untested_optimizer": "only permits optimizers DeepSpeed has not tested with ZeRO; "
                                      "Zero3D runs any torch.optim optimizer",
-    "zero_force_ds_cpu_optimizer": "only matters with offload_optimizer, which Zero3D refuses",
+    "zero_force_ds_cpu_optimizer": "only makes DeepSpeed insist on its own CPU Adam under offload_optimizer; "
+                                   "Zero3D steps any torch.optim optimizer on the offloaded shards",
 }
 """Top-level DeepSpeed keys accepted with any value and ignored, with the reason."""
 
