@@ -175,3 +175,12 @@ def test_checkpoint_round_trip_with_offload(dist, tmp_path, stage, offload_a, of
     for losses_a, losses_b, same, devices in dist.run(DP, resume, stage, str(tmp_path), offload_a, offload_b):
         assert losses_b == losses_a and same
         assert devices == ["cpu"]
+
+
+@pytest.mark.parametrize("stage,offload", [(2, OPTIMIZER), (3, BOTH)], ids=["z2-optimizer", "z3-both"])
+def test_offload_under_pipeline_stages(dist, stage, offload):
+    """pp 2 x dp 2 with GPT-2's tied embedding (its gradient summed across stages before the step)."""
+    from tests.test_pipeline_zero import DP as PIPE_DP, PP, assert_stages_match, oracle_dp, train_pipeline
+
+    results = dist.run(PP * PIPE_DP, train_pipeline, "gpt2", stage, "1f1b", {}, offload)
+    assert_stages_match(results, *oracle_dp("gpt2", PIPE_DP))

@@ -585,8 +585,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         gradient of a step to the end of the step (none between steps or through the forward;
         ``zero_grad``). Optimizer states count from the first step.
 
-        Under fp32 the master shard *is* the working shard (one tensor), so ``master_params``
-        is 0 there: its bytes are already counted in ``params``.
+        Under fp32 the master shard *is* the working shard (one tensor, while both are in the
+        same memory), so ``master_params`` is 0 there: its bytes are already counted in ``params``.
 
         The four keys of ``zero.sizing.CATEGORIES`` are bytes on the compute device. With
         ZeRO-Offload the offloaded bytes are counted under ``zero.sizing.HOST_CATEGORIES``
