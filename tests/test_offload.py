@@ -7,8 +7,8 @@ copies the reduced gradient shards into host fp32 buffers and steps there, and t
 masters are copied back into the working shards. So the tests below fail if a copy is missing
 or lands in the wrong place:
 
-* parity with the single-process fp32 oracle at stages 1-3 (clipping on), and at stage 3 with
-  the parameter shards offloaded too;
+* parity with the single-process fp32 oracle at stages 1-3 (clipping on), at stage 3 with the
+  parameter shards offloaded too, and under pipeline stages (pp 2 x dp 2, a tied embedding);
 * under bf16 and fp16 (dynamic loss scaling, overflowing steps), the offloaded run equals the
   run without offload exactly: the same skipped steps, loss scales, gradient norms and params
   (the norm, clipping and overflow check work on exact fp32 copies of the same gradients);
