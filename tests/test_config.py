@@ -251,6 +251,9 @@ BAD_CONFIGS = [
     ({**MB, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, 1,
      'zero_optimization.offload_param with device "cpu" needs ZeRO stage 3 (parameters are sharded only there), '
      'got stage 2; set zero_optimization.stage to 3, or use offload_optimizer at stages 1-2'),
+    ({**MB, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, 1,
+     'zero_optimization.offload_param with device "cpu" needs at least 2 data-parallel ranks: with one, ZeRO stage 3 '
+     "keeps every parameter whole on the device (nothing is sharded, so nothing would be offloaded)"),
     ({**MB, "zero_optimization": {"stage": 1, "cpu_offload_param": True}}, 1,
      'zero_optimization.offload_param with device "cpu" needs ZeRO stage 3'),
     ({**MB, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, 1,
@@ -416,6 +419,6 @@ def test_offload_blocks_read_as_deepspeed_reads_them(section):
                 for k, v in block.model_dump().items()}
 
     theirs = DeepSpeedZeroConfig(**section)
-    ours = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": section}, 1).zero_optimization
+    ours = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": section}, 2).zero_optimization
     assert fields(ours.offload_optimizer) == fields(theirs.offload_optimizer)
     assert fields(ours.offload_param) == fields(theirs.offload_param)
