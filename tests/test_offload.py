@@ -8,7 +8,8 @@ masters are copied back into the working shards. So the tests below fail if a co
 or lands in the wrong place:
 
 * parity with the single-process fp32 oracle at stages 1-3 (clipping on), at stage 3 with the
-  parameter shards offloaded too, and under pipeline stages (pp 2 x dp 2, a tied embedding);
+  parameter shards offloaded too, under pipeline stages (pp 2 x dp 2, a tied embedding) and
+  under tensor parallelism (tp 2 x dp 2);
 * under bf16 and fp16 (dynamic loss scaling, overflowing steps), the offloaded run equals the
   run without offload exactly: the same skipped steps, loss scales, gradient norms and params
   (the norm, clipping and overflow check work on exact fp32 copies of the same gradients);
@@ -184,3 +185,16 @@ def test_offload_under_pipeline_stages(dist, stage, offload):
 
     results = dist.run(PP * PIPE_DP, train_pipeline, "gpt2", stage, "1f1b", {}, offload)
     assert_stages_match(results, *oracle_dp("gpt2", PIPE_DP))
+
+
+def test_offload_under_tensor_parallelism(dist):
+    """tp 2 x dp 2, stage 3, both offloads: the norm's model-parallel sum runs on the host's squares."""
+    from tests.test_tp_zero import DP as TP_DP, TP
+    from tests.test_tp_zero import oracle as tp_oracle
+    from tests.test_tp_zero import train_tp
+
+    want_losses, want_params = tp_oracle("llama")
+    for losses, params, _ in dist.run(TP * TP_DP, train_tp, "llama", 3, False, BOTH):
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        err, name = max_rel_param_error(params, want_params)
+        assert err < RTOL, f"{name} differs by {err:.2e}"
