@@ -16,7 +16,8 @@ or lands in the wrong place:
 * the optimizer states live on the CPU, in host tensors apart from the working shards, and
   ``memory_report()`` counts them (and the masters, the host gradient buffers and offloaded
   parameter shards) as host memory;
-* a checkpoint written with offload resumes bit-identically, with or without offload.
+* a checkpoint written with offload resumes bit-identically, with or without offload;
+* a model built on the meta device trains bit-identically to the eager one with offload.
 
 The physical copies between an accelerator and pinned host memory (``pin_memory``, the
 non-blocking copies, ``zero.comm.gather_shards`` copying a host shard into its device chunk)
@@ -198,3 +199,24 @@ def test_offload_under_tensor_parallelism(dist):
         assert losses == pytest.approx(want_losses, rel=RTOL)
         err, name = max_rel_param_error(params, want_params)
         assert err < RTOL, f"{name} differs by {err:.2e}"
+
+
+def _meta_vs_eager() -> bool:
+    """Stage 3 with both offloads, from a model built on the meta device and from the same model built
+    eagerly: ZeRO fills the buffers from the meta model's initializers before offload moves them."""
+    import parallel3d
+    from tests.test_meta_init import _eager, _meta
+
+    params = []
+    for build in (_eager, _meta):
+        engine, *_ = parallel3d.initialize(model=build("llama"), config=_config(3, "bf16", BOTH))
+        data = iter(rank_micro_batches(token_batches(2, GAS, DP), torch.distributed.get_rank()))
+        for _ in range(2):
+            engine.train_batch(data)
+        params.append(engine.full_parameters())
+        engine.destroy()
+    return all(torch.equal(params[1][n], value) for n, value in params[0].items())
+
+
+def test_offload_from_a_meta_model(dist):
+    assert all(dist.run(DP, _meta_vs_eager))
