@@ -19,13 +19,14 @@ from torch import nn
 
 from models import fetch_unit_modules
 from parallel3d.config import Zero3DConfig
-from parallel3d.config_sections import PipelineConfig, TensorParallelConfig
+from parallel3d.config_sections import PipelineConfig, TensorParallelConfig, ZeroConfig
 from parallel3d.mesh import Mesh3D
 from parallel3d.meta_init import value_provider
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
 from parallel3d.tensor_parallel.apply import sequence_segment_hooks
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
+from zero.offload import OffloadSettings
 from zero.partition import parameter_leaves
 
 
@@ -118,6 +119,7 @@ def apply_zero(
         keep_full_gradients=cfg.pipeline.keep_full_gradients,
         check_overflow=not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow),
         gradient_sum=cfg.gradient_allreduce_op == "sum",
+        offload=_offload_settings(z),
     )
     return ZeroOptimizer(
         groups,
@@ -136,6 +138,13 @@ def apply_zero(
         chunk_of={p: ci for ci, chunk in enumerate(pipe.chunks) for p in chunk.parameters()} if pipe else None,
         isolated_params=[t.param for t in pipe.tied] if pipe else (),
     )
+
+
+def _offload_settings(z: ZeroConfig) -> OffloadSettings:
+    """``offload_optimizer`` / ``offload_param`` with device cpu, as ZeRO's settings."""
+    return OffloadSettings(optimizer=z.offloads_optimizer, params=z.offloads_params,
+                           pin_optimizer=z.offload_optimizer is None or z.offload_optimizer.pin_memory,
+                           pin_params=z.offload_param is None or z.offload_param.pin_memory)
 
 
 def _cast_buffers(model: nn.Module, name: str | None) -> None:

@@ -45,7 +45,8 @@ IGNORED_KEYS: dict[str, str] = {
     "timers": "only configures DeepSpeed's throughput timer logging",
     "zero_allow_untested_optimizer": "only permits optimizers DeepSpeed has not tested with ZeRO; "
                                      "Zero3D runs any torch.optim optimizer",
-    "zero_force_ds_cpu_optimizer": "only matters with offload_optimizer, which Zero3D refuses",
+    "zero_force_ds_cpu_optimizer": "only makes DeepSpeed insist on its own CPU Adam under offload_optimizer; "
+                                   "Zero3D steps any torch.optim optimizer on the offloaded shards",
 }
 """Top-level DeepSpeed keys accepted with any value and ignored, with the reason."""
 
@@ -187,6 +188,11 @@ class Zero3DConfig(Section):
                               f"pipeline.stages {pp} = {tp * pp}")
         given = self._given_batch or tuple(getattr(self, key) for key in BATCH_KEYS)
         batch = resolve_batch_sizes(*given, data_parallel_size=world_size // (tp * pp))
+        if self.zero_optimization.offloads_params and world_size // (tp * pp) == 1:
+            raise ConfigError('zero_optimization.offload_param with device "cpu" needs at least 2 data-parallel '
+                              "ranks: with one, ZeRO stage 3 keeps every parameter whole on the device (nothing is "
+                              "sharded, so nothing would be offloaded); run more data-parallel ranks, or remove the "
+                              "key (offload_optimizer works with one)")
         resolved = self.model_copy(update=dict(zip(BATCH_KEYS, batch)))
         resolved._world_size, resolved._given_batch = world_size, given
         return resolved

@@ -181,16 +181,136 @@ class DataTypesConfig(Section):
     (a rotary inv_freq stays fp32 under bf16), DeepSpeed's default."""
 
 
-_OFFLOAD_KEYS = {"offload_optimizer": "optimizer states and fp32 master weights", "offload_param": "parameters",
-                 "cpu_offload": "optimizer states and fp32 master weights",  # DeepSpeed's deprecated spellings
-                 "cpu_offload_param": "parameters"}
+# --- ZeRO-Offload: DeepSpeed's deepspeed/runtime/zero/offload_config.py, CPU only --------------
+# Keys that only tune DeepSpeed's NVMe swapping or its CPU Adam are accepted with DeepSpeed's
+# bounds and change nothing (each says so); keys that change what is offloaded are refused.
+
+_OFFLOAD_DEVICES = ("none", "cpu")
+_DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
+"""DeepSpeed's deprecated boolean spellings -> the block they stand for."""
+
+
+def _offload_device(value: Any) -> Any:
+    if value == "nvme":
+        raise rule('is not supported: Zero3D offloads to CPU memory only (no NVMe, DeepSpeed\'s ZeRO-Infinity); '
+                   'allowed: "none", "cpu"')
+    if value not in _OFFLOAD_DEVICES:
+        raise rule('is not an offload device; allowed: "none", "cpu"')
+    return value
+
+
+class OffloadParamConfig(Section):
+    """`zero_optimization.offload_param`: stage 3 keeps each rank's parameter shards in CPU memory
+    and copies a shard to the compute device just before its all-gather."""
+
+    device: str = "none"
+    """"cpu" offloads the parameter shards; "none" keeps them on the compute device."""
+    pin_memory: bool = True
+    """Page-locked host memory (fast, asynchronous copies); only where an accelerator exists."""
+    nvme_path: Optional[str] = None
+    """DeepSpeed's NVMe swap path: read, no effect (Zero3D does not offload to NVMe)."""
+    buffer_count: NonNegInt = 5
+    """DeepSpeed's NVMe buffer pool size: read, no effect."""
+    buffer_size: NonNegInt = 100_000_000
+    """DeepSpeed's NVMe buffer size in elements: read, no effect."""
+    max_in_cpu: NonNegInt = 1_000_000_000
+    """DeepSpeed's elements kept in CPU memory under NVMe offload: read, no effect."""
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_allowed(cls, value: Any) -> Any:
+        return _offload_device(value)
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+class OffloadOptimizerConfig(Section):
+    """`zero_optimization.offload_optimizer`: the fp32 master shard and the optimizer states live in
+    CPU memory and the optimizer steps there (ZeRO-Offload)."""
+
+    device: str = "none"
+    """"cpu" offloads master weights and optimizer states; "none" keeps them on the compute device."""
+    pin_memory: bool = True
+    """Page-locked host memory (fast, asynchronous copies); only where an accelerator exists."""
+    nvme_path: Optional[str] = None
+    """DeepSpeed's NVMe swap path: read, no effect (Zero3D does not offload to NVMe)."""
+    buffer_count: NonNegInt = 4
+    """DeepSpeed's NVMe buffer pool size: read, no effect."""
+    pipeline_read: bool = False
+    """DeepSpeed's NVMe read pipelining: read, no effect."""
+    pipeline_write: bool = False
+    """DeepSpeed's NVMe write pipelining: read, no effect."""
+    fast_init: bool = False
+    """DeepSpeed's fast NVMe optimizer initialization: read, no effect."""
+    ratio: Annotated[float, BeforeValidator(_to_float), Field(ge=0.0, le=1.0)] = 1.0
+    """Share of the optimizer states offloaded; Zero3D offloads all of them (only 1.0 is allowed)."""
+    super_offload: bool = False
+    """DeepSpeed's SuperOffload for Superchips: not implemented (only false is allowed)."""
+    cpuadam_cores_perc: Annotated[float, BeforeValidator(_to_float), Field(ge=0.0, le=1.0)] = 0.8
+    """Share of CPU cores DeepSpeed's SuperOffload CPU Adam uses: read, no effect."""
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_allowed(cls, value: Any) -> Any:
+        return _offload_device(value)
+
+    @field_validator("ratio", mode="after")
+    @classmethod
+    def _whole(cls, ratio: float) -> float:
+        if ratio != 1.0:
+            raise rule("is not supported: Zero3D offloads all optimizer states and master weights, not a share "
+                       "of them (DeepSpeed's partial offload); allowed: 1.0")
+        return ratio
+
+    @field_validator("super_offload", mode="after")
+    @classmethod
+    def _no_super_offload(cls, value: bool) -> bool:
+        if value:
+            raise rule("is not supported: Zero3D does not implement DeepSpeed's SuperOffload; allowed: false")
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.device == "cpu"
+
+
+def normalize_offload_keys(data: dict) -> dict:
+    """`zero_optimization` with the deprecated spellings turned into their blocks (DeepSpeed's rules)."""
+    data = dict(data)
+    pin = data.pop("cpu_offload_use_pin_memory", None)  # DeepSpeed does not carry it over either
+    if pin is not None and not isinstance(pin, bool):
+        raise key_rule("cpu_offload_use_pin_memory", f"must be true or false, got {show(pin)}")
+    for old, new in _DEPRECATED_OFFLOAD.items():
+        value = data.pop(old, None)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise key_rule(old, f"must be true or false, got {show(value)}")
+        if new in data:
+            raise key_rule(old, f"is DeepSpeed's deprecated spelling of {new}; give only {new}")
+        if value:
+            data[new] = {"device": "cpu"}
+    return data
+
+
+def check_offload_stage(stage: int, optimizer: Optional[OffloadOptimizerConfig],
+                        param: Optional[OffloadParamConfig]) -> None:
+    """DeepSpeed's stage rules: optimizer offload at stages 1-3, parameter offload at stage 3."""
+    if optimizer is not None and optimizer.enabled and stage == 0:
+        raise problem('zero_optimization.offload_optimizer with device "cpu" needs ZeRO stage 1, 2 or 3 '
+                      "(stage 0 shards no optimizer state); set zero_optimization.stage or remove the key")
+    if param is not None and param.enabled and stage != 3:
+        raise problem(f'zero_optimization.offload_param with device "cpu" needs ZeRO stage 3 (parameters are '
+                      f"sharded only there), got stage {stage}; set zero_optimization.stage to 3, or use "
+                      "offload_optimizer at stages 1-2")
 
 
 class ZeroConfig(Section):
     """`zero_optimization`: which states are sharded over the data-parallel group, and how."""
 
     ds_unimplemented = {
-        "cpu_offload_use_pin_memory": False,
         "zenflow": None, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
         "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
         "mics_shard_size": NOT_SET, "mics_hierarchical_params_gather": NOT_SET, "zeropp_loco_param": NOT_SET,
@@ -240,27 +360,33 @@ class ZeroConfig(Section):
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Stage 3: gather full 16-bit weights when the model is saved."""
 
+    offload_optimizer: Optional[OffloadOptimizerConfig] = None
+    """Optimizer states and fp32 master weights in CPU memory, stepped there (ZeRO-Offload), stages 1-3."""
+    offload_param: Optional[OffloadParamConfig] = None
+    """Stage 3: each rank's parameter shards in CPU memory, copied to the device for each gather."""
+
     @classmethod
     def known_keys(cls) -> list[str]:
-        return [*super().known_keys(), *_OFFLOAD_KEYS]
+        return [*super().known_keys(), *_DEPRECATED_OFFLOAD, "cpu_offload_use_pin_memory"]
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_offload(cls, data: Any) -> Any:
-        """offload_optimizer / offload_param: accepted only while off (no device, or "none")."""
-        if not isinstance(data, dict):
-            return data
-        data = dict(data)
-        for key, what in _OFFLOAD_KEYS.items():
-            value = data.pop(key, None)
-            if value in (None, False) or (isinstance(value, dict) and value.get("device") in (None, "none")):
-                continue
-            device = value.get("device") if isinstance(value, dict) else "cpu" if value is True else value
-            raise key_rule(key, f"with device {show(device)}: Zero3D does not offload {what} yet; it keeps them "
-                           "on the accelerator, sharded over the data-parallel ranks. Remove the key (or set "
-                           'its device to "none"), and shard further instead: a higher ZeRO stage, more '
-                           "data-parallel ranks, tensor_parallel.size or pipeline.stages")
-        return data
+    def _deprecated_offload_keys(cls, data: Any) -> Any:
+        """DeepSpeed's `cpu_offload` / `cpu_offload_param` booleans, read as their blocks."""
+        return normalize_offload_keys(data) if isinstance(data, dict) else data
+
+    @model_validator(mode="after")
+    def _offload_stage(self) -> "ZeroConfig":
+        check_offload_stage(self.stage, self.offload_optimizer, self.offload_param)
+        return self
+
+    @property
+    def offloads_optimizer(self) -> bool:
+        return self.offload_optimizer is not None and self.offload_optimizer.enabled
+
+    @property
+    def offloads_params(self) -> bool:
+        return self.offload_param is not None and self.offload_param.enabled
 
     @field_validator("stage", mode="after")
     @classmethod

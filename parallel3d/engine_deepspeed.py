@@ -25,6 +25,7 @@ from parallel3d.errors import ConfigError
 
 if TYPE_CHECKING:
     from parallel3d.config import Zero3DConfig
+    from parallel3d.config_sections import OffloadOptimizerConfig, OffloadParamConfig
     from parallel3d.mesh import Mesh3D
     from zero import ZeroOptimizer
 
@@ -210,14 +211,26 @@ class DeepSpeedSurface:
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
 
-    def zero_offload_optimizer(self) -> None:
-        return None  # offload is refused by the config
+    def zero_offload_optimizer(self) -> OffloadOptimizerConfig | None:
+        """The `offload_optimizer` block (DeepSpeed's fields and values), None when absent."""
+        return self.config.zero_optimization.offload_optimizer
 
-    def zero_offload_param(self) -> None:
-        return None
+    def zero_offload_param(self) -> OffloadParamConfig | None:
+        """The `offload_param` block (DeepSpeed's fields and values), None when absent."""
+        return self.config.zero_optimization.offload_param
 
     def zero_cpu_offload(self) -> bool:
-        return False
+        """Whether the optimizer states are offloaded to the CPU."""
+        return self.config.zero_optimization.offloads_optimizer
+
+    def zero_use_cpu_optimizer(self) -> bool:
+        """Whether the optimizer steps on the CPU (offloaded optimizer states)."""
+        return self.config.zero_optimization.offloads_optimizer
+
+    def zero_partial_offload(self) -> float:
+        """The share of optimizer states offloaded (always all: 1.0)."""
+        offload = self.config.zero_optimization.offload_optimizer
+        return offload.ratio if offload is not None else 1.0
 
     # -- features Zero3D does not run (their DeepSpeed keys are refused unless off) --------------
 

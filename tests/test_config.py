@@ -239,11 +239,39 @@ BAD_CONFIGS = [
     ({**MB, "zero_optimization": {"stage": 2, "overlap_com": True}}, 1,
      "unknown config key 'zero_optimization.overlap_com'; did you mean 'zero_optimization.overlap_comm'?"),
     ({**MB, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, 1,
-     'zero_optimization.offload_optimizer with device "cpu": Zero3D does not offload optimizer states and fp32 master weights yet'),
+     'zero_optimization.offload_optimizer with device "cpu" needs ZeRO stage 1, 2 or 3 (stage 0 shards no optimizer '
+     'state); set zero_optimization.stage or remove the key'),
+    ({**MB, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}}, 1,
+     'zero_optimization.offload_optimizer.device: "nvme" is not supported: Zero3D offloads to CPU memory only (no '
+     'NVMe, DeepSpeed\'s ZeRO-Infinity); allowed: "none", "cpu"'),
     ({**MB, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, 1,
-     'zero_optimization.offload_param with device "nvme": Zero3D does not offload parameters yet'),
-    ({**MB, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 1,
-     'zero_optimization.cpu_offload with device "cpu": Zero3D does not offload optimizer states'),
+     'zero_optimization.offload_param.device: "nvme" is not supported: Zero3D offloads to CPU memory only'),
+    ({**MB, "zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}}, 1,
+     'zero_optimization.offload_param.device: "gpu" is not an offload device; allowed: "none", "cpu"'),
+    ({**MB, "zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, 1,
+     'zero_optimization.offload_param with device "cpu" needs ZeRO stage 3 (parameters are sharded only there), '
+     'got stage 2; set zero_optimization.stage to 3, or use offload_optimizer at stages 1-2'),
+    ({**MB, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, 1,
+     'zero_optimization.offload_param with device "cpu" needs at least 2 data-parallel ranks: with one, ZeRO stage 3 '
+     "keeps every parameter whole on the device (nothing is sharded, so nothing would be offloaded)"),
+    ({**MB, "zero_optimization": {"stage": 1, "cpu_offload_param": True}}, 1,
+     'zero_optimization.offload_param with device "cpu" needs ZeRO stage 3'),
+    ({**MB, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, 1,
+     "zero_optimization.offload_optimizer.ratio: 0.3 is not supported: Zero3D offloads all optimizer states and "
+     "master weights, not a share of them (DeepSpeed's partial offload); allowed: 1.0"),
+    ({**MB, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 2}}}, 1,
+     "zero_optimization.offload_optimizer.ratio: 2 must be <= 1.0"),
+    ({**MB, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}}, 1,
+     "zero_optimization.offload_optimizer.super_offload: true is not supported: Zero3D does not implement "
+     "DeepSpeed's SuperOffload; allowed: false"),
+    ({**MB, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memry": True}}}, 1,
+     "unknown config key 'zero_optimization.offload_optimizer.pin_memry'; did you mean "
+     "'zero_optimization.offload_optimizer.pin_memory'?"),
+    ({**MB, "zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}}, 1,
+     "zero_optimization.cpu_offload is DeepSpeed's deprecated spelling of offload_optimizer; give only "
+     "offload_optimizer"),
+    ({**MB, "zero_optimization": {"stage": 2, "cpu_offload": "yes"}}, 1,
+     'zero_optimization.cpu_offload must be true or false, got "yes"'),
     ({**MB, "data_types": {"param_dtype": "half"}}, 1,
      'data_types.param_dtype: "fp16" with fp32 working params: the working precision is chosen by fp16.enabled / '
      'bf16.enabled; leave it unset or set "fp32"'),
@@ -363,3 +391,34 @@ def test_sequence_parallel_with_pipeline_stages_loads():
               "tensor_parallel": {"size": 2, "sequence_parallel": True}}
     cfg = load_config(config, 4)
     assert cfg.pipeline.stages == 2 and cfg.tensor_parallel.sequence_parallel
+
+
+# --- ZeRO-Offload blocks: DeepSpeed's fields and values ---------------------------------------
+
+OFFLOAD_SECTIONS = [
+    {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": False, "buffer_count": 8, "fast_init": True,
+                                       "pipeline_read": True, "nvme_path": "/local_nvme"}},
+    {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.0}, "offload_param": {"device": "cpu",
+     "pin_memory": False, "buffer_count": 3, "buffer_size": 1e7, "max_in_cpu": 1e8}},
+    {"stage": 3, "offload_param": {"device": "none"}},
+    {"stage": 2, "cpu_offload": True, "cpu_offload_use_pin_memory": False},
+    {"stage": 3, "cpu_offload_param": True, "cpu_offload": False},
+]
+
+
+@pytest.mark.parametrize("section", OFFLOAD_SECTIONS, ids=range(len(OFFLOAD_SECTIONS)))
+def test_offload_blocks_read_as_deepspeed_reads_them(section):
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    def fields(block) -> dict | None:
+        if block is None:
+            return None
+        return {k: (v.value if hasattr(v, "value") else str(v) if k == "nvme_path" and v is not None else v)
+                for k, v in block.model_dump().items()}
+
+    theirs = DeepSpeedZeroConfig(**section)
+    ours = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": section}, 2).zero_optimization
+    assert fields(ours.offload_optimizer) == fields(theirs.offload_optimizer)
+    assert fields(ours.offload_param) == fields(theirs.offload_param)

@@ -13,10 +13,11 @@ STEPS, GAS, PP, DP = 5, 4, 2, 2
 RTOL = 1e-5
 
 
-def train_pipeline(kind: str, stage: int, schedule: str, extra: dict) -> tuple[list[float], dict]:
+def train_pipeline(kind: str, stage: int, schedule: str, extra: dict, zero: dict | None = None) -> tuple[list[float], dict]:
+    """``extra``: more of the config's ``pipeline`` section; ``zero``: more of ``zero_optimization``."""
     import parallel3d
 
-    config = ds_config(stage, GAS, DP, stage3_param_persistence_threshold=0, reduce_bucket_size=3000)
+    config = ds_config(stage, GAS, DP, stage3_param_persistence_threshold=0, reduce_bucket_size=3000, **(zero or {}))
     config["pipeline"] = {"stages": PP, "schedule": schedule, **extra}
     model = make_model(kind, num_hidden_layers=4) if kind == "llama" else make_model(kind, n_layer=4)
     engine, _, _, _ = parallel3d.initialize(model=model, config=config)

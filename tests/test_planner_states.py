@@ -32,8 +32,10 @@ LAYOUTS = {  # name: (world, model kind, model overrides, pp, tp, virtual stages
 CASES = [(name, stage, precision) for name in LAYOUTS for stage in (0, 1, 2, 3) for precision in ("bf16", "fp32")]
 
 
-def measure(name: str, cases: list[tuple[int, str]]) -> list[dict]:
-    """On every rank, for each (stage, precision): the report after one step and the prediction."""
+def measure(name: str, cases: list[tuple[int, str]], offload: dict | None = None) -> list[dict]:
+    """On every rank, for each (stage, precision): the report after one step and the prediction.
+
+    ``offload``: ZeRO-Offload's blocks for ``zero_optimization`` (offload_param at stage 3 only)."""
     import parallel3d
     from parallel3d.planner.inventory import ModelShapes
     from parallel3d.planner.states import ZeroSetup, model_state_bytes
@@ -46,6 +48,8 @@ def measure(name: str, cases: list[tuple[int, str]]) -> list[dict]:
         model = make_model(kind, **overrides)
         shapes = ModelShapes(model, tp)
         zero = {"reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 50}
+        offload_blocks = {k: v for k, v in (offload or {}).items() if stage == 3 or k != "offload_param"}
+        zero.update(offload_blocks)
         config = ds_config(stage, gas, dp, **zero)
         config["bf16"] = {"enabled": precision == "bf16"}
         config["tensor_parallel"] = {"size": tp}
@@ -58,7 +62,9 @@ def measure(name: str, cases: list[tuple[int, str]]) -> list[dict]:
         layout = shapes.stage_layout(pp, virtual) if pp > 1 else None
         params = shapes.rank_params(tp_rank=mesh.local_rank("tp"), pp=pp, pp_rank=mesh.local_rank("pp"),
                                     layout=layout, stage3=stage == 3)
-        setup = ZeroSetup(stage, dp, 2 if precision == "bf16" else 4, bucket_size=3000, persistence_threshold=50)
+        setup = ZeroSetup(stage, dp, 2 if precision == "bf16" else 4, bucket_size=3000, persistence_threshold=50,
+                          offload_optimizer="offload_optimizer" in offload_blocks,
+                          offload_params="offload_param" in offload_blocks)
         predicted = model_state_bytes(params, setup, dp_rank=mesh.local_rank("dp"), pipelined=pp > 1)
         held = sum(u.numel for u in engine.optimizer.units)  # stage 3 params are released between steps
         whole = [u for u in engine.optimizer.units if u.persistent]
@@ -116,3 +122,31 @@ def test_report_follows_zero_paper_for_held_params(dist, name, stage, precision)
         for key, value in want.items():
             lo, hi = bounds[key]
             assert lo <= got[key] - value <= hi, (rank, key, got[key], value, bounds[key])
+
+
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+OFFLOAD_CASES = [(stage, precision) for stage in (1, 2, 3) for precision in ("bf16", "fp32")]
+
+
+def test_prediction_equals_memory_report_with_offload(dist):
+    """ZeRO-Offload: the offloaded bytes move to the host categories, in the report and the prediction
+    alike; nothing is dropped (device + host = the bytes without offload, plus the host gradient copy
+    and, under fp32, the master that is no longer the working shard)."""
+    from zero.sizing import CATEGORIES, HOST_CATEGORIES
+
+    offloaded = dist.run(2, measure, "dp2", OFFLOAD_CASES, OFFLOAD)
+    plain = dist.run(2, measure, "dp2", OFFLOAD_CASES)
+    for rank, (with_offload, without) in enumerate(zip(offloaded, plain)):
+        for (stage, precision), m, base in zip(OFFLOAD_CASES, with_offload, without):
+            got = m["report"]
+            assert m["predicted"] == got, (rank, stage, precision, m["predicted"], got)
+            assert set(got) == set(CATEGORIES + HOST_CATEGORIES)
+            assert got["optimizer_states"] == got["master_params"] == 0
+            assert got["offloaded_optimizer_states"] == base["report"]["optimizer_states"] > 0
+            work = 2 if precision == "bf16" else 4
+            grads_host = got["offloaded_gradients"]
+            assert grads_host == 4 * base["report"]["gradients"] // work if stage >= 2 else grads_host > 0
+            if stage == 3:
+                assert got["offloaded_params"] > 0 and got["params"] + got["offloaded_params"] == base["report"]["params"]
+            else:
+                assert got["offloaded_params"] == 0 and got["params"] == base["report"]["params"]

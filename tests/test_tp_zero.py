@@ -13,10 +13,11 @@ STEPS, GAS, TP, DP = 5, 2, 2, 2
 RTOL = 1e-5
 
 
-def train_tp(kind: str, stage: int, sequence_parallel: bool) -> tuple[list[float], dict, dict]:
+def train_tp(kind: str, stage: int, sequence_parallel: bool, zero: dict | None = None) -> tuple[list[float], dict, dict]:
+    """``zero``: more of the config's ``zero_optimization``."""
     import parallel3d
 
-    config = ds_config(stage, GAS, DP, stage3_param_persistence_threshold=0, reduce_bucket_size=3000)
+    config = ds_config(stage, GAS, DP, stage3_param_persistence_threshold=0, reduce_bucket_size=3000, **(zero or {}))
     config["tensor_parallel"] = {"size": TP, "sequence_parallel": sequence_parallel}
     engine, _, _, _ = parallel3d.initialize(model=make_model(kind), config=config)
     dp_rank = engine.mesh.local_rank("dp")  # ranks of one tp group see the same data

@@ -66,7 +66,16 @@ def reduce_to_shard(full: torch.Tensor, shard: torch.Tensor, group: dist.Process
 
 
 def gather_shards(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None) -> Pending:
-    """Start filling ``full`` with every rank's ``shard`` in rank order (``shard`` may be a chunk of ``full``)."""
+    """Start filling ``full`` with every rank's ``shard`` in rank order (``shard`` may be a chunk of ``full``).
+
+    A ``shard`` in host memory (ZeRO-Offload) is first copied into this rank's chunk of ``full``,
+    which then serves as the collective's input: the gather needs no other device buffer.
+    """
+    if shard.device != full.device:
+        n = shard.numel()
+        own = full[dist.get_rank(group) * n : (dist.get_rank(group) + 1) * n]
+        own.copy_(shard, non_blocking=shard.is_pinned())
+        shard = own
     if not _gloo(group):
         return Pending([all_gather_single(full, shard, group=group, async_op=True)])
     rank, world, n = dist.get_rank(group), dist.get_world_size(group), shard.numel()

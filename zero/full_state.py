@@ -45,7 +45,7 @@ def locate(optimizer: ZeroOptimizer, param: nn.Parameter) -> tuple[FlatUnit, int
 def _assemble(optimizer: ZeroOptimizer, unit: FlatUnit, index: int, shard_values: torch.Tensor) -> torch.Tensor:
     """The param's whole value from each rank's shard-sized fp32 ``shard_values`` (a collective if sharded)."""
     if unit.world > 1:
-        full = shard_values.new_empty(unit.padded)
+        full = torch.empty(unit.padded, dtype=shard_values.dtype, device=unit.device)  # host shards: gathered on the device
         gather_shards(full, shard_values.contiguous(), optimizer.group).wait()
     else:
         full = shard_values

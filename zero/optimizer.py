@@ -25,7 +25,9 @@ from zero.comm import gather_shards
 from zero.flat import FlatUnit
 from zero.grads import GradientReducer
 from zero.loss_scaler import LossScaler
+from zero.offload import Offloader, OffloadSettings
 from zero.partition import UnitLayout, bucketed_layout, fetch_unit_layout
+from zero.sizing import HOST_CATEGORIES
 from zero.stage3 import ParamFetcher
 
 logger = logging.getLogger(__name__)
@@ -63,6 +65,8 @@ class ZeroSettings:
     ``bf16.check_grad_overflow`` turns it off for bf16)."""
     gradient_sum: bool = False
     """Step with the sum of the data-parallel ranks' gradients instead of their mean."""
+    offload: OffloadSettings = OffloadSettings()
+    """What lives in host memory (ZeRO-Offload; zero/offload.py)."""
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             raise ValueError("parameters on the meta device: give them storage-less tensors on the device first "
                              "(parallel3d.meta_init.detach_from_meta) and their values through initial_values")
         device = params[0][0].device
+        self._comm_device = device  # where collectives run (offloaded shards are on the host)
         self.layout = self._layout(params, list(fetch_modules), device)
         self.units = self.layout.units
         self._chunk_units: dict[int, list[int]] = {}  # pipeline chunk -> its units
@@ -203,6 +208,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self._install_values()
         else:
             self._install_given(initial_values)
+        self.offloader = Offloader(self.units, settings.offload) if settings.offload.enabled else None
         self.fetcher: ParamFetcher | None = None
         # pipelines: stage 3 holds every param gathered for the step, or only the root units
         self._hold_all = settings.pipelined and settings.keep_full_gradients
@@ -429,6 +435,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     def _master_grads(self) -> list[torch.Tensor]:
         """Each unit's reduced gradient shard in fp32 (the pieces' gradients are views of it)."""
         self.reducer.ensure_buffers()
+        if self.offloader is not None and self.settings.offload.optimizer:
+            return self.offloader.grads_to_host()
         return [u.grad_shard if u.grad_shard.dtype == torch.float32 else u.grad_shard.float() for u in self.units]
 
     def _received_anywhere(self) -> list[list[bool]]:
@@ -460,6 +468,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         if grads:
             per_unit = torch.stack(torch._foreach_norm(grads)).pow(2)
             squares = self._norm_weights.to(per_unit.device).t() @ per_unit
+        squares = squares.to(self._comm_device)  # offloaded gradients are summed on the host
         if self.settings.stage > 0 and self.dp_world > 1:
             dist.all_reduce(squares, group=self.group)
         if self.model_parallel_group is not None:
@@ -487,7 +496,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             overflow = check and not torch.isfinite(norm).item()
             if clip > 0 and not overflow:
                 coef = (clip / (norm + 1e-6)).clamp(max=1.0)
-                torch._foreach_mul_(grads, coef)
+                torch._foreach_mul_(grads, coef.to(grads[0].device) if grads else coef)
         self.loss_scaler.update(overflow)
         if overflow:
             self.skipped_steps += 1
@@ -570,7 +579,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         """Every trainable parameter, whole, in fp32 from the masters (a collective over dp)."""
         out: dict[nn.Parameter, torch.Tensor] = {}
         for unit in self.units:
-            full = unit.master.new_empty(unit.padded)
+            full = torch.empty(unit.padded, dtype=torch.float32, device=unit.device)
             if unit.world > 1:
                 gather_shards(full, unit.master.detach(), self.group).wait()
             else:
@@ -586,21 +595,34 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         gradient of a step to the end of the step (none between steps or through the forward;
         ``zero_grad``). Optimizer states count from the first step.
 
-        Under fp32 the master shard *is* the working shard (one tensor), so ``master_params``
-        is 0 there: its bytes are already counted in ``params``.
+        Under fp32 the master shard *is* the working shard (one tensor, while both are in the
+        same memory), so ``master_params`` is 0 there: its bytes are already counted in ``params``.
+
+        The four keys of ``zero.sizing.CATEGORIES`` are bytes on the compute device. With
+        ZeRO-Offload the offloaded bytes are counted under ``zero.sizing.HOST_CATEGORIES``
+        instead (host memory), by where the settings place them (on a CPU-only machine both
+        are the same memory).
         """
 
         def nbytes(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
 
-        report = {"params": 0, "gradients": self.reducer.buffer_bytes() if self.reducer.used else 0,
+        offload = self.settings.offload
+        used = self.reducer.used
+        report = {"params": 0, "gradients": self.reducer.buffer_bytes() if used else 0,
                   "master_params": 0, "optimizer_states": 0}
+        if offload.enabled:
+            report.update(dict.fromkeys(HOST_CATEGORIES, 0))
+            if offload.optimizer and used:
+                report["offloaded_gradients"] = sum(4 * u.shard_size for u in self.units)
         for unit in self.units:
-            report["params"] += nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
+            kept = nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
+            report["offloaded_params" if offload.params and not unit.persistent else "params"] += kept
             if unit.master is not unit.shard:
-                report["master_params"] += nbytes(unit.master)
+                report["offloaded_master_params" if offload.optimizer else "master_params"] += nbytes(unit.master)
+        states = "offloaded_optimizer_states" if offload.optimizer else "optimizer_states"
         for state in self.inner.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    report["optimizer_states"] += nbytes(value)
+                    report[states] += nbytes(value)
         return report

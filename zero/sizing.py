@@ -15,6 +15,13 @@ optimizer_states   per *piece* (a parameter's part of the shard, padding exclude
                    per element per elementwise state (Adam's m and v) plus 4 bytes per
                    scalar state (Adam's ``step``)
 =================  ======================================================================
+
+Those are bytes on the compute device. With ZeRO-Offload (zero/offload.py) the offloaded ones
+are counted instead under ``HOST_CATEGORIES``, bytes in host memory: ``offloaded_params`` (stage
+3's non-persistent shards under ``offload_param``), and under ``offload_optimizer``
+``offloaded_master_params`` (the fp32 shard, 0 where it is the offloaded working shard itself),
+``offloaded_optimizer_states`` and ``offloaded_gradients`` (the host fp32 copy of the gradient
+shard the optimizer steps with). The host keys appear only when something is offloaded.
 """
 
 from __future__ import annotations
@@ -27,6 +34,14 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 CATEGORIES = ("params", "gradients", "master_params", "optimizer_states")
+"""Model-state bytes on the compute device."""
+HOST_CATEGORIES = ("offloaded_params", "offloaded_gradients", "offloaded_master_params", "offloaded_optimizer_states")
+"""Model-state bytes in host memory (ZeRO-Offload)."""
+
+
+def device_bytes(report: dict[str, int]) -> int:
+    """The compute-device part of a ``memory_report`` (or of a prediction of one)."""
+    return sum(report.get(key, 0) for key in CATEGORIES)
 
 
 def padded_numel(numel: int, world: int) -> int:
@@ -138,18 +153,31 @@ def shard_pieces(numels: Sequence[int], lo: int, hi: int) -> list[int]:
 
 
 def unit_state_bytes(numels: Sequence[int], *, world: int, rank: int, persistent: bool, work_bytes: int,
-                     full_gradients: bool, optimizer: OptimizerStateShape) -> dict[str, int]:
+                     full_gradients: bool, optimizer: OptimizerStateShape, offload_optimizer: bool = False,
+                     offload_params: bool = False) -> dict[str, int]:
     """The bytes ``memory_report`` counts for one unit on dp rank ``rank`` after a step.
 
     ``numels``: the unit's parameter sizes in layout order; ``work_bytes``: bytes per element of
-    the working dtype (4 = fp32, whose master is the working shard itself).
+    the working dtype (4 = fp32, whose master is the working shard itself while both are in the
+    same memory). ``offload_optimizer`` / ``offload_params``: ZeRO-Offload's settings (the latter
+    moves only non-persistent stage-3 shards); offloaded bytes go to ``HOST_CATEGORIES``.
     """
     padded = padded_numel(sum(numels), world)
     shard = padded // world
     pieces = shard_pieces(numels, rank * shard, (rank + 1) * shard)
-    return {
-        "params": work_bytes * (padded if persistent else shard),
+    params_on_host = offload_params and not persistent
+    master = 0 if work_bytes == 4 and offload_optimizer == params_on_host else 4 * shard
+    states = 4 * (optimizer.elementwise * sum(pieces) + optimizer.scalars * len(pieces))
+    kept = work_bytes * (padded if persistent else shard)
+    out = {
+        "params": 0 if params_on_host else kept,
         "gradients": work_bytes * (padded if full_gradients else shard),
-        "master_params": 0 if work_bytes == 4 else 4 * shard,
-        "optimizer_states": 4 * (optimizer.elementwise * sum(pieces) + optimizer.scalars * len(pieces)),
+        "master_params": 0 if offload_optimizer else master,
+        "optimizer_states": 0 if offload_optimizer else states,
     }
+    if offload_optimizer or offload_params:
+        out.update(offloaded_params=kept if params_on_host else 0,
+                   offloaded_gradients=4 * shard if offload_optimizer else 0,
+                   offloaded_master_params=master if offload_optimizer else 0,
+                   offloaded_optimizer_states=states if offload_optimizer else 0)
+    return out

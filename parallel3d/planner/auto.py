@@ -96,7 +96,8 @@ def _workload(cfg, seq: int):
     return Workload(seq=seq, global_batch=cfg.train_batch_size, dtype=dtype, optimizer=optimizer,
                     bucket_size=z.reduce_bucket_size, persistence_threshold=z.stage3_param_persistence_threshold,
                     prefetch=z.stage3_prefetch_bucket_size, max_live=z.stage3_max_live_parameters,
-                    overlap_comm=z.overlap_comm, balance=cfg.pipeline.balance)
+                    overlap_comm=z.overlap_comm, balance=cfg.pipeline.balance,
+                    offload_optimizer=z.offloads_optimizer, offload_params=z.offloads_params)
 
 
 def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device) -> Any:

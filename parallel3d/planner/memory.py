@@ -3,7 +3,8 @@
 For one rank the planner adds, at every pass of its schedule table (``schedule_table``, with
 its sends and receives), what is alive then:
 
-* **model states**: ``states.model_state_bytes`` (exactly ``memory_report()``), the gradient
+* **model states**: ``states.model_state_bytes`` (exactly ``memory_report()``; what ZeRO-Offload
+  keeps in host memory is reported apart and not part of the device peak), the gradient
   buffers only from the step's first backward pass on: ``GradientReducer`` drops them after
   the step and makes a unit's full buffer (stages 0-1) at its first gradient, taken here whole
   from the start of that pass, or its reduced shard (stages 2-3) at its first reduction, taken
@@ -20,7 +21,8 @@ its sends and receives), what is alive then:
   most ``MAX_IN_FLIGHT`` launched plus the one filling), counted from the first parameter
   gradient of the backward on, when the first staging buffer is allocated;
 * **the optimizer step**: fp32 copies of the gradient shards (bf16/fp16) and the step's
-  temporaries (``torch.optim`` foreach: one master-sized tensor; per tensor on CPU: two of the largest).
+  temporaries (``torch.optim`` foreach: one master-sized tensor; per tensor on CPU: two of the largest);
+  none on the device when the optimizer is offloaded (it steps in host memory).
 
 The peak is the maximum over those moments and the step.
 """
@@ -37,7 +39,7 @@ from parallel3d.planner.inventory import RankParams
 from parallel3d.planner.profile import PassProfile
 from parallel3d.planner.states import ZeroSetup, full_gradients, model_state_bytes, padded, units
 from zero.grads import GradientReducer
-from zero.sizing import shard_pieces
+from zero.sizing import HOST_CATEGORIES, device_bytes, shard_pieces
 
 ChunkProfile = Callable[[int], PassProfile]  # chunk index on this rank -> its profile
 
@@ -56,7 +58,13 @@ class RankMemory:
 
     @property
     def model_states(self) -> int:
-        return sum(self.states.values())
+        """Model-state bytes on the device (offloaded ones are in ``host_states``)."""
+        return device_bytes(self.states)
+
+    @property
+    def host_states(self) -> int:
+        """Model-state bytes ZeRO-Offload keeps in host memory."""
+        return sum(self.states.get(key, 0) for key in HOST_CATEGORIES)
 
 
 def gathered(params: RankParams, zero: ZeroSetup, *, prefetch: int, max_live: int) -> tuple[int, int]:
@@ -95,7 +103,10 @@ def staging(params: RankParams, zero: ZeroSetup, *, pipelined: bool, overlap: bo
 
 
 def step_extra(params: RankParams, zero: ZeroSetup, *, foreach: bool) -> int:
-    """Bytes the optimizer step adds: fp32 gradient copies (mixed precision) and Adam's temporaries."""
+    """Bytes the optimizer step adds: fp32 gradient copies (mixed precision) and Adam's temporaries
+    (on the host, not the device, when the optimizer is offloaded)."""
+    if zero.offload_optimizer:
+        return 0
     plan = units(params, zero)
     fp32_grads = 0 if zero.work_bytes == 4 else 4 * sum(padded(u, zero) // zero.world for u in plan)
     rank = 0
@@ -112,7 +123,7 @@ def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_b
     """Walk one rank's actions (``table``: its list from ``schedule_table``; a single ``F0``/``B0`` pair
     per micro-batch without pipeline stages) and take the largest total. ``full_grads``: the
     gradients are full buffers (made at a unit's first gradient), else reduced shards."""
-    static = sum(states.values())
+    static = device_bytes(states)
     held, in_block = gathered_bytes
     best = RankMemory(static + step_bytes + (held if pipelined else 0), states, held if pipelined else 0, 0, 0,
                       step_bytes, "step")

@@ -79,6 +79,8 @@ class Workload:
     prefetch: int = 50_000_000
     max_live: int = 1_000_000_000
     overlap_comm: bool | None = None  # None: DeepSpeed's rule, on for stage 3 only
+    offload_optimizer: bool = False  # ZeRO-Offload of the optimizer (stages 1-3)
+    offload_params: bool = False  # ZeRO-Offload of stage 3's parameter shards
     balance: str = "parameters"
 
     @property
@@ -207,7 +209,8 @@ class Planner:
     def zero(self, layout: Layout) -> ZeroSetup:
         w = self.workload
         return ZeroSetup(layout.zero_stage, layout.dp, w.work_bytes, w.optimizer, w.bucket_size,
-                         w.persistence_threshold)
+                         w.persistence_threshold, offload_optimizer=w.offload_optimizer and layout.zero_stage >= 1,
+                         offload_params=w.offload_params and layout.zero_stage == 3)
 
     def check(self, layout: Layout) -> None:
         """ConfigError when the layout cannot run this workload (the rules initialize applies)."""

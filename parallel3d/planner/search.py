@@ -22,6 +22,7 @@ from parallel3d.pipeline.schedules import SCHEDULES
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.predict import Layout, Planner, Prediction
 from parallel3d.planner.states import model_state_bytes
+from zero.sizing import device_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +103,11 @@ def model_states_fit(planner: Planner, layout: Layout, hw: Hardware) -> bool:
     shapes = planner.shapes(layout.tp)
     zero = planner.zero(layout)
     if layout.pp == 1:
-        return sum(model_state_bytes(shapes.rank_params(stage3=layout.zero_stage == 3), zero).values()) <= hw.memory
+        return device_bytes(model_state_bytes(shapes.rank_params(stage3=layout.zero_stage == 3), zero)) <= hw.memory
     stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=planner.workload.balance)
     for rank in range(layout.pp):
         params = shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=layout.zero_stage == 3)
-        if sum(model_state_bytes(params, zero, pipelined=True).values()) > hw.memory:
+        if device_bytes(model_state_bytes(params, zero, pipelined=True)) > hw.memory:
             return False
     return True
 

@@ -40,6 +40,8 @@ class ZeroSetup:
     optimizer: OptimizerStateShape = OptimizerStateShape(2, 1)
     bucket_size: int = 500_000_000
     persistence_threshold: int = 100_000
+    offload_optimizer: bool = False  # ZeRO-Offload: masters, optimizer states, step's gradients on the host
+    offload_params: bool = False  # stage 3's non-persistent shards on the host
 
     @property
     def world(self) -> int:
@@ -56,16 +58,20 @@ def units(params: RankParams, zero: ZeroSetup) -> list[UnitPlan[Param]]:
 
 
 def model_state_bytes(params: RankParams, zero: ZeroSetup, *, dp_rank: int = 0, pipelined: bool = False) -> dict[str, int]:
-    """``memory_report()`` of the rank after a training step (gradients and optimizer states exist)."""
+    """``memory_report()`` of the rank after a training step (gradients and optimizer states exist).
+
+    Offloaded bytes are counted under ``HOST_CATEGORIES`` (host memory), as ``memory_report`` does.
+    """
     total = dict.fromkeys(CATEGORIES, 0)
     rank = 0 if zero.stage == 0 else dp_rank
     full = full_gradients(zero.stage, pipelined, dp=zero.dp)
     for unit in units(params, zero):
         got = unit_state_bytes([p.numel for p in unit.params], world=zero.world, rank=rank,
                                persistent=unit.persistent, work_bytes=zero.work_bytes, full_gradients=full,
-                               optimizer=zero.optimizer)
-        for key in CATEGORIES:
-            total[key] += got[key]
+                               optimizer=zero.optimizer, offload_optimizer=zero.offload_optimizer,
+                               offload_params=zero.offload_params)
+        for key, value in got.items():
+            total[key] = total.get(key, 0) + value
     return total
 
 
