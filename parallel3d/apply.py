@@ -120,6 +120,7 @@ def apply_zero(
         check_overflow=not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow),
         gradient_sum=cfg.gradient_allreduce_op == "sum",
         offload=_offload_settings(z),
+        ignore_unused_parameters=z.ignore_unused_parameters,
     )
     return ZeroOptimizer(
         groups,
@@ -137,6 +138,7 @@ def apply_zero(
         initial_values=values,
         chunk_of={p: ci for ci, chunk in enumerate(pipe.chunks) for p in chunk.parameters()} if pipe else None,
         isolated_params=[t.param for t in pipe.tied] if pipe else (),
+        param_names={p: n for n, p in (pipe.hf_named_parameters() if pipe else model.named_parameters())},
     )
 
 

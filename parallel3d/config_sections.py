@@ -315,7 +315,7 @@ class ZeroConfig(Section):
         "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
         "mics_shard_size": NOT_SET, "mics_hierarchical_params_gather": NOT_SET, "zeropp_loco_param": NOT_SET,
         "use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True, "load_from_fp32_weights": True,
-        "elastic_checkpoint": False, "ignore_unused_parameters": True, "legacy_stage1": False,
+        "elastic_checkpoint": False, "legacy_stage1": False,
         "parameter_alignment": False, "memory_efficient_linear": True, "pipeline_loading_checkpoint": False,
         "override_module_apply": True, "log_trace_cache_warnings": False, "enable_sanity_checks": False,
         "save_muon_momentum_buffer_in_memory": False, "leaf_module": NOT_SET,
@@ -335,6 +335,9 @@ class ZeroConfig(Section):
     """0: plain data parallel; 1: shard optimizer states; 2: + gradients; 3: + parameters."""
     overlap_comm: Optional[bool] = None
     """Reduce gradients while backward still runs. Unset means DeepSpeed's rule: on for stage 3."""
+    ignore_unused_parameters: bool = True
+    """False: a step stops with an error naming the parameters that got no gradient in the whole
+    accumulation window on every data-parallel rank (an AssertionError, as in DeepSpeed)."""
     contiguous_gradients: bool = True
     """Gradients are views into one flat buffer per group (no per-step copy)."""
     reduce_scatter: bool = True

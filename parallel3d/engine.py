@@ -82,6 +82,7 @@ class Engine(DeepSpeedSurface):
         self._step_applied = False  # whether the last optimizer step updated the parameters
         self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
         self._in_no_sync = False  # inside no_sync(): backward accumulates, reduces nothing
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
@@ -113,7 +114,27 @@ class Engine(DeepSpeedSurface):
         return output
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's manual accumulation boundary, which then replaces the micro-batch count.
+
+        While it is False, ``engine.backward`` may run any number of times with no
+        ``engine.step()`` between (gradients accumulate; stages 0-1 reduce nothing yet, stages
+        2-3 reduce into the shard as always), and a ``step()`` only counts a micro-batch. Set it
+        to True before the window's last backward: that backward reduces, and the next
+        ``step()`` steps the optimizer. It stays as set until set again.
+        """
+        self._per_micro_batch_call("set_gradient_accumulation_boundary()")
+        if not isinstance(is_boundary, bool):
+            raise ConfigError(f"set_gradient_accumulation_boundary(is_boundary={is_boundary!r}): expected True or False")
+        self._boundary_override = is_boundary
+
+    def _accumulating_by_hand(self) -> bool:
+        """Backward passes accumulate without a step between (no_sync, or a boundary set to False)."""
+        return self._in_no_sync or self._boundary_override is False
 
     def _reduces_now(self) -> bool:
         """Whether this micro-batch's backward reduces the window's gradients."""
@@ -149,7 +170,7 @@ class Engine(DeepSpeedSurface):
         DeepSpeed's gradient overflows). ``scale_wrt_gas=False`` skips the division.
         """
         self._per_micro_batch_call("backward")
-        if self._backward_pending and not self._in_no_sync:
+        if self._backward_pending and not self._accumulating_by_hand():
             raise UsageError("engine.backward() was called twice for one micro-batch; call engine.step() "
                              "after each engine.backward() (the loop is engine(batch) -> backward(loss) -> step())")
         if scale_wrt_gas:
@@ -158,7 +179,7 @@ class Engine(DeepSpeedSurface):
         self.optimizer.start_backward(self._reduces_now())
         (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
         self.optimizer.finish_backward()
-        self._backward_pending = not self._in_no_sync
+        self._backward_pending = not self._accumulating_by_hand()
         return loss
 
     @_explained
@@ -168,7 +189,7 @@ class Engine(DeepSpeedSurface):
         if self._in_no_sync:
             raise UsageError("engine.step() inside engine.no_sync(): leave the context and run the micro-batch's "
                              "last engine.backward(loss) outside it, then step")
-        if not self._backward_pending:
+        if not self._backward_pending and self._boundary_override is not False:
             raise UsageError("engine.step() without engine.backward(loss) for this micro-batch; the loop is "
                              "engine(batch) -> engine.backward(loss) -> engine.step()")
         self._backward_pending = False

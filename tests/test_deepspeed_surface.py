@@ -276,6 +276,87 @@ def allreduce_sum_mean_control(stage: int) -> dict:
     return engine.full_parameters()
 
 
+# --- set_gradient_accumulation_boundary ------------------------------------------------------------
+
+
+def manual_boundary_run(engine_kind: str, stage: int) -> dict:
+    """DeepSpeed's manual boundary: three backward passes per optimizer step at gas 1, the boundary
+    set before each (True for the last), one ``step()`` after them, two steps."""
+    config = ds_config(stage, 1, 2, clip=0.0, lr=1e-3)
+    batches = rank_micro_batches(token_batches(6, 1, 2), torch.distributed.get_rank())
+    model = make_model("llama")
+    if engine_kind == "deepspeed":
+        from tests.ds_oracle import deepspeed_full_params, make_engine
+
+        engine = make_engine(model, config, batches)
+    else:
+        import parallel3d
+
+        engine, *_ = parallel3d.initialize(model=model, config=config)
+    for s in range(2):
+        for i, batch in enumerate(batches[3 * s : 3 * s + 3]):
+            loss = engine(**batch).loss
+            engine.set_gradient_accumulation_boundary(i == 2)
+            engine.backward(loss)
+        engine.step()
+    counts = (engine.global_steps, engine.micro_steps)
+    params = deepspeed_full_params(engine) if engine_kind == "deepspeed" else engine.full_parameters()
+    return {"params": params, "counts": counts}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_manual_accumulation_boundary_matches_deepspeed(dist, stage):
+    ours = dist.run(2, manual_boundary_run, "zero3d", stage)
+    theirs = dist.run(2, manual_boundary_run, "deepspeed", stage)
+    for mine, ds in zip(ours, theirs):
+        assert mine["counts"] == ds["counts"] == (2, 2)
+        err, name = max_rel_param_error({n: mine["params"][n] for n in ds["params"]}, ds["params"])
+        assert err < 2e-6, f"{name} differs from DeepSpeed by {err:.2e}"
+
+
+# --- zero_optimization.ignore_unused_parameters -----------------------------------------------------
+
+
+class WithSpare(torch.nn.Module):
+    """``spare`` runs on the ranks listed in ``spare_on`` only."""
+
+    def __init__(self, spare_on: tuple[int, ...]) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(8, 8)
+        self.spare = torch.nn.Linear(8, 8)
+        self.spare_on = spare_on
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.used(x)
+        if torch.distributed.get_rank() in self.spare_on:
+            h = self.spare(h)
+        return h.square().mean()
+
+
+def unused_run(stage: int, ignore: bool, spare_on: tuple[int, ...]) -> str:
+    import parallel3d
+
+    torch.manual_seed(0)
+    config = ds_config(stage, 2, 2, ignore_unused_parameters=ignore)
+    engine, *_ = parallel3d.initialize(model=WithSpare(spare_on), config=config)
+    try:
+        for _ in range(2):
+            engine.backward(engine(torch.randn(4, 8)))
+            engine.step()
+    except AssertionError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"trained {engine.global_steps}"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_ignore_unused_parameters_false_names_them(dist, stage):
+    for msg in dist.run(2, unused_run, stage, False, ()):
+        assert msg.startswith("UnusedParametersError: 2 parameter(s) got no gradient in this accumulation window on "
+                              "any data-parallel rank: spare.weight, spare.bias"), msg
+    assert dist.run(2, unused_run, stage, False, (0,)) == ["trained 1"] * 2  # used on one rank: used
+    assert dist.run(2, unused_run, stage, True, ()) == ["trained 1"] * 2  # DeepSpeed's default
+
+
 # --- bf16.check_grad_overflow --------------------------------------------------------------------
 
 

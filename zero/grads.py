@@ -54,6 +54,28 @@ class GradientArrivalError(RuntimeError):
     the same backward, or outside the engine's forward and backward (``loss.backward()``)."""
 
 
+class UnusedParametersError(AssertionError):
+    """Parameters got no gradient in a whole accumulation window on every data-parallel rank,
+    with ``zero_optimization.ignore_unused_parameters: false`` (an AssertionError, as DeepSpeed
+    raises it)."""
+
+
+def unused_parameters(reducer: GradientReducer, group: dist.ProcessGroup | None) -> tuple[list[nn.Parameter], bool]:
+    """The parameters of ``reducer`` that got no gradient in this window on any rank of ``group``,
+    and whether any rank of the whole job has such parameters (every rank must raise together):
+    one all-reduce over ``group``, one over the world."""
+    device = reducer.units[0].device if reducer.units else None
+    seen = torch.tensor([int(flag) for unit in reducer.received for flag in unit], dtype=torch.int32, device=device)
+    if dist.is_initialized() and seen.numel():
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
+    params = [p for unit in reducer.units for p in unit.params]
+    unused = [p for p, got in zip(params, seen.tolist()) if not got]
+    anywhere = torch.tensor([int(bool(unused))], dtype=torch.int32, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    return unused, bool(anywhere.item())
+
+
 class GradientReducer:
     """Owns the gradient buffers of ``units`` and reduces them over ``group``.
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from zero.comm import gather_shards
 from zero.flat import FlatUnit
-from zero.grads import GradientReducer
+from zero.grads import GradientReducer, UnusedParametersError, unused_parameters
 from zero.loss_scaler import LossScaler
 from zero.offload import Offloader, OffloadSettings
 from zero.partition import UnitLayout, bucketed_layout, fetch_unit_layout
@@ -67,6 +67,9 @@ class ZeroSettings:
     """Step with the sum of the data-parallel ranks' gradients instead of their mean."""
     offload: OffloadSettings = OffloadSettings()
     """What lives in host memory (ZeRO-Offload; zero/offload.py)."""
+    ignore_unused_parameters: bool = True
+    """False: a step raises :class:`~zero.grads.UnusedParametersError` when a parameter got no
+    gradient in the whole window on every data-parallel rank (DeepSpeed's key of that name)."""
 
 
 @dataclass(frozen=True)
@@ -164,8 +167,10 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         initial_values: ValueProvider | None = None,
         chunk_of: Mapping[nn.Parameter, int] | None = None,
         isolated_params: Iterable[nn.Parameter] = (),
+        param_names: Mapping[nn.Parameter, str] | None = None,
     ) -> None:
         self.settings = settings
+        self.param_names = dict(param_names or {})  # for messages
         self.group = group
         self.dtype = dtype
         self.loss_scaler = loss_scaler or LossScaler()
@@ -483,6 +488,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
 
         Returns False when the step was skipped because the gradients overflowed.
         """
+        if not self.settings.ignore_unused_parameters:
+            self._refuse_unused_parameters()
         grads = self._master_grads()
         factor = (self.dp_world if self.settings.gradient_sum else 1) / self.loss_scaler.scale
         if factor != 1.0:
@@ -506,6 +513,22 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self.publish_params()
         self.zero_grad()
         return not overflow
+
+    def _refuse_unused_parameters(self) -> None:
+        unused, anywhere = unused_parameters(self.reducer, self.group)
+        if not anywhere:
+            return
+        if not unused:
+            raise UnusedParametersError("parameters of another rank got no gradient in this accumulation window "
+                                        "(see its error); zero_optimization.ignore_unused_parameters is false")
+        order = {p: i for i, p in enumerate(self.param_names)}  # the model's order
+        unused.sort(key=lambda p: order.get(p, len(order)))
+        names = [self.param_names.get(p, f"a parameter of shape {list(p.shape)}") for p in unused]
+        raise UnusedParametersError(
+            f"{len(names)} parameter(s) got no gradient in this accumulation window on any data-parallel rank: "
+            f"{', '.join(names[:5])}{', ...' if len(names) > 5 else ''}. zero_optimization.ignore_unused_parameters "
+            "is false, which asks for every parameter to be used; set it to true (DeepSpeed's default) to train "
+            "the model as it is, or set requires_grad=False on parameters the model does not use")
 
     def publish_params(self) -> None:
         """Copy updated masters into the working params; all-gather persistent shards."""
