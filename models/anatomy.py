@@ -24,7 +24,7 @@ def fetch_unit_modules(model: nn.Module) -> list[nn.Module]:
     if names:
         candidates = [m for m in model.modules() if type(m).__name__ in names]
     else:
-        candidates = [m for m in model.modules() if _is_layer_list(m) for m in m]
+        candidates = [layer for m in model.modules() if _is_layer_list(m) for layer in m]
     users: dict[int, set[int]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
