@@ -48,7 +48,7 @@ def _assemble(optimizer: ZeroOptimizer, unit: FlatUnit, index: int, shard_values
         full = torch.empty(unit.padded, dtype=shard_values.dtype, device=unit.device)  # host shards: gathered on the device
         gather_shards(full, shard_values.contiguous(), optimizer.group).wait()
     else:
-        full = shard_values
+        full = shard_values.to(unit.device)  # an offloaded shard: on the compute device, as with dp > 1
     off, n = unit.offsets[index], unit.numels[index]
     return full[off : off + n].clone().view(unit.shapes[index])
 

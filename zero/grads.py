@@ -60,11 +60,11 @@ class UnusedParametersError(AssertionError):
     raises it)."""
 
 
-def unused_parameters(reducer: GradientReducer, group: dist.ProcessGroup | None) -> tuple[list[nn.Parameter], bool]:
+def unused_parameters(reducer: GradientReducer, group: dist.ProcessGroup | None,
+                      device: torch.device) -> tuple[list[nn.Parameter], bool]:
     """The parameters of ``reducer`` that got no gradient in this window on any rank of ``group``,
     and whether any rank of the whole job has such parameters (every rank must raise together):
-    one all-reduce over ``group``, one over the world."""
-    device = reducer.units[0].device if reducer.units else None
+    one all-reduce over ``group``, one over the world (on ``device``, where collectives run)."""
     seen = torch.tensor([int(flag) for unit in reducer.received for flag in unit], dtype=torch.int32, device=device)
     if dist.is_initialized() and seen.numel():
         dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)

@@ -105,8 +105,11 @@ class Offloader:
         if self._host_grads is None:
             self._host_grads = [torch.empty(u.shard_size, dtype=torch.float32, device=HOST, pin_memory=self.pin)
                                 for u in self.units]
+        devices = set()
         for unit, host in zip(self.units, self._host_grads):
             host.copy_(unit.grad_shard, non_blocking=self.pin)
-        if self.pin and torch.accelerator.is_available():
-            torch.accelerator.synchronize()  # the non-blocking copies have landed before the CPU reads them
+            devices.add(unit.grad_shard.device)
+        for device in devices if self.pin else ():
+            if device.type != "cpu":  # the non-blocking copies have landed before the CPU reads them
+                torch.accelerator.synchronize(device)
         return self._host_grads

@@ -515,7 +515,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         return not overflow
 
     def _refuse_unused_parameters(self) -> None:
-        unused, anywhere = unused_parameters(self.reducer, self.group)
+        unused, anywhere = unused_parameters(self.reducer, self.group, self._comm_device)
         if not anywhere:
             return
         if not unused:

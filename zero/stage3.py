@@ -87,7 +87,8 @@ class ParamFetcher:
         self._hooks = []
         for mi, (module, _) in enumerate(self.module_units if module_hooks else ()):
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mi)))
-            self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, mi)))
+            self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, mi),
+                                                            with_kwargs=True))
 
     def remove_hooks(self) -> None:
         """Detach the gather/release hooks from the fetch modules (the engine is being destroyed)."""
@@ -254,7 +255,7 @@ class ParamFetcher:
         if not recompute:
             self._prefetch_after(mi, +1)
 
-    def _post_forward(self, mi: int, module: nn.Module, args, output):
+    def _post_forward(self, mi: int, module: nn.Module, args, kwargs, output):
         if torch._C._current_graph_task_id() != -1:
             # A forward re-run inside backward (activation checkpointing): its backward
             # follows at once and needs the params, which the reducer releases afterwards.
@@ -263,12 +264,14 @@ class ParamFetcher:
         self.release(units)
         if torch.is_grad_enabled():
             hook = functools.partial(self._pre_backward, mi)
+            inputs = {id(x) for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(hook)
-                    if t._is_view() and t._base.grad_fn is not None:
+                    if t._is_view() and t._base.grad_fn is not None and id(t._base) not in inputs:
                         # An in-place op on a view output (``x = linear(x3d); x += y``) moves the view
                         # to a new graph node and drops its hook; the base's node stays in the graph.
+                        # (A view of an input is no output of the module: its gradient comes later.)
                         t._base.register_hook(hook)
         return output
 
