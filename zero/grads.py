@@ -60,22 +60,6 @@ class UnusedParametersError(AssertionError):
     raises it)."""
 
 
-def unused_parameters(reducer: GradientReducer, group: dist.ProcessGroup | None,
-                      device: torch.device) -> tuple[list[nn.Parameter], bool]:
-    """The parameters of ``reducer`` that got no gradient in this window on any rank of ``group``,
-    and whether any rank of the whole job has such parameters (every rank must raise together):
-    one all-reduce over ``group``, one over the world (on ``device``, where collectives run)."""
-    seen = torch.tensor([int(flag) for unit in reducer.received for flag in unit], dtype=torch.int32, device=device)
-    if dist.is_initialized() and seen.numel():
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=group)
-    params = [p for unit in reducer.units for p in unit.params]
-    unused = [p for p, got in zip(params, seen.tolist()) if not got]
-    anywhere = torch.tensor([int(bool(unused))], dtype=torch.int32, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
-    return unused, bool(anywhere.item())
-
-
 class GradientReducer:
     """Owns the gradient buffers of ``units`` and reduces them over ``group``.
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from zero.comm import gather_shards
 from zero.flat import FlatUnit
-from zero.grads import GradientReducer, UnusedParametersError, unused_parameters
+from zero.grads import GradientReducer, UnusedParametersError
 from zero.loss_scaler import LossScaler
 from zero.offload import Offloader, OffloadSettings
 from zero.partition import UnitLayout, bucketed_layout, fetch_unit_layout
@@ -455,9 +455,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         values = iter(agreed.tolist())
         return [[bool(next(values)) for _ in flags] for flags in local]
 
-    def _point_piece_grads(self, grads: Sequence[torch.Tensor]) -> None:
+    def _point_piece_grads(self, grads: Sequence[torch.Tensor], received: list[list[bool]]) -> None:
         """Give each piece its slice of the unit gradient, or None if no rank produced one."""
-        received = self._received_anywhere()
         for piece, pc in zip(self.master_pieces, self.pieces):
             piece.grad = grads[pc.unit][pc.start : pc.stop] if received[pc.unit][pc.param] else None
 
@@ -488,8 +487,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
 
         Returns False when the step was skipped because the gradients overflowed.
         """
+        received = self._received_anywhere()
         if not self.settings.ignore_unused_parameters:
-            self._refuse_unused_parameters()
+            self._refuse_unused_parameters(received)
         grads = self._master_grads()
         factor = (self.dp_world if self.settings.gradient_sum else 1) / self.loss_scaler.scale
         if factor != 1.0:
@@ -508,15 +508,20 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         if overflow:
             self.skipped_steps += 1
         else:
-            self._point_piece_grads(grads)
+            self._point_piece_grads(grads, received)
             self.inner.step()
             self.publish_params()
         self.zero_grad()
         return not overflow
 
-    def _refuse_unused_parameters(self) -> None:
-        unused, anywhere = unused_parameters(self.reducer, self.group, self._comm_device)
-        if not anywhere:
+    def _refuse_unused_parameters(self, received: list[list[bool]]) -> None:
+        """Raise on every rank if a parameter got no gradient on any dp rank (``received``, agreed
+        over dp) anywhere in the job: one more all-reduce, over the world."""
+        unused = [p for unit, flags in zip(self.units, received) for p, got in zip(unit.params, flags) if not got]
+        anywhere = torch.tensor([int(bool(unused))], dtype=torch.int32, device=self._comm_device)
+        if dist.is_initialized():
+            dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        if not anywhere.item():
             return
         if not unused:
             raise UnusedParametersError("parameters of another rank got no gradient in this accumulation window "

@@ -264,14 +264,12 @@ class ParamFetcher:
         self.release(units)
         if torch.is_grad_enabled():
             hook = functools.partial(self._pre_backward, mi)
-            inputs = {id(x) for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(hook)
-                    if t._is_view() and t._base.grad_fn is not None and id(t._base) not in inputs:
+                    if t._is_view() and t._base.grad_fn is not None and _made_inside(t._base, args, kwargs):
                         # An in-place op on a view output (``x = linear(x3d); x += y``) moves the view
                         # to a new graph node and drops its hook; the base's node stays in the graph.
-                        # (A view of an input is no output of the module: its gradient comes later.)
                         t._base.register_hook(hook)
         return output
 
@@ -288,3 +286,9 @@ class ParamFetcher:
     def end_step_recording(self) -> None:
         """Freeze the recorded execution order after the first forward-backward."""
         self._recording = dict.fromkeys(self._recording, False)
+
+
+def _made_inside(base: torch.Tensor, args, kwargs) -> bool:
+    """Whether ``base`` is none of the module's inputs (nor their base): a view of an input is no
+    output of the module, its gradient arrives after the module's backward."""
+    return not any(isinstance(x, torch.Tensor) and (x is base or x._base is base) for x in tree_leaves((args, kwargs)))
