@@ -31,6 +31,7 @@ from parallel3d.config_sections import CommConfig
 from parallel3d.engine import Engine
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.gathered import register
+from parallel3d.lifeline import install_exit_guard
 from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
@@ -243,6 +244,7 @@ def initialize(
     elif weights is not None:
         load_in_place(model, weights)
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s)
+    install_exit_guard()  # the mesh's gloo groups must not outlive the interpreter's teardown
     if source is None:
         model.to(device)
     tp_info = apply_tp(model, cfg.tensor_parallel, mesh)

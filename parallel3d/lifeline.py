@@ -16,7 +16,10 @@ Elsewhere (macOS) these are no-ops and the job relies on signals alone.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import functools
+import gc
 import logging
 import os
 import signal
@@ -173,3 +176,27 @@ def run_supervised(cmd: list[str], env: Mapping[str, str], grace_s: float = 10.0
     if received:
         return 128 + received[0]
     return code if code >= 0 else 128 - code
+
+
+_EXIT_GRACE_S = 0.1
+
+
+def _let_backend_threads_finish() -> None:
+    """At interpreter exit: destroy unreachable process groups, then release the GIL a moment.
+
+    A gloo worker thread drops its finished collective's tensors after the caller's ``wait``
+    returns, and with torch 2.13 that needs the GIL. If the interpreter is already finalizing,
+    the thread exits inside a ``noexcept`` destructor and the process aborts ("terminate called
+    without an active exception", exit -6), so a script that ends right after a collective
+    fails at random. Collecting garbage destroys the groups nothing refers to (their
+    destructors join the workers without the GIL); the pause lets the workers of groups still
+    referenced finish their last release while Python still runs.
+    """
+    gc.collect()
+    time.sleep(_EXIT_GRACE_S)
+
+
+@functools.cache
+def install_exit_guard() -> None:
+    """Register `_let_backend_threads_finish`, once per process (``parallel3d.initialize`` does)."""
+    atexit.register(_let_backend_threads_finish)

@@ -119,8 +119,16 @@ class Watchdog:
             return None
         return cls(c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 2.0) -> None:
+        """Stop the heartbeat and wait (at most ``wait_s``) for the thread to leave the store.
+
+        Called at exit too (the engine's finalizer): a daemon thread still inside a store call
+        when the interpreter finalizes is killed as it takes the GIL back, inside a C++
+        destructor, which aborts the process.
+        """
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(wait_s)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

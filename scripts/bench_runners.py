@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import os
 import re
@@ -354,5 +355,11 @@ def run(names: list[str], model_name: str, steps: int, warmup: int, out_path: st
             }
             with open(out_path, "a") as f:
                 f.write(json.dumps(result) + "\n")
+    # Drop the runners while their process groups are still registered: DDP's C++ reducer can
+    # hold the last reference to a group, and destroys it with the GIL held while the group's
+    # worker thread waits for the GIL (torch 2.13: a deadlock, seen as a benchmark job that
+    # never ends).
+    runners.clear()
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()

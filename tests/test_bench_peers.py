@@ -55,7 +55,7 @@ def test_scaling_benchmark_runs_end_to_end(tmp_path, capsys):
         sys.path.insert(0, SCRIPTS)
     import bench_scaling
 
-    bench_scaling.main(["--models", "T", "--seqs", "16", "--plot", str(tmp_path / "scaling.png")])
+    bench_scaling.main(["--models", "T", "--seqs", "16", "--timeout", "240", "--plot", str(tmp_path / "scaling.png")])
     wall, cpu = capsys.readouterr().out.split("time per token over DDP's")[1].split("CPU seconds per token")
     for table in (wall, cpu):
         rows = [line.split() for line in table.strip().splitlines() if line.startswith("T@")]
