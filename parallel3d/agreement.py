@@ -19,6 +19,7 @@ import json
 import logging
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -97,3 +98,23 @@ def agree(error: ConfigError | None, description: dict[str, Any] | None,
     dist.all_gather_object(descriptions, description, group=group)
     raise ConfigError(f"the ranks were started with different settings: {differences(descriptions)}; every rank "
                       "must get the same config, mesh and model (a per-rank config file or environment mix-up?)")
+
+
+def raise_on_every_rank(error: ConfigError | None, device: torch.device,
+                        group: dist.ProcessGroup | None = None) -> None:
+    """Raise the first failing rank's error (same type and message) on every rank of ``group``.
+
+    One all-reduce of a flag when no rank failed; the messages are gathered only when one did.
+    """
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    failed = torch.tensor([int(error is not None)], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+    if not failed.item():
+        return
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, None if error is None else (type(error), str(error)), group=group)
+    kind, message = next(e for e in errors if e is not None)
+    raise kind(message)

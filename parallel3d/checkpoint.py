@@ -38,8 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel3d.agreement import raise_on_every_rank
 from parallel3d.checkpoint_chunks import Chunk, piece_chunks
-from parallel3d.checkpoint_storage import DTYPES_BY_NAME, load_chunks, read_metadata, save_chunks, write_json_atomically
+from parallel3d.checkpoint_storage import (DTYPES_BY_NAME, plan_load, read_metadata, read_planned, save_chunks,
+                                           write_json_atomically)
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
@@ -447,25 +449,16 @@ def _check_optimizer(engine, manifest: dict, path: Path) -> None:
                           f"{mine}: give initialize() the param groups of the run that wrote it")
 
 
-def _agree(error: ConfigError | None, device, path) -> None:
-    """Raise on every rank if any rank failed (one all-reduce), before any state changes."""
+def _check_names(engine, metadata, path) -> None:
+    """Every model tensor of the checkpoint is held by some rank of this engine (one all-reduce)."""
+    saved = sorted(fqn[len("model/"):] for fqn in metadata.state_dict_metadata if fqn.startswith("model/"))
+    mine = {e.name for e in param_entries(engine).values()}
+    held = torch.tensor([name in mine for name in saved], dtype=torch.int32, device=engine.device)
     if dist.is_initialized():
-        failed = torch.tensor([int(error is not None)], device=device)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-        if failed.item() and error is None:
-            error = ConfigError(f"checkpoint {path} could not be loaded on another rank (see its error); "
-                                "nothing was changed")
-    if error is not None:
-        raise error
-
-
-def _names_everywhere(engine) -> set[str]:
-    mine = sorted({e.name for e in param_entries(engine).values()})
-    if not dist.is_initialized():
-        return set(mine)
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    return {n for names in every for n in names}
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    if extra := [name for name, h in zip(saved, held.tolist()) if not h]:
+        raise ConfigError(f"checkpoint {path} holds parameters this model lacks ({', '.join(extra[:5])}"
+                          f"{', ...' if len(extra) > 5 else ''}): it was written for another model")
 
 
 def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
@@ -475,9 +468,11 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     Without ``optimizer_states`` the optimizer is left as it is (its states, group options, loss
     scaler and skip count); the states are not read.
 
-    Every rank reads the JSON and checks the model first; the ranks agree (one all-reduce)
-    before DCP reads any tensor, so a checkpoint unfit on one rank stops all of them with a
-    message. A damaged chunk is found before any tensor is overwritten.
+    Every rank reads the JSON, checks the model, plans its own reads and verifies the bytes
+    they need; the ranks agree (one all-reduce) before any tensor is read, so a checkpoint
+    unfit or damaged on one rank stops all of them with that rank's message and nothing
+    changed. A second all-reduce checks that this model holds every saved tensor, and a third
+    after the reads makes a failed read stop every rank too.
     """
     error: ConfigError | None = None
     path = manifest = metadata = None
@@ -487,16 +482,19 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         metadata = read_metadata(path)
         _check_model(engine, metadata, path)
         _check_optimizer(engine, manifest, path)
+        chunks, states = _chunks_to_load(engine, metadata, manifest, optimizer_states)
+        planned = plan_load(path, metadata, chunks)
     except ConfigError as exc:
         error = exc
-    _agree(error, engine.device, path)
-    saved = {fqn[len("model/") :] for fqn in metadata.state_dict_metadata if fqn.startswith("model/")}
-    if extra := sorted(saved - _names_everywhere(engine)):
-        raise ConfigError(f"checkpoint {path} holds parameters this model lacks ({', '.join(extra[:5])}"
-                          f"{', ...' if len(extra) > 5 else ''}): it was written for another model")
-    chunks, states = _chunks_to_load(engine, metadata, manifest, optimizer_states)
+    raise_on_every_rank(error, engine.device)
+    _check_names(engine, metadata, path)
+    error = None
     with torch.no_grad():
-        load_chunks(path, chunks, None)
+        try:
+            read_planned(planned)
+        except ConfigError as exc:
+            error = exc
+    raise_on_every_rank(error, engine.device)
     zero = engine.optimizer
     if optimizer_states:
         zero.set_piece_states(states)

@@ -8,8 +8,11 @@ its own (DCP's resharding). Two things of DCP's file format are replaced:
 * the global metadata, which DCP pickles (``pickle.load`` on a crafted file runs code), is
   written as JSON (``dcp.json``) and parsed back into DCP's dataclasses;
 * every stored chunk gets a checksum (XXH3) in that JSON, and a rank verifies the bytes of every
-  chunk it is about to read while planning, so a damaged file stops every rank (DCP
-  propagates planning errors) before any tensor is overwritten.
+  chunk it is about to read while planning, so a damaged file stops every rank (the caller
+  agrees on planning errors) before any tensor is overwritten.
+
+A load plans on each rank alone (`plan_load`): the reads follow from the metadata, so DCP's
+coordinator round trips are skipped and the ranks agree with one all-reduce instead.
 
 Chunk data stay DCP's per-rank ``__R_0.distcp`` files of ``torch.save``d tensors, read with
 ``torch.load(weights_only=True)``.
@@ -326,13 +329,34 @@ def save_chunks(directory: Path, chunks: list[Chunk], group: dist.ProcessGroup |
         raise _first_failure(exc, directory, "saving") from None
 
 
-def load_chunks(directory: Path, chunks: list[Chunk], group: dist.ProcessGroup | None) -> None:
-    """Fill every rank's ``chunks`` from ``directory`` (collective over ``group``).
+@dataclasses.dataclass
+class PlannedLoad:
+    """One rank's part of a load: which stored chunks it reads into which of its tensors."""
 
-    A damaged or missing chunk raises :class:`CorruptCheckpointError` on every rank before
-    anything is written.
+    reader: _Reader
+    planner: _LoadPlanner
+    plan: LoadPlan
+
+
+def plan_load(directory: Path, metadata: Metadata, chunks: list[Chunk]) -> PlannedLoad:
+    """Plan this rank's reads of ``chunks`` and verify the stored bytes they need (no collective).
+
+    DCP's own ``load`` would gather every rank's plan to a coordinator and scatter it back,
+    then gather the results (pickled objects, three round trips); a load needs none of that:
+    each rank's reads follow from the metadata alone. The caller agrees across ranks on the
+    errors this raises (`CorruptCheckpointError` for a damaged chunk) before anything is read.
     """
+    reader, planner = _Reader(directory), _LoadPlanner(chunks)
+    reader.set_up_storage_reader(metadata, is_coordinator=False)
+    planner.set_up_planner({}, metadata, is_coordinator=False)
+    return PlannedLoad(reader, planner, reader.prepare_local_plan(planner.create_local_plan()))
+
+
+def read_planned(load: PlannedLoad) -> None:
+    """Fill this rank's tensors as planned (DCP's file reader; no collective)."""
     try:
-        dcp.load({}, storage_reader=_Reader(directory), planner=_LoadPlanner(chunks), process_group=group)
-    except CheckpointException as exc:
-        raise _first_failure(exc, directory, "loading") from None
+        load.reader.read_data(load.plan, load.planner).wait()
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - an I/O or format error, reported on every rank by the caller
+        raise ConfigError(f"loading checkpoint {load.reader.path} failed: {exc!r}") from None
