@@ -70,11 +70,17 @@ MODELS = {
 
 
 def model_spec(name: str) -> ModelSpec:
-    """A benchmark model by name; ``NAME@SEQ`` is that model at sequence length SEQ."""
-    base, _, seq = name.partition("@")
-    if base not in MODELS or (seq and not seq.isdigit()):
-        raise ValueError(f"unknown benchmark model {name!r}: one of {', '.join(MODELS)}, optionally @SEQ (A@512)")
-    return dataclasses.replace(MODELS[base], seq=int(seq)) if seq else MODELS[base]
+    """A benchmark model by name; ``NAME@SEQ`` is that model at sequence length SEQ, and
+    ``NAME@SEQxMICRO`` also with MICRO sequences per micro-batch (equal tokens across models)."""
+    base, _, shape = name.partition("@")
+    match = re.fullmatch(r"([1-9]\d*)(?:x([1-9]\d*))?", shape)
+    if base not in MODELS or (shape and match is None):
+        raise ValueError(f"unknown benchmark model {name!r}: one of {', '.join(MODELS)}, optionally @SEQ (A@512) "
+                         "or @SEQxMICRO (A@128x1)")
+    if not shape:
+        return MODELS[base]
+    spec = dataclasses.replace(MODELS[base], seq=int(match[1]))
+    return dataclasses.replace(spec, micro=int(match[2])) if match[2] else spec
 
 
 def build_model(spec: ModelSpec) -> LlamaForCausalLM:

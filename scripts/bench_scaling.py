@@ -8,6 +8,8 @@ sequence length, six runners take their steps, each its own ``torchrun`` job ove
 with one thread each (the same seeded model, fp32 AdamW), alternating within each round:
 DDP (dp 2), Zero3D's ZeRO 1, 2 and 3 at dp 2, tensor parallelism (tp 2, dp 1: both ranks on
 the same micro-batch) and pipeline stages (pp 2, dp 1, 1F1B over four micro-batches).
+The models' own micro-batches differ (A: 4 sequences, B and L: 1); ``--seqs 128x1,256x1``
+gives every model one sequence per micro-batch, so the rows compare equal tokens.
 
 The figure is time per token over DDP's: a runner's median step time divided by the tokens it
 trains per step (dp: one micro-batch per rank; tp: one for the pair; pp: four), over the same
@@ -48,7 +50,9 @@ SCRIPT = {"ztp": os.path.join(HERE, "bench_tp_peers.py")}
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="A,B,L", help="benchmark models (comma-separated)")
-    ap.add_argument("--seqs", default="128,512", help="sequence lengths (comma-separated)")
+    ap.add_argument("--seqs", default="128,512",
+                    help="sequence lengths (comma-separated); SEQxMICRO also sets the sequences per micro-batch, "
+                         "so every model trains the same tokens (128x1,256x1)")
     ap.add_argument("--rounds", type=int, default=1, help="times every runner runs per model and length")
     ap.add_argument("--nproc", type=int, default=2, help="data-parallel ranks")
     ap.add_argument("--timeout", type=int, default=1800, help="seconds before a runner job is killed")

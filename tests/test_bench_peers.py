@@ -62,6 +62,20 @@ def test_scaling_benchmark_runs_end_to_end(tmp_path, capsys):
         assert [r[0] for r in rows] == ["T@16"]
         assert all(len(r) == 9 and float(x) > 0 for r in rows for x in r[4:]), rows
     assert (tmp_path / "scaling.png").stat().st_size > 1000
-    for bad in (["--models", "Q"], ["--seqs", "x"], ["--nproc", "3"]):
+    for bad in (["--models", "Q"], ["--seqs", "x"], ["--seqs", "128x0"], ["--nproc", "3"]):
         with pytest.raises(SystemExit):
             bench_scaling.parse_args(bad)
+
+
+def test_a_benchmark_model_takes_its_sequences_per_micro_batch():
+    """``NAME@SEQxMICRO``: the scaling runs compare every model at equal tokens per micro-batch."""
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    from bench_runners import MODELS, model_spec
+
+    assert (model_spec("A@128x1").seq, model_spec("A@128x1").micro) == (128, 1)
+    assert (model_spec("B@256").seq, model_spec("B@256").micro) == (256, MODELS["B"].micro)
+    assert model_spec("L") == MODELS["L"]
+    for bad in ("A@0", "A@128x0", "A@x1", "A@128x", "Q@128"):
+        with pytest.raises(ValueError, match="unknown benchmark model"):
+            model_spec(bad)
