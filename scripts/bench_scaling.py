@@ -2,6 +2,7 @@
 
     python scripts/bench_scaling.py [--models A,B,L] [--seqs 128,512] [--rounds 1]
                                     [--plot docs/scaling.png] [--json results.jsonl]
+    python scripts/bench_scaling.py --from-json run1.jsonl,run2.jsonl --plot docs/scaling.png
 
 For every benchmark model (scripts/bench_runners.py: A 13.7M, B 134M, L 254M params) at every
 sequence length, six runners take their steps, each its own ``torchrun`` job over two ranks
@@ -30,6 +31,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=int, default=1800, help="seconds before a runner job is killed")
     ap.add_argument("--plot", help="write the plot here (PNG)")
     ap.add_argument("--json", help="also write every run's raw result (one JSON line each) here")
+    ap.add_argument("--from-json", help="measure nothing: tabulate and plot the raw results of earlier runs "
+                                        "(comma-separated --json files; their rounds are pooled)")
     args = ap.parse_args(argv)
     if args.nproc < 2 or args.nproc % 2:
         ap.error(f"--nproc {args.nproc}: tp 2 and pp 2 need an even number of ranks, 2 or more")
@@ -128,7 +132,7 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.2, 4.6))
+    fig, ax = plt.subplots(figsize=(9.0, 4.6))
     for seq, style in zip(dict.fromkeys(r["model"].partition("@")[2] for r in rows), ("-", "--", ":", "-.")):
         mine = sorted((r for r in rows if r["model"].endswith(f"@{seq}")), key=lambda r: r["params"])
         for index, (stage, marker) in enumerate(zip(STAGES, "osD^v")):
@@ -141,15 +145,19 @@ def plot(rows: list[dict], path: str) -> None:
     ax.set_xlabel("parameters (millions)")
     ax.set_ylabel("time per token / DDP's")
     ax.set_title("Zero3D on two ranks against DDP, by model size")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    results = measure(args)
-    if args.json:
+    if args.from_json:
+        results = [json.loads(line) for path in args.from_json.split(",") for line in open(path) if line.strip()]
+        args.rounds = max(Counter((r["model"], r["runner"]) for r in results).values(), default=0)
+    else:
+        results = measure(args)
+    if args.json and not args.from_json:
         with open(args.json, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in results)
     rows = ratios(results, args.nproc)

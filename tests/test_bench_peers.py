@@ -50,18 +50,26 @@ def test_every_peer_runner_steps(dist, module):
 
 
 def test_scaling_benchmark_runs_end_to_end(tmp_path, capsys):
-    """scripts/bench_scaling.py on the tiny model (six torchrun jobs): a ratio per runner, and the plot."""
+    """scripts/bench_scaling.py on the tiny model (six torchrun jobs): a ratio per runner, and the plot;
+    then the same table and plot again from the raw results it saved (``--from-json``, no jobs)."""
     if SCRIPTS not in sys.path:
         sys.path.insert(0, SCRIPTS)
     import bench_scaling
 
-    bench_scaling.main(["--models", "T", "--seqs", "16", "--timeout", "240", "--plot", str(tmp_path / "scaling.png")])
-    wall, cpu = capsys.readouterr().out.split("time per token over DDP's")[1].split("CPU seconds per token")
+    raw = str(tmp_path / "raw.jsonl")
+    bench_scaling.main(["--models", "T", "--seqs", "16", "--timeout", "240", "--json", raw,
+                        "--plot", str(tmp_path / "scaling.png")])
+    measured = capsys.readouterr().out.split("time per token over DDP's")[1]
+    bench_scaling.main(["--from-json", raw, "--plot", str(tmp_path / "again.png")])
+    again = capsys.readouterr().out.split("time per token over DDP's")[1]
+    tables = lambda out: [line for line in out.splitlines()[1:] if not line.startswith("plot:")]  # noqa: E731
+    assert tables(again) == tables(measured)  # (the first line has the load average, the last the plot's path)
+    wall, cpu = measured.split("CPU seconds per token")
     for table in (wall, cpu):
         rows = [line.split() for line in table.strip().splitlines() if line.startswith("T@")]
         assert [r[0] for r in rows] == ["T@16"]
         assert all(len(r) == 9 and float(x) > 0 for r in rows for x in r[4:]), rows
-    assert (tmp_path / "scaling.png").stat().st_size > 1000
+    assert (tmp_path / "scaling.png").stat().st_size > 1000 and (tmp_path / "again.png").stat().st_size > 1000
     for bad in (["--models", "Q"], ["--seqs", "x"], ["--seqs", "128x0"], ["--nproc", "3"]):
         with pytest.raises(SystemExit):
             bench_scaling.parse_args(bad)
