@@ -65,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.nproc < 2 or args.nproc % 2:
         ap.error(f"--nproc {args.nproc}: tp 2 and pp 2 need an even number of ranks, 2 or more")
+    for path in args.from_json.split(",") if args.from_json else ():
+        if not os.path.isfile(path):
+            ap.error(f"--from-json {path}: no such file (give the files earlier runs wrote with --json)")
     from bench_runners import model_spec
 
     for model in args.models.split(","):

@@ -70,7 +70,8 @@ def test_scaling_benchmark_runs_end_to_end(tmp_path, capsys):
         assert [r[0] for r in rows] == ["T@16"]
         assert all(len(r) == 9 and float(x) > 0 for r in rows for x in r[4:]), rows
     assert (tmp_path / "scaling.png").stat().st_size > 1000 and (tmp_path / "again.png").stat().st_size > 1000
-    for bad in (["--models", "Q"], ["--seqs", "x"], ["--seqs", "128x0"], ["--nproc", "3"]):
+    for bad in (["--models", "Q"], ["--seqs", "x"], ["--seqs", "128x0"], ["--nproc", "3"],
+                ["--from-json", str(tmp_path / "missing.jsonl")]):
         with pytest.raises(SystemExit):
             bench_scaling.parse_args(bad)
 
