@@ -178,7 +178,17 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
         logger.info("initialize() got an lr_scheduler and the config a 'scheduler' section: using the one passed "
                     "(as DeepSpeed does)")
     weights = pretrained_source(pretrained, model) if pretrained is not None else None
+    _check_backend(cfg, device)
     return _Checked(cfg, groups, named_groups, factory, weights)
+
+
+def _check_backend(cfg: Zero3DConfig, device: torch.device) -> None:
+    """Pipeline stages send activations point to point, which gloo cannot do with CUDA tensors
+    (it aborts the process: ``gloo::IoException ... writev: Bad address``)."""
+    if cfg.pipeline.stages > 1 and device.type == "cuda" and dist.is_initialized() and dist.get_backend() == "gloo":
+        raise ConfigError("pipeline.stages > 1 on CUDA needs a process group that can send CUDA tensors point to "
+                          "point, and this one is gloo: initialize it with backend 'nccl' (or let initialize create "
+                          "it), or run on the CPU")
 
 
 def initialize(

@@ -345,9 +345,10 @@ def run(names: list[str], model_name: str, steps: int, warmup: int, out_path: st
         states = runners[name][1]()
         mem = torch.tensor([_status_kib("VmHWM") if reset_ok else -1, max(hwm_setup, _status_kib("VmHWM")), rss_setup,
                             sum(states.values()) if states else -1,
-                            torch.cuda.max_memory_allocated() // 1024 if cuda else -1], dtype=torch.int64)
+                            torch.cuda.max_memory_allocated() // 1024 if cuda else -1], dtype=torch.int64,
+                           device=_device())
         gathered = [torch.zeros_like(mem) for _ in range(world)]
-        dist.all_gather(gathered, mem.to(_device()))
+        dist.all_gather(gathered, mem)
         per_rank = lambda k, ok=True: [int(g[k]) for g in gathered] if ok else None  # noqa: E731
         if rank == 0:
             wall, cpu = times[name]

@@ -193,17 +193,23 @@ WORLD_CASES = {
     "pp_partition_sum": (
         {"pipeline": {"stages": 2, "partition": [1, 2]}, "train_batch_size": 2},
         "pipeline.partition [1, 2] sums to 3 blocks but LlamaForCausalLM has 2 blocks (model.layers)"),
+    # the harness's group is gloo; CUDA is named, not touched (refused before any tensor is placed)
+    "pp_over_gloo_on_cuda": (
+        {"pipeline": {"stages": 2}, "train_batch_size": None, "gradient_accumulation_steps": 2},
+        "pipeline.stages > 1 on CUDA needs a process group that can send CUDA tensors point to point, and this one "
+        "is gloo: initialize it with backend 'nccl' (or let initialize create it), or run on the CPU",
+        {"device": "cuda"}),
 }
 
 
 def world_errors() -> dict[str, str]:
     """On every rank: the error each WORLD_CASES config gives (or "no error")."""
     out = {}
-    for case, (updates, _) in WORLD_CASES.items():
+    for case, (updates, _, *kwargs) in WORLD_CASES.items():
         cfg = {**ds_config(0, 1, 2), **updates}
         cfg = {k: v for k, v in cfg.items() if v is not None}
         try:
-            parallel3d.initialize(model=make_model("llama"), config=cfg)
+            parallel3d.initialize(model=make_model("llama"), config=cfg, **(kwargs[0] if kwargs else {}))
             out[case] = "no error"
         except Exception as exc:  # noqa: BLE001 - the type is asserted by the test
             out[case] = f"{type(exc).__name__}: {exc}"
@@ -213,5 +219,5 @@ def world_errors() -> dict[str, str]:
 def test_world_size_dependent(dist):
     results = dist.run(2, world_errors, timeout=90)
     for rank, got in enumerate(results):
-        for case, (_, message) in WORLD_CASES.items():
+        for case, (_, message, *_) in WORLD_CASES.items():
             assert got[case] == f"ConfigError: {message}", (rank, case)

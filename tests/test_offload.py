@@ -21,7 +21,7 @@ or lands in the wrong place:
 
 The physical copies between an accelerator and pinned host memory (``pin_memory``, the
 non-blocking copies, ``zero.comm.gather_shards`` copying a host shard into its device chunk)
-have not been run: no GPU was available when this was written.
+are not run here; ``scripts/gpu_check.py`` runs them on a GPU (docs/benchmarks.md, "On one GPU").
 """
 
 from __future__ import annotations
