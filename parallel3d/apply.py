@@ -27,7 +27,7 @@ from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel
 from parallel3d.tensor_parallel.apply import sequence_segment_hooks
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
 from zero.offload import OffloadSettings
-from zero.partition import parameter_leaves
+from zero.partition import stage3_fetch_modules, standalone_head
 
 
 def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: Mesh3D) -> TensorParallelInfo | None:
@@ -122,6 +122,7 @@ def apply_zero(
         offload=_offload_settings(z),
         ignore_unused_parameters=z.ignore_unused_parameters,
     )
+    blocks = fetch_unit_modules(model) if z.stage == 3 else []
     return ZeroOptimizer(
         groups,
         optimizer_factory,
@@ -129,7 +130,8 @@ def apply_zero(
         settings,
         dtype=dtype,
         loss_scaler=_loss_scaler(cfg),
-        fetch_modules=(fetch_unit_modules(model) or parameter_leaves(model)) if z.stage == 3 else (),
+        fetch_modules=stage3_fetch_modules(model, blocks) if z.stage == 3 else (),
+        held_to_backward=standalone_head(model, blocks) if z.stage == 3 and blocks else (),
         model_parallel_params=tp_info.sharded_params if tp_info else (),
         model_parallel_group=mesh.group("tp") if tp_info else None,
         norm_groups=[mesh.group("pp")] if pipe else (),

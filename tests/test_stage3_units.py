@@ -6,6 +6,9 @@
 * A model without ``_no_split_modules`` whose forward calls a submodule's ``_forward`` past its
   hooks (ProphetNet's positional embedding): its layers (the members of its ``ModuleList``) are
   the fetch units, and the rest is gathered for the whole micro-batch.
+* An ``nn.Embedding`` outside the blocks (the first model's, used between every two blocks) is a
+  fetch unit of its own, gathered for each forward use and never for backward (its gradient
+  accumulates into shape-only placeholders); the blocks are gathered again in backward.
 
 Each runs ZeRO-3 at dp 2 on the same batch on both ranks and must equal one process.
 """
@@ -75,15 +78,35 @@ def train(kind: str) -> dict:
     model = MODELS[kind]()
     config = ds_config(3, 1, torch.distributed.get_world_size(), stage3_param_persistence_threshold=0)
     engine, *_ = parallel3d.initialize(model=model, config=config)
+    gathers = _count_gathers(engine.optimizer.fetcher)
     g = torch.Generator().manual_seed(7)  # the same batch on every rank: dp 2 then equals one process
     losses = []
     for _ in range(3):
+        gathers.clear()  # the last step's
         loss = engine(torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     fetch = [type(m).__name__ for m, _ in engine.optimizer.fetcher.module_units] if engine.optimizer.fetcher else []
-    return {"losses": losses, "params": engine.full_parameters(), "fetch": fetch}
+    return {"losses": losses, "params": engine.full_parameters(), "fetch": fetch, "gathers": dict(gathers)}
+
+
+def _count_gathers(fetcher) -> dict:
+    """Gathers started per (fetch module class, inside backward), counted as they start."""
+    counts: dict = {}
+    if fetcher is None:
+        return counts
+    owner = {id(u): type(m).__name__ for m, units in fetcher.module_units for u in units}
+    start = fetcher._start_gather
+
+    def counting(unit) -> None:
+        if not unit.is_materialized and id(unit) not in fetcher._in_flight:
+            key = (owner.get(id(unit), "root"), torch._C._current_graph_task_id() != -1)
+            counts[key] = counts.get(key, 0) + 1
+        start(unit)
+
+    fetcher._start_gather = counting
+    return counts
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -93,4 +116,10 @@ def test_stage3_matches_one_process(dist, kind):
         assert r["losses"] == pytest.approx(whole["losses"], rel=1e-6)
         err, name = max_rel_param_error(r["params"], whole["params"])
         assert err < 1e-6, f"{name} differs by {err:.2e}"
-        assert r["fetch"] == (["Block"] * 3 if kind == "in_place_on_view" else ["Linear"] * 3)
+        if kind == "in_place_on_view":
+            assert r["fetch"] == ["Embedding"] + ["Block"] * 3
+            # per step: the table for each of its 3 forward uses, never inside backward
+            assert {k: v for k, v in r["gathers"].items() if k[0] == "Embedding"} == {("Embedding", False): 3}
+            assert r["gathers"].get(("Block", True), 0) > 0  # blocks are gathered again for backward
+        else:
+            assert r["fetch"] == ["Linear"] * 3

@@ -36,6 +36,18 @@ def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
     return _EMPTY[key]
 
+
+_ZERO: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _zero_scalar(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A shared one-element zero that :meth:`FlatUnit.shapes_only` placeholders expand."""
+    key = (dtype, device)
+    if key not in _ZERO:
+        _ZERO[key] = torch.zeros((), dtype=dtype, device=device)
+    return _ZERO[key]
+
+
 class FlatUnit:
     """A list of parameters stored as one padded flat buffer, sharded over ``world`` ranks.
 
@@ -144,14 +156,26 @@ class FlatUnit:
             p.data = full[off : off + n].view(shape)
 
     def release(self) -> None:
-        """Free the full buffer's storage of a non-persistent unit (its params keep their views)."""
-        if self.persistent or not self._materialized:
+        """Free the full buffer's storage of a non-persistent unit; its params point at an empty tensor."""
+        if self.persistent:
             return
-        self.full.untyped_storage().resize_(0)
+        if self._materialized:
+            self.full.untyped_storage().resize_(0)
+            self._materialized = False
         empty = _empty(self.dtype, self.full.device)
         for p in self.params:
             p.data = empty
-        self._materialized = False
+
+    def shapes_only(self) -> None:
+        """Give a released unit's params their shapes back without their values: each points at a
+        zero-stride view of one shared zero. Autograd then accumulates a gradient into a param
+        whose backward reads no weights (an embedding's: it needs only the indices) without the
+        unit being gathered; :meth:`release` points them at the empty tensor again."""
+        if self.persistent or self._materialized:
+            return
+        zero = _zero_scalar(self.dtype, self.full.device)
+        for p, shape in zip(self.params, self.shapes):
+            p.data = zero.expand(shape)
 
     def allocate_full(self) -> torch.Tensor:
         """Give the full buffer its storage back (uninitialized) and return it to gather into."""

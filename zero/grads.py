@@ -100,7 +100,8 @@ class GradientReducer:
         self.group_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.boundary = True
         self._unit_index: dict[nn.Parameter, tuple[int, int]] = {}
-        self._pending: list[tuple[dist.Work | None, Callable[[], None] | None]] = []
+        # launched reductions, oldest first: (work, what to do once done, unit index)
+        self._pending: list[tuple[dist.Work | None, Callable[[], None] | None, int]] = []
         self._ready = [0] * len(self.units)
         self._launched = [False] * len(self.units)
         self._order = self.launch_order  # the units this backward reduces, in launch order
@@ -322,7 +323,7 @@ class GradientReducer:
         self._launched[ui] = True
         unit = self.units[ui]
         work, finish = self._reduce(ui, unit)
-        self._pending.append((work, finish))
+        self._pending.append((work, finish, ui))
         # Overlap at most MAX_IN_FLIGHT units: each in-flight unit holds a full-size
         # staging buffer (stages 2-3), so an unbounded queue would hold every gradient.
         self._drain(keep=self.MAX_IN_FLIGHT if self.overlap else 0)
@@ -351,7 +352,7 @@ class GradientReducer:
     def _drain(self, keep: int = 0) -> None:
         """Complete the oldest pending collectives until at most ``keep`` remain."""
         while len(self._pending) > keep:
-            work, finish = self._pending.pop(0)
+            work, finish, _ = self._pending.pop(0)
             if work is not None:
                 work.wait()
             if finish is not None:
@@ -363,6 +364,16 @@ class GradientReducer:
         now rather than at the next backward's launches."""
         while self._pending and (self._pending[0][0] is None or self._pending[0][0].is_completed()):
             self._drain(keep=len(self._pending) - 1)
+
+    def settle(self, units: Sequence[FlatUnit]) -> None:
+        """Finish the pending reductions up to the last one of ``units`` (and those before it):
+        stage 3 calls it before gathering a unit whose previous gradient may still be on the wire
+        (an embedding's, launched last in a pipeline's backward pass, when the next forward pass
+        gathers the table), so its staging buffer is freed before the full buffer is made."""
+        wanted = {id(u) for u in units}
+        last = max((i for i, (_, _, ui) in enumerate(self._pending) if id(self.units[ui]) in wanted), default=-1)
+        if last >= 0:
+            self._drain(keep=len(self._pending) - last - 1)
 
     def finish_backward(self, wait: bool = True) -> None:
         """After backward: reduce units whose params got no gradient, then (``wait``) wait for all."""

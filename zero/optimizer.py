@@ -125,7 +125,10 @@ class ZeroOptimizer:
         settings: stage, buckets, clipping.
         dtype: working precision of the params (fp32, bf16 or fp16); masters are fp32.
         loss_scaler: the fp16 loss scaler (a static scale of 1 otherwise).
-        fetch_modules: stage 3's fetch units (the model's repeated blocks).
+        fetch_modules: stage 3's fetch units (the model's repeated blocks, its stand-alone
+            embedding tables and head: ``zero.partition.stage3_fetch_modules``).
+        held_to_backward: those of ``fetch_modules`` whose backward follows their forward at
+            once (the head): kept gathered from one to the other instead of gathered twice.
         model_parallel_params: params split across a model-parallel (tensor) group: each
             rank holds a different piece, so their squared grad norms are also summed over
             ``model_parallel_group``; all other params are replicated there and counted once.
@@ -159,6 +162,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         dtype: torch.dtype = torch.float32,
         loss_scaler: LossScaler | None = None,
         fetch_modules: Iterable[nn.Module] = (),
+        held_to_backward: Iterable[nn.Module] = (),
         model_parallel_params: Iterable[nn.Parameter] = (),
         model_parallel_group: dist.ProcessGroup | None = None,
         norm_groups: Sequence[dist.ProcessGroup] = (),
@@ -226,6 +230,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 max_live_numel=settings.max_live_parameters,
                 module_hooks=not self._hold_all,
                 module_keys=[chunk_of.get(units[0].params[0], 0) for _, units in self.layout.module_units],
+                held_to_backward=held_to_backward,
+                settle=lambda units: self.reducer.settle(units),  # the reducer is made below
             )
         # one dp rank shards nothing: accumulating into full buffers then saves the staging copies
         full = settings.stage <= 1 or self.dp_world == 1 or (settings.pipelined and settings.keep_full_gradients)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from zero.flat import FlatUnit
+from zero.stage3 import backward_reads_no_weights
 from zero.sizing import plan_units
 
 
@@ -51,10 +52,7 @@ def parameter_leaves(model: nn.Module) -> list[nn.Module]:
     some keeps its own with the root units, and so does a module sharing a parameter with
     another (a tied weight is needed whole by both).
     """
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for p in module.parameters(recurse=False):
-            owners[id(p)] = owners.get(id(p), 0) + 1
+    owners = _param_users(model)
     leaves = []
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
@@ -63,6 +61,69 @@ def parameter_leaves(model: nn.Module) -> list[nn.Module]:
         if all(next(child.parameters(), None) is None for child in module.children()):
             leaves.append(module)
     return leaves
+
+
+def embedding_tables(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """Modules outside ``blocks`` whose backward reads none of their weights
+    (``zero.stage3.backward_reads_no_weights``: ``nn.Embedding``, the vocabulary-parallel one),
+    holding parameters and no children that hold some; tied or not."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return [m for name, m in model.named_modules()
+            if name and id(m) not in inside and backward_reads_no_weights(m)
+            and next(m.parameters(recurse=False), None) is not None
+            and all(next(child.parameters(), None) is None for child in m.children())]
+
+
+def standalone_embeddings(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """The :func:`embedding_tables` whose weight no other module uses (not tied to the head):
+    stage 3 makes each a fetch module of its own, gathered for its forward only, instead of a
+    root unit held for the whole micro-batch (under pipeline stages a tied copy on the first
+    stage is its own parameter, so it qualifies there)."""
+    return _unshared(model, embedding_tables(model, blocks))
+
+
+def output_head(model: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module | None:
+    """The model's output embedding (``get_output_embeddings()``) when it holds parameters of its
+    own outside ``blocks``, with no children that hold some; tied or not."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    inside = {id(m) for block in blocks for m in block.modules()}
+    if (not isinstance(head, nn.Module) or id(head) in inside or next(head.parameters(recurse=False), None) is None
+            or any(next(child.parameters(), None) is not None for child in head.children())):
+        return None
+    return head
+
+
+def _param_users(model: nn.Module) -> dict[int, int]:
+    """How many modules of ``model`` hold each parameter (by id) directly."""
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    return users
+
+
+def _unshared(model: nn.Module, modules: Sequence[nn.Module]) -> list[nn.Module]:
+    """Those of ``modules`` whose parameters no other module of ``model`` uses."""
+    users = _param_users(model)
+    return [m for m in modules if all(users[id(p)] == 1 for p in m.parameters())]
+
+
+def standalone_head(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """The :func:`output_head` if its weight is its own (untied, or a tied copy on the last
+    pipeline stage): stage 3 makes it a fetch module kept gathered from its forward until its
+    gradient is reduced. At most one module."""
+    head = output_head(model, blocks)
+    return _unshared(model, [head]) if head is not None else []
+
+
+def stage3_fetch_modules(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
+    """Stage 3's fetch modules: the stand-alone embeddings, the model's repeated ``blocks``
+    (``models.fetch_unit_modules``), then the stand-alone head; a model with no blocks gets its
+    :func:`parameter_leaves`."""
+    if not blocks:
+        return parameter_leaves(model)
+    return [*standalone_embeddings(model, blocks), *blocks, *standalone_head(model, blocks)]
 
 
 def fetch_unit_layout(
@@ -76,7 +137,8 @@ def fetch_unit_layout(
     dtype: torch.dtype,
     device: torch.device,
 ) -> UnitLayout:
-    """Stage 3: one sharded unit per (fetch module, param group); each other param is a root unit.
+    """Stage 3: sharded units of about ``bucket_size`` elements per (fetch module, param group);
+    each other param is a root unit.
 
     Parameters with fewer than ``persistence_threshold`` elements stay whole on every rank
     (gathered after each step like stage 2) in persistent buckets: gathering them per use

@@ -6,9 +6,20 @@ releases them and hooks the module's outputs so that backward gathers them again
 the module's backward runs (and prefetches the units that backward reaches next). Units are
 released in backward once their gradients have been handed to the reducer.
 
-The root units (embedding, final norm, head: everything outside the repeated blocks) are
-gathered for the whole forward-backward of a micro-batch; a tied embedding is used at both
-ends of the model, so gathering it once is also the cheapest.
+The root units (the final norm, a tied embedding and head: every parameter outside the
+fetch modules) are gathered for the whole forward-backward of a micro-batch; a tied embedding
+is used at both ends of the model, so gathering it once is also the cheapest. Besides the
+repeated blocks, two kinds of module outside them are fetch modules (``zero.partition``):
+
+* an embedding table of its own (``nn.Embedding``, untied) is gathered for its forward only:
+  its backward reads the indices, not the table. Its gradient still needs the parameter's
+  shape, so for backward its params take shape-only placeholders (``FlatUnit.shapes_only``)
+  instead of being gathered again;
+* an untied head is kept gathered from its forward until its gradient is reduced (its backward
+  follows at once), so it is not whole through the rest of backward.
+
+Under pipeline stages both are gathered once per micro-batch instead of once per step
+(``pipeline.keep_full_gradients`` holds everything for the step instead).
 
 The execution order is recorded during the first forward and held fixed afterwards (as in
 DeepSpeed and FSDP); prefetch never holds more than ``max_live_numel`` gathered elements.
@@ -26,7 +37,7 @@ of a mixture-of-experts layer) may run or not as they like: the block is gathere
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,6 +66,10 @@ class ParamFetcher:
             when the caller holds everything gathered for a whole step.
         module_keys: per fetch module, the sequence it belongs to (a pipeline chunk); each
             key's order is recorded, checked and prefetched along on its own. Default: one.
+        held_to_backward: fetch modules kept gathered from their forward until their gradients
+            are reduced (the head, whose backward comes right after its forward).
+        settle: called with a fetch module's units before they are gathered around a use:
+            finishes a reduction of their gradients still in flight (``GradientReducer.settle``).
     """
 
     def __init__(
@@ -66,6 +81,8 @@ class ParamFetcher:
         max_live_numel: int,
         module_hooks: bool = True,
         module_keys: Sequence[int] | None = None,
+        held_to_backward: Sequence[nn.Module] = (),
+        settle: Callable[[Sequence[FlatUnit]], None] | None = None,
     ) -> None:
         self.module_units = list(module_units)
         self.root_units = list(root_units)
@@ -84,11 +101,23 @@ class ParamFetcher:
         self._position: dict[int, int] = {}  # fetch module -> its place in its key's order
         self._module_of = {p: mi for mi, (_, units) in enumerate(self.module_units) for u in units for p in u.params}
         self._input_pass: int | None = None  # the key of a running input-gradient-only backward
+        # fetch modules whose backward reads none of their weights: never gathered for backward
+        self._weightless = [backward_reads_no_weights(module) for module, _ in self.module_units]
+        self._settle = settle
+        kept = {id(m) for m in held_to_backward}
+        self._held_to_backward = [id(module) in kept for module, _ in self.module_units]
         self._hooks = []
         for mi, (module, _) in enumerate(self.module_units if module_hooks else ()):
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mi)))
             self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, mi),
                                                             with_kwargs=True))
+
+    @property
+    def once_per_use_units(self) -> list[FlatUnit]:
+        """Units of the fetch modules gathered once per use rather than for forward and again for
+        backward: embedding tables (forward only) and heads (held from forward to backward)."""
+        return [u for mi, (_, units) in enumerate(self.module_units)
+                if self._weightless[mi] or self._held_to_backward[mi] for u in units]
 
     def remove_hooks(self) -> None:
         """Detach the gather/release hooks from the fetch modules (the engine is being destroyed)."""
@@ -141,9 +170,23 @@ class ParamFetcher:
         self.release(release)
 
     def gather_modules_of(self, params) -> None:
-        """Materialize the fetch modules that hold ``params`` (params outside them are root units)."""
+        """Materialize the fetch modules that hold ``params`` (params outside them are root units) for
+        their weight gradients; a module whose backward reads no weights only gets its shapes."""
         for mi in dict.fromkeys(self._module_of[p] for p in params if p in self._module_of):
-            self.gather(self.module_units[mi][1])
+            self._ready_for_backward(mi)
+
+    def _ready_for_backward(self, mi: int) -> None:
+        if self._weightless[mi]:
+            for unit in self.module_units[mi][1]:
+                unit.shapes_only()
+        else:
+            self._gather_for_use(mi)
+
+    def _gather_for_use(self, mi: int) -> None:
+        units = self.module_units[mi][1]
+        if self._settle is not None and not all(u.is_materialized for u in units):
+            self._settle(units)
+        self.gather(units)
 
     def begin_input_pass(self, key: int) -> None:
         """A backward that computes input gradients only (``zb_h1``'s B) starts on ``key``'s
@@ -179,6 +222,9 @@ class ParamFetcher:
         pos = self._position[mi] + step
         budget = self.prefetch_numel
         while 0 <= pos < len(order) and budget > 0:
+            if step < 0 and self._weightless[order[pos]]:  # its backward gathers nothing
+                pos += step
+                continue
             units = self.module_units[order[pos]][1]
             size = sum(u.padded for u in units if not u.is_materialized)
             if self.live_numel() + size > self.max_live_numel:
@@ -251,7 +297,7 @@ class ParamFetcher:
         recompute = torch._C._current_graph_task_id() != -1  # a forward re-run inside backward
         if not recompute:
             self._follow_order(mi)
-        self.gather(self.module_units[mi][1])
+        self._gather_for_use(mi)
         if not recompute:
             self._prefetch_after(mi, +1)
 
@@ -261,7 +307,8 @@ class ParamFetcher:
             # follows at once and needs the params, which the reducer releases afterwards.
             return output
         units = self.module_units[mi][1]
-        self.release(units)
+        if not (self._held_to_backward[mi] and torch.is_grad_enabled()):
+            self.release(units)
         if torch.is_grad_enabled():
             hook = functools.partial(self._pre_backward, mi)
             for t in tree_leaves(output):
@@ -280,7 +327,7 @@ class ParamFetcher:
         if self._input_pass == key and mi in self._position:  # the blocks after mi are done
             for later in self._order[key][self._position[mi] + 1:]:
                 self.release(self.module_units[later][1])
-        self.gather(self.module_units[mi][1])
+        self._ready_for_backward(mi)
         self._prefetch_after(mi, -1)
 
     def end_step_recording(self) -> None:
@@ -292,3 +339,12 @@ def _made_inside(base: torch.Tensor, args, kwargs) -> bool:
     """Whether ``base`` is none of the module's inputs (nor their base): a view of an input is no
     output of the module, its gradient arrives after the module's backward."""
     return not any(isinstance(x, torch.Tensor) and (x is base or x._base is base) for x in tree_leaves((args, kwargs)))
+
+
+def backward_reads_no_weights(module: nn.Module) -> bool:
+    """``nn.Embedding`` itself (not a subclass: its forward may use the weight otherwise), or a
+    module whose class says so with ``backward_reads_no_weights = True`` (Zero3D's
+    vocabulary-parallel embedding). Their backward scatters the output gradient by the indices:
+    given shape-only placeholders, the gradient is exact. A module that claims this wrongly
+    would get gradients computed from zeros."""
+    return type(module) is nn.Embedding or getattr(type(module), "backward_reads_no_weights", False) is True

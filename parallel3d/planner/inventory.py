@@ -25,6 +25,7 @@ from models.pipeline_anatomy import AnatomyError, anatomy_paths
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.stage import StageLayout, make_layout
 from parallel3d.planner.local_tp import localize
+from zero.partition import embedding_tables, output_head, standalone_embeddings, standalone_head
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,14 @@ class Param:
 
 @dataclass(frozen=True, eq=False)
 class RankParams:
-    """What ZeRO gets on one rank: kind groups in ZeroOptimizer's order and the fetch modules."""
+    """What ZeRO gets on one rank: kind groups in ZeroOptimizer's order and the fetch modules in
+    ``zero.partition.stage3_fetch_modules``' order: ``embeddings`` tables first (gathered for their
+    forward only), the blocks, then ``heads`` heads (kept from their forward to their backward)."""
 
     groups: tuple[tuple[Param, ...], ...]
     fetch_modules: tuple[tuple[Param, ...], ...]
+    embeddings: int = 0
+    heads: int = 0
 
     @property
     def numel(self) -> int:
@@ -73,6 +78,17 @@ class ModelShapes:
             self._by_id[id(p)] = param
             self.params.append(param)
         self.block_params = [[self._by_id[id(p)] for p in b.parameters() if id(p) in self._by_id] for b in blocks]
+        # ZeroOptimizer's stage-3 tables and head outside the blocks (zero.partition):
+        # (params, tied to another module: then a fetch module only as a pipeline stage's copy)
+        head = output_head(local, blocks) if blocks else None
+        tables = embedding_tables(local, blocks) if blocks else []
+        alone = {id(m) for m in standalone_embeddings(local, blocks) + standalone_head(local, blocks)}
+
+        def own(module: nn.Module) -> tuple[list[Param], bool]:
+            return [self._by_id[id(p)] for p in module.parameters() if id(p) in self._by_id], id(module) not in alone
+
+        self.embeddings = [own(m) for m in tables]
+        self.heads = [own(head)] if head is not None else []
         self.first = [self._by_id[id(p)] for path in (self.paths.first.values() if self.paths else ())
                       for p in local.get_submodule(path).parameters() if id(p) in self._by_id]
         self.last = [self._by_id[id(p)] for path in (self.paths.last.values() if self.paths else ())
@@ -129,8 +145,18 @@ class ModelShapes:
                 if (p.sharded, p.name in duplicates) == kind:
                     parts.setdefault((chunk_of.get(p.name, 0), p.name if p.name in tied else None), []).append(p)
             groups += [tuple(part) for part in parts.values()]
-        modules = tuple(tuple(self.block_params[b]) for b in blocks) if stage3 else ()
-        return RankParams(tuple(groups), modules)
+        if not stage3:
+            return RankParams(tuple(groups), ())
+        # a tied table and head are each their stage's own parameter when pp > 1
+        held = {p.name for p in ordered}
+
+        def mine(modules: list[tuple[list[Param], bool]]) -> tuple[tuple[Param, ...], ...]:
+            return tuple(tuple(ps) for ps, tied in modules if ps and all(p.name in held for p in ps)
+                         and (pp > 1 or not tied))
+
+        tables, heads = mine(self.embeddings), mine(self.heads)
+        modules = tables + tuple(tuple(self.block_params[b]) for b in blocks) + heads
+        return RankParams(tuple(groups), modules, len(tables), len(heads))
 
     def _stage_params(self, layout: StageLayout,
                       rank: int) -> tuple[list[Param], list[int], set[str], dict[str, int], set[str]]:

@@ -157,6 +157,8 @@ class _LocalLinear(nn.Module):
 class _LocalEmbedding(nn.Module):
     """VocabParallelEmbedding's ops on one rank's rows (padded vocabulary / T)."""
 
+    backward_reads_no_weights = True  # as VocabParallelEmbedding: ZeRO-3 makes it a fetch module
+
     def __init__(self, full: nn.Embedding, world: int, log: CommLog) -> None:
         super().__init__()
         self.specs = {"weight": make_spec(full.weight.shape[0], 0, world, pad=True)}

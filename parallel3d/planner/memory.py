@@ -10,7 +10,8 @@ its sends and receives), what is alive then:
   from the start of that pass, or its reduced shard (stages 2-3) at its first reduction, taken
   here from the end of the first pass that produces weight gradients;
 * **gathered stage-3 parameters**: the root units (for the micro-batch; under pipeline stages
-  for the step) plus the block being run and the blocks prefetched after it
+  for the step) plus the fetch module being run (a block, or an embedding table in its
+  forward) and the blocks prefetched after it
   (``stage3_prefetch_bucket_size``), as ``zero.stage3.ParamFetcher`` does (:func:`gathered`;
   ``pipeline.keep_full_gradients``, which holds the whole stage, is not modelled);
 * **activations**: per in-flight (micro-batch, chunk) the bytes its forward leaves for backward,
@@ -71,8 +72,8 @@ def gathered(params: RankParams, zero: ZeroSetup, *, prefetch: int, max_live: in
     """Bytes of stage-3 parameters gathered: (for the whole micro-batch or step, extra inside a block).
 
     The root units are gathered for each micro-batch's forward and backward (under pipeline
-    stages for the step), and inside a block that block and the ones prefetched after it (the
-    worst such window).
+    stages for the step), and inside a fetch module (an embedding table, which comes first, or
+    a block) that module and the ones prefetched after it (the worst such window).
     """
     if zero.stage != 3 or zero.world == 1:
         return 0, 0

@@ -10,7 +10,8 @@
   the dp link. The reduction of the window's last micro-batch (stages 0-1; under pipeline stages
   each chunk's after its last pass) or of every micro-batch (2-3) overlaps backward compute when
   ``overlap_comm`` is on; stage 3's gathers overlap the passes they serve (under pipeline
-  stages its root units are gathered once per step).
+  stages its root units are gathered once per step; an embedding table and a head once per
+  micro-batch).
 * **tied embedding**: its gradient exchanged between the first and the last pipeline rank.
 * **optimizer**: Adam reads and writes the fp32 master, its states and the gradient, and writes
   the working copy: memory-bound, ``4 (2 states + 4) + working bytes`` per element of the shard.
@@ -86,25 +87,31 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipel
         return sum(link.seconds(op, padded(u, zero) * work, n) for u in chosen)
 
     sharded = [u for u in plan if not u.persistent]
+    # embedding tables: gathered for each forward, never for backward; heads: for each forward,
+    # kept to their backward (zero.stage3)
+    modules = len(params.fetch_modules)
+    once = [u for u in sharded if u.module is not None and not params.embeddings <= u.module < modules - params.heads]
     after_step = calls("all_gather", [u for u in plan if u.persistent]) if zero.stage >= 1 else 0.0
     reduce_op = "all_reduce" if zero.stage == 0 else "reduce_scatter"
     fwd, bwd = compute
     if pipelined:
         # stages 0-1 reduce a chunk's gradients after its last backward pass, stages 2-3
         # reduce-scatter them after each pass, both while the schedule goes on; stage 3 gathers
-        # its root units once per step and each block around each forward and backward
+        # its root units once per step, each embedding table and head once per micro-batch and
+        # each block around each forward and backward
         full = full_gradients(zero.stage, True, dp=zero.dp)
         reduce = calls(reduce_op, plan) if full else m * calls("reduce_scatter", plan)
         busy = bwd if full else m * bwd
-        gather = calls("all_gather", [u for u in sharded if u.root])
-        blocks = 2 * m * calls("all_gather", [u for u in sharded if not u.root])
+        gather = calls("all_gather", [u for u in sharded if u.root]) + m * calls("all_gather", once)
+        blocks = 2 * m * calls("all_gather", [u for u in sharded if not u.root and u not in once])
         if overlap:
             return gather + max(0.0, blocks - m * fwd) + max(0.0, reduce - busy) + after_step
         return gather + blocks + reduce + after_step
     if full_gradients(zero.stage, False, dp=zero.dp):  # one reduction, during the window's last backward
         reduce = calls(reduce_op, plan)
         return (max(0.0, reduce - bwd) if overlap else reduce) + after_step
-    per_mb_bwd = calls("reduce_scatter", plan) + calls("all_gather", [u for u in sharded if not u.root])
+    per_mb_bwd = calls("reduce_scatter", plan) + calls("all_gather", [u for u in sharded
+                                                                     if not u.root and u not in once])
     per_mb_fwd = calls("all_gather", sharded)
     if overlap:
         return m * (max(0.0, per_mb_fwd - fwd) + max(0.0, per_mb_bwd - bwd)) + after_step

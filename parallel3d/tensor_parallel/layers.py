@@ -161,8 +161,10 @@ class VocabParallelEmbedding(nn.Module):
     The vocabulary is zero-padded to a multiple of T. Each rank looks up the ids in its
     range [vocab_start, vocab_start + rows), zeros the others, and the all-reduce sums the
     one non-zero contribution per token. A scaled embedding (Gemma's ``embed_scale``) keeps
-    its scale.
+    its scale. Its backward reads no weights (ZeRO-3 does not gather it for backward).
     """
+
+    backward_reads_no_weights = True
 
     def __init__(self, full: nn.Embedding, group: ProcessGroup) -> None:
         super().__init__()
