@@ -137,8 +137,7 @@ def fetch_unit_layout(
     dtype: torch.dtype,
     device: torch.device,
 ) -> UnitLayout:
-    """Stage 3: sharded units of about ``bucket_size`` elements per (fetch module, param group);
-    each other param is a root unit.
+    """Stage 3: one sharded unit per (fetch module, param group); each other param is a root unit.
 
     Parameters with fewer than ``persistence_threshold`` elements stay whole on every rank
     (gathered after each step like stage 2) in persistent buckets: gathering them per use

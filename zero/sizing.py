@@ -86,9 +86,9 @@ def plan_units(param_groups: Sequence[Sequence[T]], numel: Callable[[T], int], *
     """The units of ``param_groups`` (lists of parameters, or anything ``numel`` can size).
 
     Stages 0-2: persistent buckets of about ``bucket_size`` elements, each group's parameters in
-    reverse order (the order backward produces their gradients). Stage 3: sharded units of about
-    ``bucket_size`` elements per (fetch module, group) from ``fetch_modules`` (each a list of that
-    module's parameters, taken in reverse order), then one sharded root unit per remaining parameter, then persistent buckets of the parameters
+    reverse order (the order backward produces their gradients). Stage 3: one sharded unit per
+    (fetch module, group) from ``fetch_modules`` (each a list of that module's parameters), then
+    one sharded root unit per remaining parameter, then persistent buckets of the parameters
     under ``persistence_threshold`` elements. With ``world == 1`` stage 3 shards nothing.
     """
     if stage != 3:
@@ -110,8 +110,7 @@ def plan_units(param_groups: Sequence[Sequence[T]], numel: Callable[[T], int], *
 
     units: list[UnitPlan[T]] = []
     for mi, module_params in enumerate(fetch_modules):
-        units += [UnitPlan(tuple(b), gi, False, mi) for gi, ps in enumerate(split(module_params)) if ps
-                  for b in buckets(list(reversed(ps)), numel, bucket_size)]
+        units += [UnitPlan(tuple(ps), gi, False, mi) for gi, ps in enumerate(split(module_params)) if ps]
     for gi, ps in enumerate(split([p for params in param_groups for p in params])):
         units += [UnitPlan((p,), gi, False, root=True) for p in ps]
     for gi, ps in enumerate(small):
