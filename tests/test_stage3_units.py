@@ -123,3 +123,15 @@ def test_stage3_matches_one_process(dist, kind):
             assert r["gathers"].get(("Block", True), 0) > 0  # blocks are gathered again for backward
         else:
             assert r["fetch"] == ["Linear"] * 3
+
+
+def test_only_plain_embeddings_skip_the_backward_gather():
+    """Placeholders serve an embedding whose backward reads no weights: ``nn.Embedding`` itself, not
+    a subclass (its forward may differ), nor one with sparse gradients or an in-place max_norm."""
+    from zero.stage3 import backward_reads_no_weights
+
+    assert backward_reads_no_weights(nn.Embedding(4, 2))
+    assert not backward_reads_no_weights(nn.Embedding(4, 2, sparse=True))
+    assert not backward_reads_no_weights(nn.Embedding(4, 2, max_norm=1.0))
+    assert not backward_reads_no_weights(Positions(4, 2))
+    assert not backward_reads_no_weights(nn.Linear(2, 2))

@@ -369,7 +369,8 @@ class GradientReducer:
         """Finish the pending reductions up to the last one of ``units`` (and those before it):
         stage 3 calls it before gathering a unit whose previous gradient may still be on the wire
         (an embedding's, launched last in a pipeline's backward pass, when the next forward pass
-        gathers the table), so its staging buffer is freed before the full buffer is made."""
+        gathers the table), so its staging buffer is freed before the full buffer is made. On NCCL
+        the gather, queued on the same stream, would wait for that reduction anyway."""
         wanted = {id(u) for u in units}
         last = max((i for i, (_, _, ui) in enumerate(self._pending) if id(self.units[ui]) in wanted), default=-1)
         if last >= 0:

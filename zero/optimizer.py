@@ -542,7 +542,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             "the model as it is, or set requires_grad=False on parameters the model does not use")
 
     def publish_params(self) -> None:
-        """Copy updated masters into the working params; all-gather persistent shards."""
+        """Copy updated masters into the working params; all-gather persistent shards. Stage 3
+        releases what is still gathered (a head gathered by a forward that no backward followed):
+        its full buffer holds the values before the step."""
         works = []
         for unit in self.units:
             if unit.master is not unit.shard:
@@ -551,6 +553,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 works.append(gather_shards(unit.full, unit.shard, self.group))
         for w in works:
             w.wait()
+        if self.fetcher is not None:
+            self.fetcher.release_all()  # held units (a GatheredParameters context, a pipeline window) stay
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient buffers and ``.grad`` views (the next backward makes them again,

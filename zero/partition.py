@@ -141,9 +141,9 @@ def fetch_unit_layout(
 
     Parameters with fewer than ``persistence_threshold`` elements stay whole on every rank
     (gathered after each step like stage 2) in persistent buckets: gathering them per use
-    would cost more in latency than they save in memory. Root params (embedding, head) get
-    a unit each, so the head's gradient is reduced (and its buffer freed) as soon as it
-    arrives instead of waiting for the embedding's at the end of backward. With one rank
+    would cost more in latency than they save in memory. Root params (a tied embedding and
+    head, a final norm) get a unit each, so each gradient is reduced (and its buffer freed) as
+    soon as it arrives. With one rank
     (``world == 1``) nothing is sharded and every unit is persistent. The grouping is
     ``zero.sizing.plan_units``'s, shared with the planner.
     """

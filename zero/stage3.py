@@ -11,10 +11,12 @@ fetch modules) are gathered for the whole forward-backward of a micro-batch; a t
 is used at both ends of the model, so gathering it once is also the cheapest. Besides the
 repeated blocks, two kinds of module outside them are fetch modules (``zero.partition``):
 
-* an embedding table of its own (``nn.Embedding``, untied) is gathered for its forward only:
-  its backward reads the indices, not the table. Its gradient still needs the parameter's
-  shape, so for backward its params take shape-only placeholders (``FlatUnit.shapes_only``)
-  instead of being gathered again;
+* an embedding table of its own (``nn.Embedding`` or a class flagged
+  ``backward_reads_no_weights``; untied, or a tied copy on a pipeline's first stage) is
+  gathered for its forward only: its backward reads the indices, not the table. Its gradient
+  still needs the parameter's shape, so for backward its params take shape-only placeholders
+  (``FlatUnit.shapes_only``) instead of being gathered again. Code that reads the table's
+  weight outside its forward finds an empty tensor (and fails loudly);
 * an untied head is kept gathered from its forward until its gradient is reduced (its backward
   follows at once), so it is not whole through the rest of backward.
 
@@ -342,9 +344,12 @@ def _made_inside(base: torch.Tensor, args, kwargs) -> bool:
 
 
 def backward_reads_no_weights(module: nn.Module) -> bool:
-    """``nn.Embedding`` itself (not a subclass: its forward may use the weight otherwise), or a
-    module whose class says so with ``backward_reads_no_weights = True`` (Zero3D's
-    vocabulary-parallel embedding). Their backward scatters the output gradient by the indices:
-    given shape-only placeholders, the gradient is exact. A module that claims this wrongly
-    would get gradients computed from zeros."""
-    return type(module) is nn.Embedding or getattr(type(module), "backward_reads_no_weights", False) is True
+    """``nn.Embedding`` itself (not a subclass: its forward may use the weight otherwise; nor one
+    with ``sparse`` gradients or a ``max_norm`` that renormalizes the weight in place), or a module
+    whose class says so with ``backward_reads_no_weights = True`` (Zero3D's vocabulary-parallel
+    embedding). Their backward scatters the output gradient by the indices: given shape-only
+    placeholders, the gradient is exact. A module that claims this wrongly would get gradients
+    computed from zeros."""
+    if type(module) is nn.Embedding:
+        return not module.sparse and module.max_norm is None
+    return getattr(type(module), "backward_reads_no_weights", False) is True

@@ -88,7 +88,8 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipel
 
     sharded = [u for u in plan if not u.persistent]
     # embedding tables: gathered for each forward, never for backward; heads: for each forward,
-    # kept to their backward (zero.stage3)
+    # kept to their backward (zero.stage3). Not modelled: a table used twice per forward (gathered
+    # per use) and the head gathered again for zb_h1's weight pass.
     modules = len(params.fetch_modules)
     once = [u for u in sharded if u.module is not None and not params.embeddings <= u.module < modules - params.heads]
     after_step = calls("all_gather", [u for u in plan if u.persistent]) if zero.stage >= 1 else 0.0
