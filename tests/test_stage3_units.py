@@ -6,8 +6,8 @@
 * A model without ``_no_split_modules`` whose forward calls a submodule's ``_forward`` past its
   hooks (ProphetNet's positional embedding): its layers (the members of its ``ModuleList``) are
   the fetch units, and the rest is gathered for the whole micro-batch.
-* An ``nn.Embedding`` outside the blocks (the first model's, used between every two blocks) is a
-  fetch unit of its own, gathered for each forward use and never for backward (its gradient
+* The input embedding (``get_input_embeddings()``; the first model's, used between every two
+  blocks) is a fetch unit of its own, gathered for each forward use and never for backward (its gradient
   accumulates into shape-only placeholders); the blocks are gathered again in backward.
 
 Each runs ZeRO-3 at dp 2 on the same batch on both ranks and must equal one process.
@@ -38,6 +38,9 @@ class InPlaceOnBlockOutput(nn.Module):
         super().__init__()
         self.blocks = nn.ModuleList(Block(16) for _ in range(3))
         self.shift = nn.Embedding(8, 16)
+
+    def get_input_embeddings(self) -> nn.Module:  # as HF models name theirs
+        return self.shift
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = x

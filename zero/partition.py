@@ -64,14 +64,22 @@ def parameter_leaves(model: nn.Module) -> list[nn.Module]:
 
 
 def embedding_tables(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
-    """Modules outside ``blocks`` whose backward reads none of their weights
-    (``zero.stage3.backward_reads_no_weights``: ``nn.Embedding``, the vocabulary-parallel one),
-    holding parameters and no children that hold some; tied or not."""
+    """The model's input embedding (``get_input_embeddings()``) if it lies outside ``blocks``,
+    holds parameters and no children that hold some, and its backward reads none of its weights
+    (``zero.stage3.backward_reads_no_weights``: ``nn.Embedding``, the vocabulary-parallel one);
+    tied or not. Other tables (positions, ProphetNet's n-gram streams) stay root units: models
+    read some of their weights past their forward (``ngram_embeddings.weight[i]``)."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        table = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        table = None
     inside = {id(m) for block in blocks for m in block.modules()}
-    return [m for name, m in model.named_modules()
-            if name and id(m) not in inside and backward_reads_no_weights(m)
-            and next(m.parameters(recurse=False), None) is not None
-            and all(next(child.parameters(), None) is None for child in m.children())]
+    if (not isinstance(table, nn.Module) or id(table) in inside or not backward_reads_no_weights(table)
+            or next(table.parameters(recurse=False), None) is None
+            or any(next(child.parameters(), None) is not None for child in table.children())):
+        return []
+    return [table]
 
 
 def standalone_embeddings(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:

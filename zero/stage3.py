@@ -11,7 +11,7 @@ fetch modules) are gathered for the whole forward-backward of a micro-batch; a t
 is used at both ends of the model, so gathering it once is also the cheapest. Besides the
 repeated blocks, two kinds of module outside them are fetch modules (``zero.partition``):
 
-* an embedding table of its own (``nn.Embedding`` or a class flagged
+* the input embedding (``get_input_embeddings()``: ``nn.Embedding`` or a class flagged
   ``backward_reads_no_weights``; untied, or a tied copy on a pipeline's first stage) is
   gathered for its forward only: its backward reads the indices, not the table. Its gradient
   still needs the parameter's shape, so for backward its params take shape-only placeholders
