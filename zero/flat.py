@@ -96,6 +96,7 @@ class FlatUnit:
         self.grad_full: torch.Tensor | None = None  # stages 0-1: full flat gradient buffer
         self.grad_shard: torch.Tensor | None = None  # the reduced gradients this rank owns
         self._materialized = persistent
+        self._shapes_only = False  # released, params pointing at shape-only placeholders
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -157,11 +158,12 @@ class FlatUnit:
 
     def release(self) -> None:
         """Free the full buffer's storage of a non-persistent unit; its params point at an empty tensor."""
-        if self.persistent:
+        if self.persistent or not (self._materialized or self._shapes_only):
             return
         if self._materialized:
             self.full.untyped_storage().resize_(0)
             self._materialized = False
+        self._shapes_only = False
         empty = _empty(self.dtype, self.full.device)
         for p in self.params:
             p.data = empty
@@ -171,8 +173,9 @@ class FlatUnit:
         zero-stride view of one shared zero. Autograd then accumulates a gradient into a param
         whose backward reads no weights (an embedding's: it needs only the indices) without the
         unit being gathered; :meth:`release` points them at the empty tensor again."""
-        if self.persistent or self._materialized:
+        if self.persistent or self._materialized or self._shapes_only:
             return
+        self._shapes_only = True
         zero = _zero_scalar(self.dtype, self.full.device)
         for p, shape in zip(self.params, self.shapes):
             p.data = zero.expand(shape)
@@ -189,6 +192,7 @@ class FlatUnit:
         if not self._materialized:
             self.point_params_at(self.full)
         self._materialized = True
+        self._shapes_only = False
 
     @property
     def is_materialized(self) -> bool:

@@ -63,23 +63,28 @@ def parameter_leaves(model: nn.Module) -> list[nn.Module]:
     return leaves
 
 
+def _model_leaf(model: nn.Module, getter: str, blocks: Sequence[nn.Module]) -> nn.Module | None:
+    """``model.<getter>()`` (HF's ``get_input_embeddings`` / ``get_output_embeddings``) when it is a
+    module outside ``blocks`` that holds parameters and has no children holding some; else None."""
+    get = getattr(model, getter, None)
+    try:
+        module = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    inside = {id(m) for block in blocks for m in block.modules()}
+    if (not isinstance(module, nn.Module) or id(module) in inside or next(module.parameters(recurse=False), None) is None
+            or any(next(child.parameters(), None) is not None for child in module.children())):
+        return None
+    return module
+
+
 def embedding_tables(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
-    """The model's input embedding (``get_input_embeddings()``) if it lies outside ``blocks``,
-    holds parameters and no children that hold some, and its backward reads none of its weights
+    """The model's input embedding (:func:`_model_leaf`) if its backward reads none of its weights
     (``zero.stage3.backward_reads_no_weights``: ``nn.Embedding``, the vocabulary-parallel one);
     tied or not. Other tables (positions, ProphetNet's n-gram streams) stay root units: models
     read some of their weights past their forward (``ngram_embeddings.weight[i]``)."""
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        table = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        table = None
-    inside = {id(m) for block in blocks for m in block.modules()}
-    if (not isinstance(table, nn.Module) or id(table) in inside or not backward_reads_no_weights(table)
-            or next(table.parameters(recurse=False), None) is None
-            or any(next(child.parameters(), None) is not None for child in table.children())):
-        return []
-    return [table]
+    table = _model_leaf(model, "get_input_embeddings", blocks)
+    return [table] if table is not None and backward_reads_no_weights(table) else []
 
 
 def standalone_embeddings(model: nn.Module, blocks: Sequence[nn.Module]) -> list[nn.Module]:
@@ -91,15 +96,8 @@ def standalone_embeddings(model: nn.Module, blocks: Sequence[nn.Module]) -> list
 
 
 def output_head(model: nn.Module, blocks: Sequence[nn.Module]) -> nn.Module | None:
-    """The model's output embedding (``get_output_embeddings()``) when it holds parameters of its
-    own outside ``blocks``, with no children that hold some; tied or not."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    inside = {id(m) for block in blocks for m in block.modules()}
-    if (not isinstance(head, nn.Module) or id(head) in inside or next(head.parameters(recurse=False), None) is None
-            or any(next(child.parameters(), None) is not None for child in head.children())):
-        return None
-    return head
+    """The model's output embedding (:func:`_model_leaf`); tied or not."""
+    return _model_leaf(model, "get_output_embeddings", blocks)
 
 
 def _param_users(model: nn.Module) -> dict[int, int]:
