@@ -276,8 +276,11 @@ class DeepSpeedSurface:
     # -- lifetime and export ---------------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Wait for a background save and detach the engine's hooks from the model (DeepSpeed's destroy)."""
+        """Wait for a background save, stop the heartbeat thread and detach the engine's hooks
+        from the model (DeepSpeed's destroy)."""
         self.wait_for_checkpoint()
+        if self.watchdog is not None:
+            self.watchdog.close()
         self.optimizer.reducer.remove_hooks()
         if self.optimizer.fetcher is not None:
             self.optimizer.fetcher.remove_hooks()

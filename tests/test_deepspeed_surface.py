@@ -123,6 +123,26 @@ def save_16bit(engine_kind: str, stage: int, path: str, gather: bool) -> bool:
         engine.destroy()
 
 
+def heartbeat_after_destroy() -> tuple[bool, bool]:
+    import threading
+
+    import parallel3d
+
+    engine, *_ = parallel3d.initialize(model=make_model("llama"), config=ds_config(2, 1, 2))
+
+    def beating() -> bool:
+        return any(t.name == "zero3d-heartbeat" and t.is_alive() for t in threading.enumerate())
+
+    before = beating()
+    engine.destroy()
+    return before, beating()
+
+
+def test_destroy_stops_the_heartbeat(dist):
+    """destroy() ends the watchdog's thread (a thread inside a store call at exit aborts the process)."""
+    assert dist.run(2, heartbeat_after_destroy) == [(True, False)] * 2
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_save_16bit_model_matches_deepspeed(dist, tmp_path, stage):
     assert dist.run(2, save_16bit, "zero3d", stage, str(tmp_path / "ours"), True) == [True, True]
