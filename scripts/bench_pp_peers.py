@@ -60,23 +60,24 @@ def clip_over_world(params, max_norm: float) -> None:
     torch._foreach_mul_(grads, min(1.0, max_norm / (float(sq) ** 0.5 + 1e-6)))
 
 
-def setup_torch_pipeline(model, spec, stage, schedule="Schedule1F1B", virtual=1):
+def setup_torch_pipeline(model, spec, stage, schedule="Schedule1F1B", virtual=1, pp=PP,
+                         microbatches=PIPELINE_MICRO_BATCHES):
     import torch.distributed.pipelining as tp
 
     from parallel3d.pipeline.stage import split_model
 
     rank = dist.get_rank()
     loss_fn = hf_loss(model)
-    pipe = split_model(model, PP, rank, virtual_stages=virtual, balance="layers")
+    pipe = split_model(model, pp, rank, virtual_stages=virtual, balance="layers")
     stages = [tp.PipelineStage(chunk, chunk.stage, chunk.total_stages, torch.device("cpu")) for chunk in pipe.chunks]
     cls = getattr(tp, schedule)
-    sched = cls(stages if virtual > 1 else stages[0], n_microbatches=PIPELINE_MICRO_BATCHES, loss_fn=loss_fn)
+    sched = cls(stages if virtual > 1 else stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     params = list(pipe.parameters())
     opt = torch.optim.AdamW(params, **ADAMW)
     first, last = any(c.is_first for c in pipe.chunks), any(c.is_last for c in pipe.chunks)
 
     def step(ids):
-        batch = ids.repeat(PIPELINE_MICRO_BATCHES, 1)  # split back into the micro-batches by the schedule
+        batch = ids.repeat(microbatches, 1)  # split back into the micro-batches by the schedule
         sched.step(*([batch] if first else []), **({"target": batch} if last else {}))
         clip_over_world(params, CLIP)
         opt.step()
@@ -85,23 +86,24 @@ def setup_torch_pipeline(model, spec, stage, schedule="Schedule1F1B", virtual=1)
     return step, lambda: None
 
 
-def setup_deepspeed_pipeline(model, spec, stage):
+def setup_deepspeed_pipeline(model, spec, stage, pp=PP, microbatches=PIPELINE_MICRO_BATCHES):
     from bench_runners import deepspeed_engine, import_deepspeed
     from models.pipeline_anatomy import pipeline_anatomy
     from parallel3d.pipeline.stage import PipelineStage, make_layout
 
     PipelineModule = import_deepspeed().pipe.PipelineModule  # noqa: N806 (needs deepspeed.comm set up)
     anatomy = pipeline_anatomy(model)
-    layout = make_layout(model, anatomy, PP, balance="layers")
-    module = PipelineModule(layers=[PipelineStage(model, anatomy, layout, s) for s in range(PP)], num_stages=PP,
+    layout = make_layout(model, anatomy, pp, balance="layers")
+    module = PipelineModule(layers=[PipelineStage(model, anatomy, layout, s) for s in range(pp)], num_stages=pp,
                             loss_fn=hf_loss(model), partition_method="uniform")
     config = ds_config(spec, stage)
-    config["gradient_accumulation_steps"] = PIPELINE_MICRO_BATCHES
+    config["gradient_accumulation_steps"] = microbatches
     engine = deepspeed_engine(module, spec, stage, config)
 
     def step(ids):
-        engine.train_batch(iter([(ids, ids)] * PIPELINE_MICRO_BATCHES))
+        engine.train_batch(iter([(ids, ids)] * microbatches))
 
+    step.engine = engine
     return step, lambda: None
 
 

@@ -63,6 +63,10 @@ MODELS = {
     # L: large for a CPU. ~254M params, bench_init.py's "254m" Llama: how costs grow with the model.
     "L": ModelSpec(dict(vocab_size=32000, hidden_size=1024, intermediate_size=2464, num_hidden_layers=16,
                         num_attention_heads=16, num_key_value_heads=16), micro=1, seq=128, steps=3, warmup=1),
+    # P: bench_pipeline.py's model (8 blocks so that pp 4 has two chunks per rank, a small
+    # vocabulary so that the head does not make the last stage heavy); bench_pp_replay.py.
+    "P": ModelSpec(dict(vocab_size=256, hidden_size=256, intermediate_size=680, num_hidden_layers=8,
+                        num_attention_heads=4, num_key_value_heads=4), micro=2, seq=128, steps=5, warmup=2),
     # T: tiny, for the tests that run each benchmark path once.
     "T": ModelSpec(dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2), micro=2, seq=32, steps=1, warmup=1),
@@ -231,19 +235,21 @@ PIPELINE_MICRO_BATCHES = 4  # per step and dp rank: 1F1B's steady state needs m 
 
 
 def setup_zero3d_pipeline(model, spec, stage, keep_full_gradients=False, schedule="1f1b", virtual_stages=1,
-                          balance="parameters"):
-    """pp 2 (1F1B by default) x dp world/2: each step is ``PIPELINE_MICRO_BATCHES`` copies of the batch."""
+                          balance="parameters", stages=2, microbatches=PIPELINE_MICRO_BATCHES, record_timeline=False):
+    """pp ``stages`` (1F1B by default) x dp world/stages: each step is ``microbatches`` copies of
+    the batch. The step function carries the engine (``step.engine``) for timeline readers."""
     import parallel3d
 
     config = ds_config(spec, stage)
-    config["gradient_accumulation_steps"] = PIPELINE_MICRO_BATCHES
-    config["pipeline"] = {"stages": 2, "schedule": schedule, "keep_full_gradients": keep_full_gradients,
-                          "virtual_stages": virtual_stages, "balance": balance}
+    config["gradient_accumulation_steps"] = microbatches
+    config["pipeline"] = {"stages": stages, "schedule": schedule, "keep_full_gradients": keep_full_gradients,
+                          "virtual_stages": virtual_stages, "balance": balance, "record_timeline": record_timeline}
     engine = parallel3d.initialize(model=model, config=config)[0]
 
     def step(ids):
-        engine.train_batch(iter([{"input_ids": ids, "labels": ids}] * PIPELINE_MICRO_BATCHES))
+        engine.train_batch(iter([{"input_ids": ids, "labels": ids}] * microbatches))
 
+    step.engine = engine
     return step, engine.memory_report
 
 

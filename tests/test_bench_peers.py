@@ -88,3 +88,50 @@ def test_a_benchmark_model_takes_its_sequences_per_micro_batch():
     for bad in ("A@0", "A@128x0", "A@x1", "A@128x", "Q@128"):
         with pytest.raises(ValueError, match="unknown benchmark model"):
             model_spec(bad)
+
+
+def test_pipeline_replay_times_a_known_schedule():
+    """bench_pp_replay.replay on a hand-made GPipe step of 2 ranks x 2 micro-batches: F costs 1,
+    B costs 2, 0.5 of executor CPU before every action but the first, 3 after the last."""
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    from bench_pp_replay import replay
+
+    def rank(stage: int, order: list[tuple[str, int]]) -> dict:
+        events, t = [], 0.0
+        for i, (kind, mb) in enumerate(order):
+            cpu = 1.0 if kind == "F" else 2.0
+            t += 0.0 if i == 0 else 0.5
+            events.append((kind, mb, stage, float(i), float(i) + 0.5, t, t + cpu))  # recorded order: by wall start
+            t += cpu
+        return {"events": events, "cpu0": 0.0, "cpu1": t + 3.0}
+
+    gpipe = [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    res = replay([rank(0, gpipe), rank(1, gpipe)])
+    # stage 1: F0 at 1-2, F1 at 2.5-3.5, B0 at 4-6, B1 at 6.5-8.5; stage 0 waits for B0 and B1:
+    # F0 0-1, F1 1.5-2.5, B0 6-8, B1 8.5-10.5. Span 10.5, step 10.5 + 3.
+    assert res["span"] == pytest.approx(10.5) and res["step"] == pytest.approx(13.5)
+    assert res["between"] == [1.5, 1.5] and res["tail"] == [3.0, 3.0] and res["compute"] == [6.0, 6.0]
+    assert res["bubble"] == pytest.approx(1 - 12 / 21)
+    with pytest.raises(RuntimeError, match="deadlocked"):
+        replay([rank(0, [("B", 0), ("F", 0)]), rank(1, [("F", 0), ("B", 0)])])  # B before its own F's input
+
+
+def test_pipeline_replay_benchmark_runs_end_to_end(tmp_path, capsys):
+    """scripts/bench_pp_replay.py on the tiny model at pp 4 (one torchrun job, every runner):
+    a replayed step for each, and a ratio of each Zero3D schedule to its peers."""
+    if SCRIPTS not in sys.path:
+        sys.path.insert(0, SCRIPTS)
+    import bench_pp_replay
+
+    raw = tmp_path / "replay.json"
+    stats = bench_pp_replay.main(["--model", "T", "--layers", "8", "--microbatches", "4", "--steps", "1",
+                                  "--warmup", "1", "--timeout", "300", "--json", str(raw)])
+    assert sorted(stats) == sorted(bench_pp_replay.NAMES)
+    for name, s in stats.items():
+        assert s["steps"] == 1 and 0 < s["compute_ms"] <= s["span_ms"] < s["step_ms"], (name, s)
+        assert 0 < s["bubble"] < 1, (name, s)
+    out = capsys.readouterr().out
+    assert out.count("| zzbh1 / ") == 2 and "| zi1f1b / ti1f1b |" in out
+    with pytest.raises(SystemExit):
+        bench_pp_replay.main(["--only", "zgpipe,nope"])
