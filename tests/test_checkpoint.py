@@ -69,6 +69,7 @@ def resume(stage: int, precision: str, ckpt_dir: str) -> dict:
     losses_a = [engine.train_batch(data) for _ in range(SAVE_AT)]
     saved = _counters(engine, sched)
     tag = engine.save_checkpoint(ckpt_dir, client_state={"epoch": 7, "note": "hi"})
+    crc_after_save = torch.serialization.get_crc32_options()  # a save turns torch.save's zip CRC off, then on
     losses_a += [engine.train_batch(data) for _ in range(SAVE_AT, STEPS)]  # beside a background save
     engine.wait_for_checkpoint()
     latest = Path(ckpt_dir, "latest").read_text()
@@ -84,7 +85,7 @@ def resume(stage: int, precision: str, ckpt_dir: str) -> dict:
     losses_b = [engine.train_batch(data) for _ in range(SAVE_AT, STEPS)]
     params_b, working_b = engine.full_parameters(), {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     return {
-        "tag": tag, "latest": latest, "path": path, "client_state": client_state,
+        "tag": tag, "latest": latest, "crc_after_save": crc_after_save, "path": path, "client_state": client_state,
         "saved": saved, "restored": restored, "final_a": final_a, "final_b": _counters(engine, sched),
         "losses_a": losses_a, "losses_b": losses_b,
         "different_init": any(not torch.equal(fresh[n], params_a[n]) for n in fresh),
@@ -104,7 +105,7 @@ def test_resume_is_bit_identical(dist, tmp_path, stage, precision):
         assert r["path"] == str(tmp_path / "global_step3")
         assert sorted(os.listdir(tmp_path / "global_step3")) == [
             "__0_0.distcp", "__1_0.distcp", "checkpoint.json", "config.json", "dcp.json"]
-        assert r["client_state"] == {"epoch": 7, "note": "hi"}
+        assert r["client_state"] == {"epoch": 7, "note": "hi"} and r["crc_after_save"]
         assert r["different_init"], "run B started from the same weights: the test proves nothing"
         # counters and schedule come back as they were at the save
         assert r["restored"] == r["saved"]
