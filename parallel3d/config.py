@@ -193,6 +193,10 @@ class Zero3DConfig(Section):
                               "ranks: with one, ZeRO stage 3 keeps every parameter whole on the device (nothing is "
                               "sharded, so nothing would be offloaded); run more data-parallel ranks, or remove the "
                               "key (offload_optimizer works with one)")
+        if pp > 1:  # the schedule's rules on the micro-batch count, before any process group exists
+            from parallel3d.pipeline.schedules import validate_schedule_args
+
+            validate_schedule_args(self.pipeline.schedule, pp, batch[2], self.pipeline.virtual_stages)
         resolved = self.model_copy(update=dict(zip(BATCH_KEYS, batch)))
         resolved._world_size, resolved._given_batch = world_size, given
         return resolved

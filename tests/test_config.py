@@ -387,10 +387,27 @@ def test_config_modules_do_not_import_torch_distributed():
 
 
 def test_sequence_parallel_with_pipeline_stages_loads():
-    config = {"train_micro_batch_size_per_gpu": 1, "pipeline": {"stages": 2},
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "pipeline": {"stages": 2},
               "tensor_parallel": {"size": 2, "sequence_parallel": True}}
     cfg = load_config(config, 4)
     assert cfg.pipeline.stages == 2 and cfg.tensor_parallel.sequence_parallel
+
+
+@pytest.mark.parametrize("pipeline,gas,message", [
+    ({"stages": 2}, 1, "schedule '1f1b' needs at least as many micro-batches as pipeline stages, got 1 micro-batches "
+                       "for 2 stages; raise gradient_accumulation_steps to >= 2 or use 'gpipe'"),
+    ({"stages": 4, "schedule": "zb_h1"}, 2, "schedule 'zb_h1' needs at least as many micro-batches"),
+    ({"stages": 2, "schedule": "interleaved_1f1b", "virtual_stages": 2}, 3,
+     "schedule 'interleaved_1f1b' needs the number of micro-batches to be a multiple of the number of pipeline "
+     "stages"),
+])
+def test_the_schedule_is_checked_against_the_micro_batch_count_at_load(pipeline, gas, message):
+    """A schedule the step's micro-batches cannot run is refused with the config, not at the first step."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas, "pipeline": pipeline},
+                    pipeline["stages"])
+    load_config({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": gas,
+                 "pipeline": {**pipeline, "schedule": "gpipe", "virtual_stages": 1}}, pipeline["stages"])
 
 
 # --- ZeRO-Offload blocks: DeepSpeed's fields and values ---------------------------------------
