@@ -193,7 +193,7 @@ class Zero3DConfig(Section):
                               "ranks: with one, ZeRO stage 3 keeps every parameter whole on the device (nothing is "
                               "sharded, so nothing would be offloaded); run more data-parallel ranks, or remove the "
                               "key (offload_optimizer works with one)")
-        if pp > 1:  # the schedule's rules on the micro-batch count, before any process group exists
+        if pp > 1:  # interleaving's rule on the micro-batch count, before any process group exists
             from parallel3d.pipeline.schedules import validate_schedule_args
 
             validate_schedule_args(self.pipeline.schedule, pp, batch[2], self.pipeline.virtual_stages)

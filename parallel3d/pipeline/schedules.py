@@ -45,9 +45,10 @@ def validate_schedule_args(name: str, num_stages: int, num_microbatches: int, vi
 
     * ``num_stages`` (P) >= 1, ``num_microbatches`` (m) >= 1, ``virtual_stages`` (V) >= 1.
     * ``gpipe``: any m >= 1.
-    * ``1f1b`` and ``zb_h1``: m >= P. With fewer, the warm-up already holds every micro-batch
-      and no steady 1F1B phase exists; that is GPipe, so ask for it by name (torch's Schedule1F1B
-      has the same rule).
+    * ``1f1b`` and ``zb_h1``: any m >= 1. With m < P the warm-up of the first ranks holds every
+      micro-batch and no steady phase exists, so the step runs in GPipe's order (as Megatron's
+      and DeepSpeed's 1F1B do; torch's Schedule1F1B refuses it instead). A DeepSpeed config
+      with pipeline stages and ``gradient_accumulation_steps: 1`` trains as it is.
     * ``interleaved_1f1b``: V >= 2 and m a multiple of P (m = P, 2P, ...). This is Megatron's
       rule: each rank runs its chunks in rounds of P micro-batches (P forwards of chunk 0, then P
       of chunk 1, ...), so micro-batches must come in whole rounds.
@@ -76,10 +77,6 @@ def validate_schedule_args(name: str, num_stages: int, num_microbatches: int, vi
         raise ConfigError(
             f"virtual_stages={v} applies only to 'interleaved_1f1b'; schedule {name!r} runs one model "
             "chunk per rank (virtual_stages=1)")
-    if name in ("1f1b", "zb_h1") and m < p:
-        raise ConfigError(
-            f"schedule {name!r} needs at least as many micro-batches as pipeline stages, got {m} "
-            f"micro-batches for {p} stages; raise gradient_accumulation_steps to >= {p} or use 'gpipe'")
     return name
 
 
