@@ -123,6 +123,7 @@ def apply_zero(
         ignore_unused_parameters=z.ignore_unused_parameters,
     )
     blocks = fetch_unit_modules(model) if z.stage == 3 else []
+    heads = standalone_head(model, blocks) if z.stage == 3 and blocks else []
     return ZeroOptimizer(
         groups,
         optimizer_factory,
@@ -131,7 +132,8 @@ def apply_zero(
         dtype=dtype,
         loss_scaler=_loss_scaler(cfg),
         fetch_modules=stage3_fetch_modules(model, blocks) if z.stage == 3 else (),
-        held_to_backward=standalone_head(model, blocks) if z.stage == 3 and blocks else (),
+        held_to_backward=heads,
+        release_early=_heads_released_early(heads, pipe, cfg.pipeline.schedule),
         model_parallel_params=tp_info.sharded_params if tp_info else (),
         model_parallel_group=mesh.group("tp") if tp_info else None,
         norm_groups=[mesh.group("pp")] if pipe else (),
@@ -142,6 +144,19 @@ def apply_zero(
         isolated_params=[t.param for t in pipe.tied] if pipe else (),
         param_names={p: n for n, p in (pipe.hf_named_parameters() if pipe else model.named_parameters())},
     )
+
+
+def _heads_released_early(heads: list[nn.Module], pipe: PipelineModel | None, schedule: str) -> list[nn.Module]:
+    """The stage-3 heads whose backward frees the gathered weight before its gradient (``zero.head``):
+    not a tied copy on the last pipeline stage (its gradient is summed across stages at the end of
+    the step) and not under ``zb_h1``, whose input-gradient pass cannot tell the head that the
+    weight's gradient comes in a later pass."""
+    if pipe is None:
+        return heads
+    tied = {id(t.param) for t in pipe.tied}
+    if schedule == "zb_h1":
+        return []
+    return [h for h in heads if not any(id(p) in tied for p in h.parameters())]
 
 
 def _offload_settings(z: ZeroConfig) -> OffloadSettings:

@@ -129,6 +129,8 @@ class ZeroOptimizer:
             embedding tables and head: ``zero.partition.stage3_fetch_modules``).
         held_to_backward: those of ``fetch_modules`` whose backward follows their forward at
             once (the head): kept gathered from one to the other instead of gathered twice.
+        release_early: those of ``held_to_backward`` whose backward may free the gathered
+            weight before making its gradient (``zero.head``: an untied ``nn.Linear`` head).
         model_parallel_params: params split across a model-parallel (tensor) group: each
             rank holds a different piece, so their squared grad norms are also summed over
             ``model_parallel_group``; all other params are replicated there and counted once.
@@ -163,6 +165,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         loss_scaler: LossScaler | None = None,
         fetch_modules: Iterable[nn.Module] = (),
         held_to_backward: Iterable[nn.Module] = (),
+        release_early: Iterable[nn.Module] = (),
         model_parallel_params: Iterable[nn.Parameter] = (),
         model_parallel_group: dist.ProcessGroup | None = None,
         norm_groups: Sequence[dist.ProcessGroup] = (),
@@ -231,6 +234,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 module_hooks=not self._hold_all,
                 module_keys=[chunk_of.get(units[0].params[0], 0) for _, units in self.layout.module_units],
                 held_to_backward=held_to_backward,
+                release_early=list(release_early),
                 settle=lambda units: self.reducer.settle(units),  # the reducer is made below
             )
         # one dp rank shards nothing: accumulating into full buffers then saves the staging copies

@@ -18,7 +18,9 @@ repeated blocks, two kinds of module outside them are fetch modules (``zero.part
   (``FlatUnit.shapes_only``) instead of being gathered again. Code that reads the table's
   weight outside its forward finds an empty tensor (and fails loudly);
 * an untied head is kept gathered from its forward until its gradient is reduced (its backward
-  follows at once), so it is not whole through the rest of backward.
+  follows at once), so it is not whole through the rest of backward; an ``nn.Linear`` head
+  hands its weight back inside its backward, between the input and the weight gradient
+  (``zero.head``), so the whole weight and the whole weight gradient are never alive together.
 
 Under pipeline stages both are gathered once per micro-batch instead of once per step
 (``pipeline.keep_full_gradients`` holds everything for the step instead).
@@ -48,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 
 from zero.comm import Pending, gather_shards
 from zero.flat import FlatUnit
+from zero.head import can_release_early, releasing_forward
 
 
 class FetchOrderError(RuntimeError):
@@ -70,6 +73,8 @@ class ParamFetcher:
             key's order is recorded, checked and prefetched along on its own. Default: one.
         held_to_backward: fetch modules kept gathered from their forward until their gradients
             are reduced (the head, whose backward comes right after its forward).
+        release_early: those of ``held_to_backward`` (an ``nn.Linear`` head without bias) whose
+            backward hands the gathered weight back before making its gradient (``zero.head``).
         settle: called with a fetch module's units before they are gathered around a use:
             finishes a reduction of their gradients still in flight (``GradientReducer.settle``).
     """
@@ -85,6 +90,7 @@ class ParamFetcher:
         module_keys: Sequence[int] | None = None,
         held_to_backward: Sequence[nn.Module] = (),
         settle: Callable[[Sequence[FlatUnit]], None] | None = None,
+        release_early: Sequence[nn.Module] = (),
     ) -> None:
         self.module_units = list(module_units)
         self.root_units = list(root_units)
@@ -113,6 +119,13 @@ class ParamFetcher:
             self._hooks.append(module.register_forward_pre_hook(functools.partial(self._pre_forward, mi)))
             self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, mi),
                                                             with_kwargs=True))
+        early = {id(m) for m in release_early}
+        self._forwards_replaced = [
+            module for mi, (module, _) in enumerate(self.module_units if module_hooks else ())
+            if id(module) in early and self._held_to_backward[mi] and can_release_early(module)]
+        for module in self._forwards_replaced:
+            mi = next(i for i, (m, _) in enumerate(self.module_units) if m is module)
+            module.forward = releasing_forward(module, functools.partial(self._release_for_weight_gradient, mi))
 
     @property
     def once_per_use_units(self) -> list[FlatUnit]:
@@ -126,6 +139,18 @@ class ParamFetcher:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        for module in self._forwards_replaced:
+            module.__dict__.pop("forward", None)
+        self._forwards_replaced = []
+
+    def _release_for_weight_gradient(self, mi: int) -> None:
+        """Inside a head's backward, its input gradient made: free the gathered weight (unless a
+        GatheredParameters context holds it) and give autograd its shape for the weight gradient.
+        A later backward through the same head is preceded by its pre-backward gather again."""
+        units = self.module_units[mi][1]
+        self.release(units)
+        for unit in units:
+            unit.shapes_only()
 
     def live_numel(self) -> int:
         gathered = sum(u.padded for _, us in self.module_units for u in us if u.is_materialized)
