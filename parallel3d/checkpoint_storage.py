@@ -346,14 +346,16 @@ def save_chunks(directory: Path, chunks: list[Chunk], group: dist.ProcessGroup |
     thread uses it, and it is restored when the save returns.
     """
     previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(zip_crc32 and previous)
+    if not zip_crc32:
+        torch.serialization.set_crc32_options(False)
     try:
         dcp.save({}, storage_writer=_Writer(directory, single_file_per_rank=True), planner=_SavePlanner(chunks),
                  process_group=group)
     except CheckpointException as exc:
         raise _first_failure(exc, directory, "saving") from None
     finally:
-        torch.serialization.set_crc32_options(previous)
+        if not zip_crc32:  # a background save never touches the switch (another save may hold it)
+            torch.serialization.set_crc32_options(previous)
 
 
 @dataclasses.dataclass

@@ -40,8 +40,9 @@ class ReleasingLinear(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0] and _will_run(ctx, 0, default=True):
             grad_x = grad2d.mm(weight).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            if _will_run(ctx, 1, default=None):  # None: inside autograd.grad, which may want it
+        wanted = _will_run(ctx, 1, default=None) if ctx.needs_input_grad[1] else False
+        if wanted is not False:  # None: inside autograd.grad, which may want it (kept gathered then)
+            if wanted:
                 del weight
                 ctx.release()
             grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1]))
@@ -60,20 +61,26 @@ def _will_run(ctx, index: int, default: bool | None) -> bool | None:
         return default
 
 
-def releasing_forward(module: nn.Linear, release: Callable[[], None]) -> Callable[[torch.Tensor], torch.Tensor]:
+def releasing_forward(module: nn.Linear, opened: Callable[[], None],
+                      release: Callable[[], None]) -> Callable[[torch.Tensor], torch.Tensor]:
     """A ``forward`` for ``module`` (an ``nn.Linear`` without bias) that uses :class:`ReleasingLinear`
-    when it builds a graph; plain ``F.linear`` otherwise (no grad, autocast, mixed dtypes)."""
+    when it builds a graph; plain ``F.linear`` otherwise (no grad, autocast, mixed dtypes).
+    ``opened()`` is called for each such use outside a backward (a recomputation inside one is
+    not a use of its own), ``release()`` by each use's backward before its weight gradient."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         weight = module.weight
         if (not torch.is_grad_enabled() or not weight.requires_grad or x.dtype != weight.dtype
                 or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, weight)
+        if torch._C._current_graph_task_id() == -1:
+            opened()
         return ReleasingLinear.apply(x, weight, release)
 
     return forward
 
 
 def can_release_early(module: nn.Module) -> bool:
-    """An exact ``nn.Linear`` without bias (a subclass may compute something else)."""
-    return type(module) is nn.Linear and module.bias is None
+    """An exact ``nn.Linear`` without bias (a subclass may compute something else) whose
+    ``forward`` nobody has replaced on the instance (accelerate's hooks, a user's patch)."""
+    return type(module) is nn.Linear and module.bias is None and "forward" not in vars(module)

@@ -123,9 +123,14 @@ class ParamFetcher:
         self._forwards_replaced = [
             module for mi, (module, _) in enumerate(self.module_units if module_hooks else ())
             if id(module) in early and self._held_to_backward[mi] and can_release_early(module)]
+        self._open_uses: dict[int, int] = {}  # early-releasing head -> uses whose backward is to come
+        self._early_of_unit: dict[int, int] = {}
         for module in self._forwards_replaced:
             mi = next(i for i, (m, _) in enumerate(self.module_units) if m is module)
-            module.forward = releasing_forward(module, functools.partial(self._release_for_weight_gradient, mi))
+            self._open_uses[mi] = 0
+            self._early_of_unit.update({id(u): mi for u in self.module_units[mi][1]})
+            module.forward = releasing_forward(module, functools.partial(self._open_use, mi),
+                                               functools.partial(self._release_for_weight_gradient, mi))
 
     @property
     def once_per_use_units(self) -> list[FlatUnit]:
@@ -143,10 +148,17 @@ class ParamFetcher:
             module.__dict__.pop("forward", None)
         self._forwards_replaced = []
 
+    def _open_use(self, mi: int) -> None:
+        self._open_uses[mi] += 1
+
     def _release_for_weight_gradient(self, mi: int) -> None:
-        """Inside a head's backward, its input gradient made: free the gathered weight (unless a
+        """Inside a head's backward, its input gradient made: once no other use of the head waits
+        for its backward (a head called twice in one forward), free the gathered weight (unless a
         GatheredParameters context holds it) and give autograd its shape for the weight gradient.
-        A later backward through the same head is preceded by its pre-backward gather again."""
+        A later backward through the head is preceded by its pre-backward gather again."""
+        self._open_uses[mi] = max(0, self._open_uses[mi] - 1)
+        if self._open_uses[mi]:
+            return
         units = self.module_units[mi][1]
         self.release(units)
         for unit in units:
@@ -175,6 +187,8 @@ class ParamFetcher:
 
     def release(self, units: Sequence[FlatUnit]) -> None:
         for unit in units:
+            if id(unit) in self._early_of_unit:  # released: uses counted before are over (or never ran)
+                self._open_uses[self._early_of_unit[id(unit)]] = 0
             if id(unit) in self._in_flight:
                 work, _ = self._in_flight.pop(id(unit))
                 work.wait()
