@@ -153,9 +153,9 @@ def _heads_released_early(heads: list[nn.Module], pipe: PipelineModel | None, sc
     weight's gradient comes in a later pass."""
     if pipe is None:
         return heads
-    tied = {id(t.param) for t in pipe.tied}
     if schedule == "zb_h1":
         return []
+    tied = {id(t.param) for t in pipe.tied}
     return [h for h in heads if not any(id(p) in tied for p in h.parameters())]
 
 

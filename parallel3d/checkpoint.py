@@ -310,7 +310,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dic
     config_json = hf_config.to_json_string() if hasattr(hf_config, "to_json_string") else None
     manifest["rng"] = _gather_to_rank0(_rng_state(), group)
     if staging is None:
-        _write(Path(save_dir), tag, chunks, manifest, config_json, group, in_training_thread=True)
+        _write(Path(save_dir), tag, chunks, manifest, config_json, group, zip_crc32=False)
         return tag, None
     thread = BackgroundSave(tag, Path(save_dir), tag, staging.stage(chunks), manifest, config_json, group)
     thread.start()
@@ -337,10 +337,9 @@ class BackgroundSave(threading.Thread):
 
 
 def _write(root: Path, tag: str, chunks: list[Chunk], manifest: dict, config_json: str | None,
-           group: dist.ProcessGroup | None, in_training_thread: bool = False) -> None:
+           group: dist.ProcessGroup | None, zip_crc32: bool = True) -> None:
     """Write the checkpoint into ``.<tag>.tmp`` on every rank; rank 0 then publishes it.
-    ``in_training_thread``: no other thread of ours saves meanwhile, so ``torch.save``'s zip
-    CRC can be switched off for the save (``save_chunks``)."""
+    ``zip_crc32=False`` (a save in the training thread only): see ``save_chunks``."""
     tmp, final = root / f".{tag}.tmp", root / tag
 
     def prepare() -> None:
@@ -354,7 +353,7 @@ def _write(root: Path, tag: str, chunks: list[Chunk], manifest: dict, config_jso
         _publish(root, tmp, final, tag)
 
     _on_rank0(prepare, f"cannot create {tmp}", group)
-    save_chunks(tmp, chunks, group, zip_crc32=not in_training_thread)
+    save_chunks(tmp, chunks, group, zip_crc32=zip_crc32)
     _on_rank0(finish, f"cannot publish checkpoint {final}", group)
 
 

@@ -188,6 +188,8 @@ def replay(ranks: list[dict]) -> dict:
     Returns the replayed step, its pipeline span, the CPU before/between/after the actions per
     rank, and the bubble (1 - compute CPU / (P x span)).
     """
+    from bench_pipeline import cross_input  # F after the previous stage's F, B after the next stage's B
+
     last = max(ev[2] for rank in ranks for ev in rank["events"])
     seqs, head, between, tail, compute = [], [], [], [], []
     for rank in ranks:
@@ -206,8 +208,7 @@ def replay(ranks: list[dict]) -> dict:
         for r, seq in enumerate(seqs):
             while pos[r] < len(seq):
                 kind, mb, stage, pre, cpu = seq[pos[r]]
-                dep = (("F", mb, stage - 1) if kind == "F" and stage > 0 else
-                       ("B", mb, stage + 1) if kind == "B" and stage < last else None)
+                dep = cross_input(kind, mb, stage, last)
                 if dep is not None and dep not in done:
                     break
                 start = max(clock[r] + pre, done.get(dep, 0.0))

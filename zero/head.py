@@ -43,7 +43,6 @@ class ReleasingLinear(torch.autograd.Function):
         wanted = _will_run(ctx, 1, default=None) if ctx.needs_input_grad[1] else False
         if wanted is not False:  # None: inside autograd.grad, which may want it (kept gathered then)
             if wanted:
-                del weight
                 ctx.release()
             grad_w = grad2d.t().mm(x.reshape(-1, x.shape[-1]))
         return grad_x, grad_w, None

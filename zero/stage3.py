@@ -120,17 +120,14 @@ class ParamFetcher:
             self._hooks.append(module.register_forward_hook(functools.partial(self._post_forward, mi),
                                                             with_kwargs=True))
         early = {id(m) for m in release_early}
-        self._forwards_replaced = [
-            module for mi, (module, _) in enumerate(self.module_units if module_hooks else ())
-            if id(module) in early and self._held_to_backward[mi] and can_release_early(module)]
-        self._open_uses: dict[int, int] = {}  # early-releasing head -> uses whose backward is to come
+        self._open_uses: dict[int, int] = {}  # early-releasing head -> its uses whose backward is to come
         self._early_of_unit: dict[int, int] = {}
-        for module in self._forwards_replaced:
-            mi = next(i for i, (m, _) in enumerate(self.module_units) if m is module)
-            self._open_uses[mi] = 0
-            self._early_of_unit.update({id(u): mi for u in self.module_units[mi][1]})
-            module.forward = releasing_forward(module, functools.partial(self._open_use, mi),
-                                               functools.partial(self._release_for_weight_gradient, mi))
+        for mi, (module, units) in enumerate(self.module_units if module_hooks else ()):
+            if id(module) in early and self._held_to_backward[mi] and can_release_early(module):
+                self._open_uses[mi] = 0
+                self._early_of_unit.update({id(u): mi for u in units})
+                module.forward = releasing_forward(module, functools.partial(self._open_use, mi),
+                                                   functools.partial(self._release_for_weight_gradient, mi))
 
     @property
     def once_per_use_units(self) -> list[FlatUnit]:
@@ -144,9 +141,9 @@ class ParamFetcher:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        for module in self._forwards_replaced:
-            module.__dict__.pop("forward", None)
-        self._forwards_replaced = []
+        for mi in self._open_uses:  # the heads whose forward was replaced
+            self.module_units[mi][0].__dict__.pop("forward", None)
+        self._open_uses, self._early_of_unit = {}, {}
 
     def _open_use(self, mi: int) -> None:
         self._open_uses[mi] += 1
