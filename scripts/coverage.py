@@ -4,9 +4,12 @@
     python scripts/coverage.py --shard 1/2                    # every second pending type (run 0/2 beside it)
     python scripts/coverage.py --layouts tp2 deepseek_v2      # only some layouts (the others' results stay)
     python scripts/coverage.py --table                        # README table and counts from the results
+    python scripts/coverage.py --composed                     # pp x tp, pp x dp and tp x dp on four ranks
+    python scripts/coverage.py --composed --table             # README's table of those
 
 Each type runs under three layouts on two gloo ranks against one process
-(``scripts/coverage_check.py`` says how); each outcome is ``pass``, ``refused: <reason>``,
+(``scripts/coverage_check.py`` says how), or with ``--composed`` under three layouts of two axes
+on four ranks (results in ``docs/coverage_composed.jsonl``, their own README table); each outcome is ``pass``, ``refused: <reason>``,
 ``fail: <what>`` or ``skip: <why>``. Results are appended, one JSON line per type, to
 ``docs/coverage.jsonl`` as each type finishes, so a run can be stopped and started again (types
 already there are skipped unless named or ``--redo``), and several runs (``--shard K/N``, each
@@ -36,33 +39,35 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from coverage_check import LAYOUTS, check  # noqa: E402
+from coverage_check import COMPOSED, LAYOUTS, SHAPES, check  # noqa: E402
 
 RESULTS = ROOT / "docs" / "coverage.jsonl"
+COMPOSED_RESULTS = ROOT / "docs" / "coverage_composed.jsonl"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
+COMPOSED_BEGIN, COMPOSED_END = "<!-- coverage-composed:begin -->", "<!-- coverage-composed:end -->"
 RESTART_EVERY = 25  # types per pair of workers (each initialize builds process groups)
 
 
-def worker(rank: int, port: int, jobs: Any, results: Any, layouts: tuple[str, ...]) -> None:
-    """One of two ranks: for each type from ``jobs``, every layout; rank 0 reports the agreed outcomes."""
+def worker(rank: int, world: int, port: int, jobs: Any, results: Any, layouts: tuple[str, ...]) -> None:
+    """One of ``world`` ranks: for each type from ``jobs``, every layout; rank 0 reports the agreed outcomes."""
     import torch.distributed as dist
     import transformers
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank))
     from datetime import timedelta
 
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     parent = os.getppid()
     while (model_type := _next_job(jobs, parent)) is not None:
         outcomes = {}
         for layout in layouts:
             mine = check(model_type, layout)
-            both: list[str] = [""] * 2
-            dist.all_gather_object(both, mine)
-            outcomes[layout] = agree(both)
+            every: list[str] = [""] * world
+            dist.all_gather_object(every, mine)
+            outcomes[layout] = agree(every)
         if rank == 0:
             results.put((model_type, outcomes))
     dist.destroy_process_group()
@@ -94,18 +99,19 @@ def free_port() -> int:
 
 
 class Workers:
-    """Two worker processes and their queues."""
+    """One worker process per rank of the layouts (all of the same size), and their queues."""
 
     def __init__(self, layouts: tuple[str, ...]) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         port = free_port()
-        self.jobs = [ctx.Queue() for _ in range(2)]
+        world = SHAPES[layouts[0]].world
+        self.jobs = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=worker, args=(r, port, self.jobs[r], self.results, layouts),
+        self.procs = [ctx.Process(target=worker, args=(r, world, port, self.jobs[r], self.results, layouts),
                                  daemon=True)
-                      for r in range(2)]
+                      for r in range(world)]
         for p in self.procs:
             p.start()
         self.served = 0
@@ -200,25 +206,34 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type not yet recorded)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=Path, help=f"results (default {RESULTS.name}, with --composed "
+                        f"{COMPOSED_RESULTS.name})")
+    parser.add_argument("--composed", action="store_true", help=f"the four-rank layouts: {', '.join(COMPOSED)}")
     parser.add_argument("--redo", action="store_true", help="run types already recorded again")
     parser.add_argument("--shard", default="0/1", help="K/N: only every N-th pending type, from the K-th")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a type may take")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    parser.add_argument("--layouts", help="comma-separated, of one run's kind (default: all of them): "
+                        f"{', '.join(LAYOUTS)}; with --composed {', '.join(COMPOSED)}")
     parser.add_argument("--table", action="store_true", help="write README's table from the results and stop")
     args = parser.parse_args()
+    known = COMPOSED if args.composed else LAYOUTS
+    out = args.out or (COMPOSED_RESULTS if args.composed else RESULTS)
     if args.table:
-        from coverage_table import write_table
+        from coverage_table import write_composed_table, write_table
 
-        write_table(load(args.out), README, BEGIN, END, all_types())
+        if args.composed:
+            write_composed_table(load(out), README, COMPOSED_BEGIN, COMPOSED_END)
+        else:
+            write_table(load(out), README, BEGIN, END, all_types())
         return
-    done = load(args.out)
+    done = load(out)
     types = args.types or [t for t in all_types() if args.redo or t not in done or "transformers" in done[t]]
     k, n = (int(x) for x in args.shard.split("/"))
-    layouts = tuple(args.layouts.split(","))
-    if not layouts or set(layouts) - set(LAYOUTS):
-        parser.error(f"--layouts {args.layouts!r}: expected a comma-separated list of {', '.join(LAYOUTS)}")
-    run(types[k::n], args.out, args.timeout, layouts)
+    layouts = tuple(args.layouts.split(",")) if args.layouts else known
+    if not layouts or set(layouts) - set(known):
+        parser.error(f"--layouts {args.layouts!r}: expected a comma-separated list of {', '.join(known)}"
+                     + ("" if args.composed else " (the four-rank layouts need --composed)"))
+    run(types[k::n], out, args.timeout, layouts)
 
 
 if __name__ == "__main__":

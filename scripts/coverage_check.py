@@ -12,6 +12,16 @@ with the oracle's. Layouts, two ranks each:
 * ``tp2``: tensor parallel over 2 ranks, both micro-batches by gradient accumulation;
 * ``pp2``: two pipeline stages, 1F1B over the two micro-batches.
 
+and the composed layouts, four ranks each (``--layouts`` of ``scripts/coverage.py``):
+
+* ``pp2-tp2``: two pipeline stages of two tensor-parallel ranks, ZeRO-1, interleaved 1F1B
+  where the model has a block per virtual stage, else 1F1B;
+* ``pp2-dp2-z3``: two pipeline stages of two ZeRO-3 data-parallel ranks (one micro-batch each,
+  ZB-H1: fewer micro-batches than stages);
+* ``tp2-dp2-z3``: two tensor-parallel ranks in each of two ZeRO-3 data-parallel groups.
+
+A data-parallel rank trains its share of the step's two micro-batches (dp 2: one each).
+
 An outcome is ``pass``, ``refused: <Zero3D's reason>`` (a ``ConfigError`` from ``initialize``),
 ``fail: <what went wrong>`` (a mismatch or an error while training: a bug), or ``skip: <why>``
 when the tiny config does not build or train in transformers itself.
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,7 +42,29 @@ SEQ, MICRO = 8, 2
 STEPS, LR = 2, 0.5
 RTOL = 1e-4
 MAX_PARAMS = 60_000_000
-LAYOUTS = ("zero3", "tp2", "pp2")
+LAYOUTS = ("zero3", "tp2", "pp2")  # two ranks each: the README's table
+COMPOSED = ("pp2-tp2", "pp2-dp2-z3", "tp2-dp2-z3")  # four ranks each
+
+
+@dataclass(frozen=True)
+class Layout:
+    world: int
+    pp: int = 1
+    tp: int = 1
+    stage: int = 0
+    schedule: str = "1f1b"
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.pp * self.tp)
+
+
+SHAPES = {
+    "zero3": Layout(2, stage=3), "tp2": Layout(2, tp=2), "pp2": Layout(2, pp=2),
+    "pp2-tp2": Layout(4, pp=2, tp=2, stage=1, schedule="interleaved_1f1b"),
+    "pp2-dp2-z3": Layout(4, pp=2, stage=3, schedule="zb_h1"),
+    "tp2-dp2-z3": Layout(4, tp=2, stage=3),
+}
 
 
 def _text_part(config: Any) -> Any:
@@ -109,18 +142,26 @@ def oracle(model_type: str) -> tuple[list[float], dict[str, torch.Tensor], dict[
     return losses, before, {n: p.detach().clone() for n, p in names.items()}
 
 
-def engine_config(layout: str) -> dict[str, Any]:
-    dp, gas = (2, 1) if layout == "zero3" else (1, 2)
+def engine_config(layout: str, blocks: int | None = None) -> dict[str, Any]:
+    """The engine's config for ``layout``; ``blocks``: the model's block count (interleaving needs
+    one per virtual stage, else the layout runs 1F1B)."""
+    shape = SHAPES[layout]
+    gas = 2 // shape.dp
     config: dict[str, Any] = {
-        "train_batch_size": MICRO * gas * dp, "train_micro_batch_size_per_gpu": MICRO,
+        "train_batch_size": MICRO * gas * shape.dp, "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas, "gradient_clipping": 0.0, "steps_per_print": 1000,
         "optimizer": {"type": "SGD", "params": {"lr": LR}},
-        "zero_optimization": {"stage": 3 if layout == "zero3" else 0, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": shape.stage, "stage3_param_persistence_threshold": 0},
     }
-    if layout == "tp2":
-        config["tensor_parallel"] = {"size": 2}
-    if layout == "pp2":
-        config["pipeline"] = {"stages": 2, "schedule": "1f1b"}
+    if shape.tp > 1:
+        config["tensor_parallel"] = {"size": shape.tp}
+    if shape.pp > 1:
+        config["pipeline"] = {"stages": shape.pp, "schedule": shape.schedule}
+        if shape.schedule == "interleaved_1f1b":
+            if blocks is not None and blocks >= 2 * shape.pp:
+                config["pipeline"]["virtual_stages"] = 2
+            else:
+                config["pipeline"]["schedule"] = "1f1b"
     return config
 
 
@@ -164,6 +205,11 @@ def _compare(losses: list[float], want: list[float], got: dict[str, torch.Tensor
     return "pass"
 
 
+def _blocks(model: torch.nn.Module) -> int | None:
+    config = _text_part(model.config)
+    return getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+
+
 _ORACLE: dict[str, Any] = {}  # the last type's oracle (or its exception), shared by its layouts
 
 
@@ -191,17 +237,17 @@ def check(model_type: str, layout: str) -> str:
     except Exception as exc:  # noqa: BLE001 - the tiny config is not one transformers runs
         return f"skip: tiny config fails in transformers ({_what(exc)})"
     try:
-        engine, _, _, _ = parallel3d.initialize(model=tiny_model(model_type), config=engine_config(layout))
+        model = tiny_model(model_type)
+        engine, _, _, _ = parallel3d.initialize(model=model, config=engine_config(layout, _blocks(model)))
     except ConfigError as exc:
         return f"refused: {_reason(exc)}"
     except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
         return f"fail: initialize raised {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
     try:
-        dp_rank = engine.mesh.local_rank("dp")
+        dp_rank, gas = engine.mesh.local_rank("dp"), 2 // SHAPES[layout].dp
         losses = []
         for step in range(STEPS):
-            batches = micro_batches(step)
-            mine = batches[dp_rank:dp_rank + 1] if layout == "zero3" else batches
+            mine = micro_batches(step)[dp_rank * gas:(dp_rank + 1) * gas]
             losses.append(engine.train_batch(iter(copy.deepcopy(mine))))
         got = engine.full_parameters()
     except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
