@@ -6,10 +6,15 @@
     python scripts/coverage.py --table                        # README table and counts from the results
     python scripts/coverage.py --composed                     # pp x tp, pp x dp and tp x dp on four ranks
     python scripts/coverage.py --composed --table             # README's table of those
+    python scripts/coverage.py --meta [--composed]            # the engine's model built on the meta device
+    python scripts/coverage.py --resume [--composed] [--meta] # a checkpoint of one layout resumed under another
 
 Each type runs under three layouts on two gloo ranks against one process
 (``scripts/coverage_check.py`` says how), or with ``--composed`` under three layouts of two axes
-on four ranks (results in ``docs/coverage_composed.jsonl``, their own README table); each outcome is ``pass``, ``refused: <reason>``,
+on four ranks (results in ``docs/coverage_composed.jsonl``, their own README table); with
+``--meta`` the engine's model starts on the meta device, and with ``--resume`` a checkpoint saved
+after the first step under one layout is resumed under another (``docs/coverage_resume.jsonl``
+and so on: each option adds to the file's name); each outcome is ``pass``, ``refused: <reason>``,
 ``fail: <what>`` or ``skip: <why>``. Results are appended, one JSON line per type, to
 ``docs/coverage.jsonl`` as each type finishes, so a run can be stopped and started again (types
 already there are skipped unless named or ``--redo``), and several runs (``--shard K/N``, each
@@ -39,17 +44,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from coverage_check import COMPOSED, LAYOUTS, SHAPES, check  # noqa: E402
+from coverage_check import COMPOSED, COMPOSED_RESUMES, LAYOUTS, RESUMES, SHAPES, check  # noqa: E402
 
 RESULTS = ROOT / "docs" / "coverage.jsonl"
-COMPOSED_RESULTS = ROOT / "docs" / "coverage_composed.jsonl"
 README = ROOT / "README.md"
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
-COMPOSED_BEGIN, COMPOSED_END = "<!-- coverage-composed:begin -->", "<!-- coverage-composed:end -->"
 RESTART_EVERY = 25  # types per pair of workers (each initialize builds process groups)
 
 
-def worker(rank: int, world: int, port: int, jobs: Any, results: Any, layouts: tuple[str, ...]) -> None:
+def worker(rank: int, world: int, port: int, jobs: Any, results: Any, layouts: tuple[str, ...], meta: bool,
+           scratch: str) -> None:
     """One of ``world`` ranks: for each type from ``jobs``, every layout; rank 0 reports the agreed outcomes."""
     import torch.distributed as dist
     import transformers
@@ -64,7 +68,7 @@ def worker(rank: int, world: int, port: int, jobs: Any, results: Any, layouts: t
     while (model_type := _next_job(jobs, parent)) is not None:
         outcomes = {}
         for layout in layouts:
-            mine = check(model_type, layout)
+            mine = check(model_type, layout, meta, scratch)
             every: list[str] = [""] * world
             dist.all_gather_object(every, mine)
             outcomes[layout] = agree(every)
@@ -101,15 +105,15 @@ def free_port() -> int:
 class Workers:
     """One worker process per rank of the layouts (all of the same size), and their queues."""
 
-    def __init__(self, layouts: tuple[str, ...]) -> None:
+    def __init__(self, layouts: tuple[str, ...], meta: bool, scratch: str) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         port = free_port()
-        world = SHAPES[layouts[0]].world
+        world = SHAPES[layouts[0].split(">")[0]].world
         self.jobs = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=worker, args=(r, world, port, self.jobs[r], self.results, layouts),
+        self.procs = [ctx.Process(target=worker, args=(r, world, port, self.jobs[r], self.results, layouts, meta, scratch),
                                  daemon=True)
                       for r in range(world)]
         for p in self.procs:
@@ -183,32 +187,40 @@ def all_types() -> list[str]:
     return list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def run(types: list[str], out: Path, timeout: float, layouts: tuple[str, ...] = LAYOUTS) -> None:
-    workers = Workers(layouts)
+def run(types: list[str], out: Path, timeout: float, layouts: tuple[str, ...] = LAYOUTS, meta: bool = False) -> None:
+    import shutil
+    import tempfile
+
+    scratch = tempfile.mkdtemp(prefix="zero3d-coverage-")  # resumed layouts' checkpoints
+    workers = Workers(layouts, meta, scratch)
     try:
         for model_type in types:
             if workers.served >= RESTART_EVERY:
                 workers.stop()
-                workers = Workers(layouts)
+                workers = Workers(layouts, meta, scratch)
             start = time.monotonic()
             outcomes = workers.run(model_type, timeout)
             if outcomes is None:
                 outcomes = {layout: f"fail: no result within {timeout:.0f} s (a hang or a crash)" for layout in layouts}
                 workers.stop(kill=True)
-                workers = Workers(layouts)
+                workers = Workers(layouts, meta, scratch)
             append(out, model_type, outcomes, time.monotonic() - start)
             print(f"{model_type:28s} " + " | ".join(f"{k}: {v[:70]}" for k, v in outcomes.items()), flush=True)
     finally:
         workers.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type not yet recorded)")
-    parser.add_argument("--out", type=Path, help=f"results (default {RESULTS.name}, with --composed "
-                        f"{COMPOSED_RESULTS.name})")
+    parser.add_argument("--out", type=Path, help=f"results (default docs/{RESULTS.name}; "
+                        "coverage_composed.jsonl, coverage_meta.jsonl, coverage_meta_composed.jsonl with the options)")
     parser.add_argument("--composed", action="store_true", help=f"the four-rank layouts: {', '.join(COMPOSED)}")
+    parser.add_argument("--meta", action="store_true", help="build the engine's model on the meta device")
+    parser.add_argument("--resume", action="store_true", help="save under one layout, resume under another: "
+                        f"{', '.join(RESUMES)}; with --composed {', '.join(COMPOSED_RESUMES)}")
     parser.add_argument("--redo", action="store_true", help="run types already recorded again")
     parser.add_argument("--shard", default="0/1", help="K/N: only every N-th pending type, from the K-th")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a type may take")
@@ -216,13 +228,17 @@ def main() -> None:
                         f"{', '.join(LAYOUTS)}; with --composed {', '.join(COMPOSED)}")
     parser.add_argument("--table", action="store_true", help="write README's table from the results and stop")
     args = parser.parse_args()
-    known = COMPOSED if args.composed else LAYOUTS
-    out = args.out or (COMPOSED_RESULTS if args.composed else RESULTS)
+    known = ((COMPOSED_RESUMES if args.resume else COMPOSED) if args.composed
+             else (RESUMES if args.resume else LAYOUTS))
+    out = args.out or ROOT / "docs" / ("coverage" + "_meta" * args.meta + "_resume" * args.resume
+                                       + "_composed" * args.composed + ".jsonl")
     if args.table:
         from coverage_table import write_composed_table, write_table
 
-        if args.composed:
-            write_composed_table(load(out), README, COMPOSED_BEGIN, COMPOSED_END)
+        if args.meta or args.composed or args.resume:  # README's markers are named after the results file
+            marker = out.stem.replace("_", "-")
+            write_composed_table(load(out), README, f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", known,
+                                 " ".join(f"--{o}" for o in ("meta", "resume", "composed") if getattr(args, o)))
         else:
             write_table(load(out), README, BEGIN, END, all_types())
         return
@@ -233,7 +249,7 @@ def main() -> None:
     if not layouts or set(layouts) - set(known):
         parser.error(f"--layouts {args.layouts!r}: expected a comma-separated list of {', '.join(known)}"
                      + ("" if args.composed else " (the four-rank layouts need --composed)"))
-    run(types[k::n], out, args.timeout, layouts)
+    run(types[k::n], out, args.timeout, layouts, args.meta)
 
 
 if __name__ == "__main__":

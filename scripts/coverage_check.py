@@ -20,7 +20,10 @@ and the composed layouts, four ranks each (``--layouts`` of ``scripts/coverage.p
   ZB-H1: fewer micro-batches than stages);
 * ``tp2-dp2-z3``: two tensor-parallel ranks in each of two ZeRO-3 data-parallel groups.
 
-A data-parallel rank trains its share of the step's two micro-batches (dp 2: one each).
+A data-parallel rank trains its share of the step's two micro-batches (dp 2: one each). A
+resumed layout ``A>B`` (``--resume``) trains the first step under A with momentum SGD, saves a
+checkpoint, and takes the second step in a fresh engine under B that loads it: the oracle is
+then momentum SGD too, so the optimizer's state has to come through the checkpoint.
 
 An outcome is ``pass``, ``refused: <Zero3D's reason>`` (a ``ConfigError`` from ``initialize``),
 ``fail: <what went wrong>`` (a mismatch or an error while training: a bug), or ``skip: <why>``
@@ -44,6 +47,10 @@ RTOL = 1e-4
 MAX_PARAMS = 60_000_000
 LAYOUTS = ("zero3", "tp2", "pp2")  # two ranks each: the README's table
 COMPOSED = ("pp2-tp2", "pp2-dp2-z3", "tp2-dp2-z3")  # four ranks each
+# a checkpoint saved under the first layout resumed under the second, each axis changed
+RESUMES = ("zero3>tp2", "tp2>pp2", "pp2>zero3")
+COMPOSED_RESUMES = ("pp2-tp2>tp2-dp2-z3", "tp2-dp2-z3>pp2-dp2-z3", "pp2-dp2-z3>pp2-tp2")
+MOMENTUM = 0.9  # resumed runs: the optimizer's state must come through the checkpoint too
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def oracle(model_type: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def oracle(model_type: str, momentum: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Single process: losses per step, and every parameter (by every name) before and after."""
     model = tiny_model(model_type)
     with torch.no_grad():  # a forward that draws random numbers in training agrees with no other run
@@ -126,7 +133,7 @@ def oracle(model_type: str) -> tuple[list[float], dict[str, torch.Tensor], dict[
     torch.manual_seed(0)
     names = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     before = {n: p.detach().clone() for n, p in names.items()}
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     losses = []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -142,7 +149,7 @@ def oracle(model_type: str) -> tuple[list[float], dict[str, torch.Tensor], dict[
     return losses, before, {n: p.detach().clone() for n, p in names.items()}
 
 
-def engine_config(layout: str, blocks: int | None = None) -> dict[str, Any]:
+def engine_config(layout: str, blocks: int | None = None, momentum: float = 0.0) -> dict[str, Any]:
     """The engine's config for ``layout``; ``blocks``: the model's block count (interleaving needs
     one per virtual stage, else the layout runs 1F1B)."""
     shape = SHAPES[layout]
@@ -150,7 +157,7 @@ def engine_config(layout: str, blocks: int | None = None) -> dict[str, Any]:
     config: dict[str, Any] = {
         "train_batch_size": MICRO * gas * shape.dp, "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas, "gradient_clipping": 0.0, "steps_per_print": 1000,
-        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": momentum}},
         "zero_optimization": {"stage": shape.stage, "stage3_param_persistence_threshold": 0},
     }
     if shape.tp > 1:
@@ -210,46 +217,86 @@ def _blocks(model: torch.nn.Module) -> int | None:
     return getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
 
 
-_ORACLE: dict[str, Any] = {}  # the last type's oracle (or its exception), shared by its layouts
+_ORACLE: dict[tuple[str, float], Any] = {}  # the last type's oracle (or its exception), shared by its layouts
 
 
-def _cached_oracle(model_type: str) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    if model_type not in _ORACLE:
+def _cached_oracle(model_type: str, momentum: float) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    key = (model_type, momentum)
+    if key not in _ORACLE:
         _ORACLE.clear()
         try:
-            _ORACLE[model_type] = oracle(model_type)
+            _ORACLE[key] = oracle(model_type, momentum)
         except Exception as exc:  # noqa: BLE001 - kept to be raised again for every layout
-            _ORACLE[model_type] = exc
-    found = _ORACLE[model_type]
+            _ORACLE[key] = exc
+    found = _ORACLE[key]
     if isinstance(found, Exception):
         raise found
     return found
 
 
-def check(model_type: str, layout: str) -> str:
-    """This rank's outcome for ``model_type`` under ``layout`` (module docstring). The oracle is
-    trained once per type: it is the same for every layout, and the engine runs on fresh copies."""
+class _Outcome(Exception):
+    """Ends a check early with its outcome (a refusal or a failure)."""
+
+
+def _engine(model_type: str, layout: str, meta: bool, momentum: float) -> Any:
     import parallel3d
     from parallel3d.errors import ConfigError
 
     try:
-        want, before, after = _cached_oracle(model_type)
+        if meta:
+            with torch.device("meta"):
+                model = tiny_model(model_type)
+        else:
+            model = tiny_model(model_type)
+        engine, _, _, _ = parallel3d.initialize(model=model, config=engine_config(layout, _blocks(model), momentum))
+    except ConfigError as exc:
+        raise _Outcome(f"refused: {_reason(exc)}") from exc
+    except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
+        raise _Outcome(f"fail: initialize raised {type(exc).__name__}: {str(exc).splitlines()[0][:120]}") from exc
+    return engine
+
+
+def _train(engine: Any, layout: str, steps: range) -> list[float]:
+    dp_rank, gas = engine.mesh.local_rank("dp"), 2 // SHAPES[layout].dp
+    return [engine.train_batch(iter(copy.deepcopy(micro_batches(step)[dp_rank * gas:(dp_rank + 1) * gas])))
+            for step in steps]
+
+
+def check(model_type: str, layout: str, meta: bool = False, scratch: str | None = None) -> str:
+    """This rank's outcome for ``model_type`` under ``layout`` (module docstring). The oracle is
+    trained once per type: it is the same for every layout, and the engine runs on fresh copies.
+    ``meta``: the engine's model is built on the meta device and ``initialize`` gives it its values
+    (the oracle's eager initialization, bit for bit, or the updates differ). ``layout`` ``"A>B"``
+    (:data:`RESUMES`): the first step under A with momentum SGD, a checkpoint saved under
+    ``scratch`` (a directory every rank reaches), then a fresh engine under B loads it and takes
+    the second step."""
+    resume = ">" in layout
+    momentum = MOMENTUM if resume else 0.0
+    try:
+        want, before, after = _cached_oracle(model_type, momentum)
     except Exception as exc:  # noqa: BLE001 - the tiny config is not one transformers runs
         return f"skip: tiny config fails in transformers ({_what(exc)})"
     try:
-        model = tiny_model(model_type)
-        engine, _, _, _ = parallel3d.initialize(model=model, config=engine_config(layout, _blocks(model)))
-    except ConfigError as exc:
-        return f"refused: {_reason(exc)}"
-    except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
-        return f"fail: initialize raised {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    try:
-        dp_rank, gas = engine.mesh.local_rank("dp"), 2 // SHAPES[layout].dp
-        losses = []
-        for step in range(STEPS):
-            mine = micro_batches(step)[dp_rank * gas:(dp_rank + 1) * gas]
-            losses.append(engine.train_batch(iter(copy.deepcopy(mine))))
-        got = engine.full_parameters()
-    except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
-        return f"fail: training raised {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+        if not resume:
+            engine = _engine(model_type, layout, meta, momentum)
+            losses = _guarded(lambda: _train(engine, layout, range(STEPS)), "training")
+        else:
+            first, second = layout.split(">")
+            engine = _engine(model_type, first, meta, momentum)
+            path = f"{scratch}/{model_type}-{first}-{second}"
+            losses = _guarded(lambda: _train(engine, first, range(1)), "training")
+            _guarded(lambda: engine.save_checkpoint(path, tag="step1"), "save_checkpoint")
+            engine = _engine(model_type, second, meta, momentum)
+            _guarded(lambda: engine.load_checkpoint(path, tag="step1"), "load_checkpoint")
+            losses += _guarded(lambda: _train(engine, second, range(1, STEPS)), "training after the load")
+        got = _guarded(engine.full_parameters, "full_parameters")
+    except _Outcome as outcome:
+        return str(outcome)
     return _compare(losses, want, got, before, after)
+
+
+def _guarded(call: Any, what: str) -> Any:
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
+        raise _Outcome(f"fail: {what} raised {type(exc).__name__}: {str(exc).splitlines()[0][:120]}") from exc
