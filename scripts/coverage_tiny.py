@@ -34,6 +34,8 @@ import copy
 import re
 from typing import Any
 
+from models.layer_configs import LAYER_COUNTS, layer_count, layer_entries, layers_of_each_kind, stored
+
 VOCAB = 96
 TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -49,7 +51,6 @@ TINY = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_atten
             num_kv_shared_layers=0,  # Gemma 3n: the shared layers' types must all be among the tiny first ones
             num_encoder_layers=2, num_decoder_layers=4)  # ProphetNet's names
 HEAD_DIM = 8
-LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "n_layers")
 
 
 def get(config: Any, key: str, default: Any = None) -> Any:
@@ -78,47 +79,6 @@ def _settable(config: Any, key: str) -> bool:
     return True
 
 
-def _stored(config: Any) -> dict[str, Any]:
-    return {k: v for k, v in vars(config).items() if not k.startswith("_")}
-
-
-def _overrides(config: Any) -> dict[int, dict[str, Any]]:
-    spec = getattr(config, "_heterogeneity_spec", None)
-    return {int(k): dict(v) for k, v in (getattr(spec, "per_layer_overrides", None) or {}).items()}
-
-
-def _layer_count(config: Any) -> tuple[str, int] | None:
-    for key in LAYER_COUNTS:
-        value = get(config, key)
-        if isinstance(value, int) and value > 0 and key in TINY:
-            return key, value
-    return None
-
-
-def _is_index_list(value: Any, layers: int) -> bool:
-    return (isinstance(value, list) and 0 < len(value) < layers
-            and all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in value))
-
-
-def _pick_layers(stored: dict[str, Any], overrides: dict[int, dict[str, Any]], layers: int, count: int) -> list[int]:
-    """The default's layers the tiny model keeps: the first of each kind, then the first ones, in order."""
-    per_layer = [v for v in stored.values() if isinstance(v, list) and len(v) == layers]
-    indexed = [set(v) for v in stored.values() if _is_index_list(v, layers)]
-
-    def kind(j: int) -> str:
-        return repr(([v[j] for v in per_layer], [j in s for s in indexed], sorted(overrides.get(j, {}).items())))
-
-    by_kind: dict[str, list[int]] = {}
-    for j in range(layers):
-        by_kind.setdefault(kind(j), []).append(j)
-    picks: list[int] = []
-    while len(picks) < count:  # round robin over the kinds, in order of first appearance
-        for indices in by_kind.values():
-            if indices and len(picks) < count:
-                picks.append(indices.pop(0))
-    return sorted(picks)
-
-
 def _scaled(value: Any, default: Any, tiny: Any) -> Any:
     """A per-layer override of a size, scaled as its global size was."""
     if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, default, tiny)) and default > 0:
@@ -128,26 +88,15 @@ def _scaled(value: Any, default: Any, tiny: Any) -> Any:
 
 def _layer_sizes(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     """Per-layer lists, layer-index lists and per-layer overrides for the tiny layer count."""
-    found = _layer_count(config)
+    found = layer_count(config, [k for k in LAYER_COUNTS if k in TINY])
     if found is None:
         return {}
     key, layers = found
     count = sizes.get(key, layers)
-    stored, overrides = _stored(config), _overrides(config)
     if count >= layers:
         return {}
-    picks = _pick_layers(stored, overrides, layers, count)
-    out: dict[str, Any] = {}
-    for name, value in stored.items():
-        if isinstance(value, list) and len(value) == layers:
-            out[name] = [value[j] for j in picks]
-        elif _is_index_list(value, layers):
-            out[name] = [i for i, j in enumerate(picks) if j in value]
-    if overrides:
-        out["per_layer_config"] = {
-            i: {a: _scaled(v, get(config, a), sizes.get(a)) for a, v in overrides[j].items()}
-            for i, j in enumerate(picks) if j in overrides}
-    return out
+    picks = layers_of_each_kind(config, layers, count)
+    return layer_entries(config, layers, picks, lambda name, v: _scaled(v, get(config, name), sizes.get(name)))
 
 
 def _positive_int(value: Any) -> bool:
@@ -156,7 +105,7 @@ def _positive_int(value: Any) -> bool:
 
 def _head_dims(config: Any) -> dict[str, int]:
     """Every ``*head_dim`` the config stores, scaled by one factor: ``head_dim`` (or the smallest) to 8."""
-    dims = {k: v for k, v in _stored(config).items() if k.endswith("head_dim") and _positive_int(v)}
+    dims = {k: v for k, v in stored(config).items() if k.endswith("head_dim") and _positive_int(v)}
     sums = {a + b for ka, a in dims.items() for kb, b in dims.items() if ka < kb}
     dims = {k: v for k, v in dims.items() if k == "head_dim" or v not in sums}  # qk_head_dim = nope + rope: derived
     if not dims:
@@ -180,7 +129,7 @@ def _tied_widths(config: Any, widths: set[int]) -> dict[str, int]:
     part's for a part of a multimodal one) become the tiny width: dots3's vision adapter maps the
     vision width to the text width, BLT's local decoder reads its global model's width. Vocabularies (hash or per-layer ones) become the tiny one."""
     out = {}
-    for key, value in _stored(config).items():
+    for key, value in stored(config).items():
         if not _positive_int(value) or key in TINY or key.endswith("head_dim") or "divisible" in key:
             continue
         if "vocab" in key and value > VOCAB:

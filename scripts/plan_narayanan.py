@@ -85,7 +85,8 @@ def run(rows: list[tuple], do_search: bool) -> list[dict]:
                "reported": reported, "predicted": tflops, "error": (tflops - reported) / reported,
                "step": theirs.step_seconds, "parts": theirs.parts, "peak_gib": theirs.peak / 2**30}
         if do_search:
-            best, considered = search(planner, hw, Choice(max_micro_batch=8), top=3)
+            found = search(planner, hw, Choice(max_micro_batch=8), top=3)
+            best, considered = found.best, found.considered
             pick = best[0] if best else None
             row.update(considered=considered, pick=pick.layout.describe() if pick else "none fits",
                        pick_tflops=flops / pick.step_seconds / gpus / 1e12 if pick else 0.0,

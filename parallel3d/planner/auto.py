@@ -150,11 +150,13 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
     hw = _hardware(hints, world, device)
     with torch.device("meta"):
         shape_model = type(model)(copy.deepcopy(model.config))
-    best, considered = choose(Planner(shape_model, _workload(cfg, hints["seq_length"])), hw, choice)
+    best, result = choose(Planner(shape_model, _workload(cfg, hints["seq_length"])), hw, choice)
+    considered = result.considered
     if best is None:
+        why = f" (not considered: {result.why_none()})" if result.refused else ""
         raise ConfigError(f"\"auto\": none of the {considered} layouts of this model fits {world} devices of "
                           f"{hw.memory / 2**30:.1f} GiB at sequence length {hints['seq_length']} and global batch "
-                          f"{cfg.train_batch_size}; `zero3d plan` shows what does with other settings")
+                          f"{cfg.train_batch_size}{why}; `zero3d plan` shows what does with other settings")
     layout = best.layout
     chosen = {"size": layout.tp, "stages": layout.pp, "stage": layout.zero_stage,
               "train_micro_batch_size_per_gpu": layout.micro_batch}
@@ -171,9 +173,9 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
 
 def choose(planner, hw, choice):
     """The fastest layout that fits and that a config can express (activation checkpointing is a
-    pipeline setting), and how many were considered."""
+    pipeline setting), and the search's result."""
     from parallel3d.planner.search import search
 
-    ranked, considered = search(planner, hw, choice, top=20)
-    runnable = [p for p in ranked if p.layout.pp > 1 or not p.layout.checkpointing]
-    return (runnable[0] if runnable else None), considered
+    result = search(planner, hw, choice, top=20)
+    runnable = [p for p in result.best if p.layout.pp > 1 or not p.layout.checkpointing]
+    return (runnable[0] if runnable else None), result

@@ -207,14 +207,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = load_model(args.model)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
         planner = Planner(model, Workload(seq=args.seq_len, global_batch=args.global_batch, dtype=dtype))
-        best, considered = search(planner, hw, choice, top=max(args.top, 50 if args.png else args.top))
+        result = search(planner, hw, choice, top=max(args.top, 50 if args.png else args.top))
     except ConfigError as exc:
         print(f"zero3d plan: error: {exc}", file=sys.stderr)
         return 2
+    best, considered = result.best, result.considered
     if not best:
-        print(f"zero3d plan: none of the {considered} layouts fits {hw.gpus} x {hw.memory / 1e9:.0f} GB: more "
-              "devices, a shorter sequence, a smaller global batch, or ZeRO stage 3 / checkpointing if pinned off",
-              file=sys.stderr)
+        print(f"zero3d plan: none of the {considered} layouts considered fits {hw.gpus} x {hw.memory / 1e9:.0f} GB"
+              + (": more devices, a shorter sequence, a smaller global batch, or ZeRO stage 3 / checkpointing if "
+                 "pinned off" if considered else "")
+              + (f"; not considered: {result.why_none()}" if result.refused else ""), file=sys.stderr)
         return 1
     tokens = args.global_batch * args.seq_len
     rows = [row(p, hw, tokens) for p in best[: args.top]]

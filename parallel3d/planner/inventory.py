@@ -18,11 +18,13 @@ import copy
 from dataclasses import dataclass
 from functools import cached_property
 
+import torch
 from torch import nn
 
 from models.anatomy import fetch_unit_modules
-from models.pipeline_anatomy import AnatomyError, anatomy_paths
+from models.pipeline_anatomy import AnatomyError, PipelineAnatomy, pipeline_anatomy
 from parallel3d.errors import ConfigError
+from parallel3d.meta_init import detach_from_meta
 from parallel3d.pipeline.stage import StageLayout, make_layout
 from parallel3d.planner.local_tp import localize
 from zero.partition import embedding_tables, output_head, standalone_embeddings, standalone_head
@@ -55,6 +57,20 @@ class RankParams:
         return sum(p.numel for g in self.groups for p in g)
 
 
+def _checked_anatomy(model: nn.Module) -> PipelineAnatomy:
+    """``split_model``'s checks (its cut of the forward run on a probe included) on a copy of
+    ``model`` whose meta tensors are made CPU ones that read as shapes: buffers zeros, parameters
+    storage-less (the probe runs no block and reads no weight)."""
+    probe = copy.deepcopy(model) if any(t.is_meta for t in (*model.parameters(), *model.buffers())) else model
+    if probe is not model:
+        buffers = ((n, torch.zeros(b.shape, dtype=b.dtype)) for n, b in probe.named_buffers(remove_duplicate=False))
+        try:
+            detach_from_meta(probe, buffers, torch.device("cpu"))
+        except ConfigError as exc:
+            raise AnatomyError(f"pipeline parallelism: {exc}") from None
+    return pipeline_anatomy(probe)
+
+
 class ModelShapes:
     """The parameters of one model at tensor-parallel size ``tp`` (the model is copied, not changed)."""
 
@@ -62,10 +78,11 @@ class ModelShapes:
         local = copy.deepcopy(model)
         info = localize(local, tp, sequence_parallel=sequence_parallel)
         self.tp = tp
+        self.pipeline_refusal: str | None = None  # why pipeline stages cannot split this model
         try:
-            self.paths = anatomy_paths(local)
-        except AnatomyError:
-            self.paths = None
+            self.paths = _checked_anatomy(local)
+        except AnatomyError as exc:
+            self.paths, self.pipeline_refusal = None, str(exc)
         blocks = fetch_unit_modules(local)
         block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
         self.params: list[Param] = []
@@ -111,7 +128,7 @@ class ModelShapes:
                      balance: str = "parameters") -> StageLayout:
         """The blocks of every global stage, as ``split_model`` decides them on this tp size."""
         if self.paths is None:
-            raise ConfigError(f"pipeline parallelism: {type(self._local).__name__} has no pipeline anatomy")
+            raise ConfigError(f"pipeline parallelism: {self.pipeline_refusal}")
         key = (pp, virtual_stages, partition, balance)
         if key not in self._layouts:
             self._layouts[key] = make_layout(self._local, self.paths, pp, virtual_stages,

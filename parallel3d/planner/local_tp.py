@@ -5,8 +5,10 @@ every parameter a rank keeps (for ZeRO's accounting) and the tensors a rank's fo
 backward create (for activations, FLOPs and the collectives' volumes). ``localize`` changes a
 model in place (meta or fake tensors) so that running it on one process creates exactly the
 shapes tp rank 0 creates: the same plan (``models.tp_plans``), head layout and kv replication
-(``tensor_parallel.heads``), left-behind parameters (``tensor_parallel.regions``) and shard specs
-(``tensor_parallel.sharding.make_spec``) as ``apply_tensor_parallel``. Every collective becomes
+(``tensor_parallel.heads``), left-behind parameters (``tensor_parallel.regions``), per-head
+inputs and shard specs (``tensor_parallel.sharding.make_spec``) as ``apply_tensor_parallel``,
+decided and checked by the same ``prepare_tensor_parallel`` (so the planner refuses exactly
+the models ``initialize`` refuses). Every collective becomes
 a local op of the same output shape that records its payload in a :class:`CommLog`: an
 all-reduce becomes a copy (as ``_all_reduce`` copies), an all-gather a concatenation, a
 reduce-scatter a contiguous slice.
@@ -26,12 +28,10 @@ import torch
 from torch import nn
 
 from models.anatomy import fetch_unit_modules
-from models.tp_plans import TPPlanError, resolve_tp_plan
-from parallel3d.errors import ConfigError
-from parallel3d.tensor_parallel.experts import expert_specs
-from parallel3d.tensor_parallel.heads import head_layout, kv_projections, localize_head_counts
+from parallel3d.tensor_parallel.apply import head_input_hooks, prepare_tensor_parallel
+from parallel3d.tensor_parallel.heads import localize_head_counts
 from parallel3d.tensor_parallel.layers import _linear_parts, _matmul
-from parallel3d.tensor_parallel.regions import find_left_behind, split_params
+from parallel3d.tensor_parallel.regions import split_params
 from parallel3d.tensor_parallel.sharding import ShardSpec, make_spec
 
 logger = logging.getLogger(__name__)
@@ -223,15 +223,8 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
     if world == 1:
         vocab = model.get_input_embeddings().weight.shape[0]
         return LocalTP(1, specs, log, vocab)
-    try:
-        plan = resolve_tp_plan(model, world)
-    except TPPlanError as exc:
-        raise ConfigError(str(exc)) from None
-    layout = head_layout(model, plan, world)
-    kv = dict.fromkeys(kv_projections(model, plan, layout), layout.kv_replicas) if layout else {}
-    left = find_left_behind(model, plan, layout, world)
-    experts = {n: s for path, planned in sorted(plan.experts.items())
-               for n, s in expert_specs(model, path, planned, world).items()}
+    prep = prepare_tensor_parallel(model, world, sequence_parallel)
+    plan, layout, kv, left, experts = prep.plan, prep.layout, prep.kv_layers, prep.left_behind, prep.experts
     regions = plan.regions
     for name, layer in plan.layers.items():
         if layer.kind not in ("column", "row"):
@@ -247,6 +240,7 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
     specs.update(experts)
     for name in plan.attention_modules:
         localize_head_counts(model.get_submodule(name), plan.divide_attrs.get(name, ()), layout, world)
+    head_input_hooks(model, prep, 0)
     names = {id(m): n for n, m in model.named_modules()}
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     local_emb = _LocalEmbedding(emb, world, log)

@@ -189,6 +189,7 @@ class Planner:
         self.workload = workload
         self._shapes: dict[int, ModelShapes] = {}
         self._profile = lru_cache(maxsize=None)(self._profile_uncached)
+        self._failed: dict[tuple, ConfigError] = {}  # profiles that failed, not run again
 
     def shapes(self, tp: int) -> ModelShapes:
         if tp not in self._shapes:
@@ -198,8 +199,20 @@ class Planner:
     def _profile_uncached(self, kind: str, blocks: int, micro_batch: int, tp: int, sp: bool, ac: bool,
                           attention: str, split: bool) -> PassProfile:
         w = self.workload
-        return profile_pass(self.config, kind, blocks, micro_batch=micro_batch, seq=w.seq, dtype=w.dtype, tp=tp,
-                            sequence_parallel=sp, checkpointing=ac, attention=attention, split_backward=split)
+        key = (kind, blocks, micro_batch, tp, sp, ac, attention, split)
+        if key in self._failed:
+            raise self._failed[key]
+        try:
+            return profile_pass(self.config, kind, blocks, micro_batch=micro_batch, seq=w.seq, dtype=w.dtype, tp=tp,
+                                sequence_parallel=sp, checkpointing=ac, attention=attention, split_backward=split)
+        except ConfigError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the model's own code on fake tensors: any error, reported
+            where = f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}"
+            self._failed[key] = ConfigError(
+                f"{where}: the model's forward and backward fail on the profile's fake tensors ({kind} chunk of "
+                f"{blocks} block(s): {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
+            raise self._failed[key] from exc
 
     def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
         key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1")

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from models.anatomy import fetch_unit_modules
+from models.layer_configs import with_layers
 from parallel3d.planner.local_tp import localize
 
 logger = logging.getLogger(__name__)
@@ -282,23 +283,11 @@ class _Stop(Exception):
         self.output = output
 
 
-def _truncated_config(config, blocks: int):
-    """``config`` with ``blocks`` layers (per-layer lists cut to match)."""
-    cfg = copy.deepcopy(config)
-    key = "n_layer" if hasattr(cfg, "n_layer") and not hasattr(cfg, "num_hidden_layers") else "num_hidden_layers"
-    setattr(cfg, key, blocks)
-    for name in ("layer_types", "sliding_window_pattern_list"):
-        value = getattr(cfg, name, None)
-        if isinstance(value, list):
-            setattr(cfg, name, value[:blocks])
-    return cfg
-
-
 def _build(config, blocks: int, dtype: torch.dtype, tp: int, sequence_parallel: bool, checkpointing: bool):
     """The model with ``blocks`` blocks on fake tensors, as tp rank 0 holds it; and its tp log."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(_truncated_config(config, blocks), dtype=dtype)
+    model = AutoModelForCausalLM.from_config(with_layers(config, blocks), dtype=dtype)
     model.train()
     info = localize(model, tp, sequence_parallel=sequence_parallel)
     if checkpointing:
@@ -338,6 +327,16 @@ def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
         layers[-1].register_forward_hook(stop)
 
 
+def token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' causal-LM loss (fp32 logits, labels shifted by padding) on whatever vocabulary
+    the logits hold: a tp rank's, whose model would read the full vocabulary size in its own loss
+    code (``self.vocab_size``, ``lm_head.out_features``). The engine replaces that loss with the
+    vocabulary-parallel one, which keeps the same fp32 softmax-sized tensor."""
+    labels = nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
+    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                       ignore_index=-100)
+
+
 def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, dtype: torch.dtype, tp: int = 1,
                  sequence_parallel: bool = False, checkpointing: bool = False, attention: str = "native",
                  split_backward: bool = False) -> PassProfile:
@@ -370,8 +369,8 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
                 inputs = {"inputs_embeds": torch.empty(micro_batch, seq, config.hidden_size, dtype=dtype)}
             if kind != "only":
                 inputs["use_cache"] = False  # as the pipeline's stage programs call the blocks
-            try:
-                out = model(**inputs, labels=ids).loss
+            try:  # one rank runs the model's own loss, as the engine does; tp ranks a loss on their slice
+                out = model(**inputs, labels=ids).loss if tp == 1 else token_loss(model(**inputs).logits, ids)
             except _Stop as stop_at:
                 out = stop_at.output
             at_rest, forward_peak, forward_in_block = live.live, live.peak, live.peak_in_block

@@ -51,26 +51,40 @@ def _pick(pinned, options):
     return [pinned] if pinned is not None else list(options)
 
 
-def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice()) -> Iterator[Layout]:
-    """Every layout of ``choice`` that ``initialize`` would accept for this model and workload."""
+def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice(),
+               refused: dict[str, int] | None = None) -> Iterator[Layout]:
+    """Every layout of ``choice`` that ``initialize`` would accept for this model and workload;
+    why the others are not (one line per reason, with how many layouts it rules out) goes
+    into ``refused``."""
+    refused = {} if refused is None else refused
+
+    def refuse(reason: str, count: int = 1) -> None:
+        refused[reason] = refused.get(reason, 0) + count
+
     w = planner.workload
     blocks = len(planner.shapes(1).block_params)
     for tp in _pick(choice.tp, [d for d in _divisors(hw.gpus_per_node) if hw.gpus % d == 0]):
         try:
-            planner.shapes(tp)
+            shapes = planner.shapes(tp)
         except (ConfigError, ValueError) as exc:
             logger.info("tp %d skipped: %s", tp, exc)
+            refuse(f"tp {tp}: {exc}")
             continue
         for pp in _pick(choice.pp, [d for d in _divisors(hw.gpus // tp) if d <= blocks]):
             if hw.gpus % (tp * pp):
                 continue
+            if pp > 1 and shapes.pipeline_refusal:
+                refuse(f"pp > 1: {shapes.pipeline_refusal}")
+                continue
             dp = hw.gpus // (tp * pp)
             if w.global_batch % dp:
+                refuse(f"the global batch {w.global_batch} does not divide among dp {dp} (tp {tp} x pp {pp})")
                 continue
             per_replica = w.global_batch // dp
             micro = [b for b in _divisors(per_replica) if b <= choice.max_micro_batch and b & (b - 1) == 0]
             for mb in _pick(choice.micro_batch, micro):
                 if per_replica % mb:
+                    refuse(f"micro-batch {mb} does not divide the {per_replica} samples per replica (dp {dp})")
                     continue
                 for sched, virtual in _schedules(pp, per_replica // mb, blocks, choice):
                     for stage in _pick(choice.zero_stage, (0, 1, 2, 3)):
@@ -79,7 +93,8 @@ def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice()) -> Ite
                                 layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp)
                                 try:
                                     planner.check(layout)
-                                except ConfigError:
+                                except ConfigError as exc:
+                                    refuse(str(exc))
                                     continue
                                 yield layout
 
@@ -112,24 +127,49 @@ def model_states_fit(planner: Planner, layout: Layout, hw: Hardware) -> bool:
     return True
 
 
-def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int = 10) -> tuple[list[Prediction], int]:
-    """The ``top`` fastest layouts that fit, fastest first, and how many layouts were considered.
+@dataclass
+class SearchResult:
+    """The fastest layouts that fit (fastest first), how many layouts were considered, and why
+    others were not considered or could not be priced (reason -> layouts)."""
+
+    best: list[Prediction]
+    considered: int
+    refused: dict[str, int]
+
+    def why_none(self) -> str:
+        """The reasons, most frequent first, for a message when nothing fits."""
+        return "; ".join(f"{reason} ({n} layout{'s' * (n > 1)})"
+                         for reason, n in sorted(self.refused.items(), key=lambda kv: -kv[1])[:5])
+
+
+def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int = 10) -> SearchResult:
+    """The ``top`` fastest layouts that fit and what was considered (:class:`SearchResult`).
 
     Two passes: every candidate whose model states fit is priced quickly (a few ranks of a long
     pipeline, the schedule's closed-form makespan); the best ``3 x top`` of those that fit are
-    then priced exactly (every rank, the simulated table) and ranked again.
+    then priced exactly (every rank, the simulated table) and ranked again. A layout that cannot
+    be priced (its model's forward fails on the profile's fake tensors) is left out with the
+    reason.
     """
+    refused: dict[str, int] = {}
+
+    def priced(layout: Layout, exact: bool) -> Prediction | None:
+        try:
+            return planner.predict(layout, hw, exact=exact)
+        except ConfigError as exc:
+            refused[str(exc)] = refused.get(str(exc), 0) + 1
+            return None
+
     rough: list[Prediction] = []
     considered = 0
-    for layout in candidates(planner, hw, choice):
+    for layout in candidates(planner, hw, choice, refused):
         considered += 1
         if not model_states_fit(planner, layout, hw):
             continue
-        prediction = planner.predict(layout, hw, exact=False)
-        if prediction.fits(hw.memory):
+        prediction = priced(layout, exact=False)
+        if prediction is not None and prediction.fits(hw.memory):
             rough.append(prediction)
     rough.sort(key=lambda p: (p.step_seconds, p.peak))
-    exact = [planner.predict(p.layout, hw) for p in rough[: 3 * top]]
-    exact = [p for p in exact if p.fits(hw.memory)]
+    exact = [p for p in (priced(r.layout, exact=True) for r in rough[: 3 * top]) if p is not None and p.fits(hw.memory)]
     exact.sort(key=lambda p: (p.step_seconds, p.peak))
-    return exact[:top], considered
+    return SearchResult(exact[:top], considered, refused)

@@ -71,7 +71,7 @@ from parallel3d.tensor_parallel.layers import (
     VocabParallelLMHead,
     _linear_parts,
 )
-from parallel3d.tensor_parallel.regions import find_left_behind, split_params, split_regions
+from parallel3d.tensor_parallel.regions import LeftBehind, find_left_behind, split_params, split_regions
 from parallel3d.tensor_parallel.rng import SplitRegionRNG
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
@@ -300,19 +300,22 @@ def _sequence_partial_params(model: nn.Module, regions: set[str], sharded: set[n
     return out | {r.bias for r in rows if r.bias is not None and r.bias.requires_grad}
 
 
-def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_parallel: bool = False,
-                          sequence_segments: bool = True) -> TensorParallelInfo:
-    """Shard ``model`` (an unmodified HF causal LM, same weights on every tp rank) in place.
+@dataclass
+class Preparation:
+    """What tensor parallelism over ``world`` ranks will do to a model, decided and checked before
+    anything changes (``apply_tensor_parallel``, and the planner's ``local_tp.localize``)."""
 
-    With ``sequence_parallel`` the block list is one sequence-parallel run (scattered at its
-    first block, gathered after its last); ``sequence_segments=False`` leaves that to the caller
-    (:func:`sequence_segment_hooks` per pipeline chunk).
+    world: int
+    plan: ModelTPPlan
+    layout: HeadLayout | None
+    kv_layers: dict[str, int]  # replicated kv projections -> their replica count
+    left_behind: LeftBehind
+    experts: dict[str, ShardSpec]
 
-    Returns a ``TensorParallelInfo``. Afterwards ``model(input_ids=..., labels=...)``
-    returns a ``CausalLMOutputWithPast`` whose ``.loss`` equals the single-process loss;
-    ``.logits`` are gathered only with ``gather_logits=True`` (or when no labels are given).
-    """
-    world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+
+def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: bool = False) -> Preparation:
+    """Plan ``world``-way tensor parallelism of ``model``; ``ConfigError`` naming the reason when it
+    cannot be done (every check ``apply_tensor_parallel`` makes, none of its changes)."""
     try:
         plan = resolve_tp_plan(model, world)
         base_model_prefix(model)
@@ -326,14 +329,39 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     check_logit_transforms(model)
     kv_layers = dict.fromkeys(kv_projections(model, plan, layout), layout.kv_replicas) if layout else {}
     left_behind = find_left_behind(model, plan, layout, world)
-
     experts = {n: s for path, planned in sorted(plan.experts.items())
                for n, s in expert_specs(model, path, planned, world).items()}
     if experts and sequence_parallel:
         raise ConfigError(f"{type(model).__name__}: sequence parallelism with tensor-parallel experts is not supported "
                           "(each rank's experts would see its own sequence shard, whose partial outputs cannot be "
                           "summed across ranks)")
+    return Preparation(world, plan, layout, kv_layers, left_behind, experts)
 
+
+def head_input_hooks(model: nn.Module, prep: Preparation, rank: int) -> list[Any]:
+    """Pre-hooks narrowing per-head inputs (BLOOM's ALiBi) to ``rank``'s heads."""
+    if prep.layout is None:
+        return []
+    return [model.get_submodule(name).register_forward_pre_hook(
+        head_input_hook(model.get_submodule(name), inputs, prep.layout, rank), with_kwargs=True)
+        for name, inputs in sorted(prep.plan.head_inputs.items())]
+
+
+def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_parallel: bool = False,
+                          sequence_segments: bool = True) -> TensorParallelInfo:
+    """Shard ``model`` (an unmodified HF causal LM, same weights on every tp rank) in place.
+
+    With ``sequence_parallel`` the block list is one sequence-parallel run (scattered at its
+    first block, gathered after its last); ``sequence_segments=False`` leaves that to the caller
+    (:func:`sequence_segment_hooks` per pipeline chunk).
+
+    Returns a ``TensorParallelInfo``. Afterwards ``model(input_ids=..., labels=...)``
+    returns a ``CausalLMOutputWithPast`` whose ``.loss`` equals the single-process loss;
+    ``.logits`` are gathered only with ``gather_logits=True`` (or when no labels are given).
+    """
+    world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
+    prep = prepare_tensor_parallel(model, world, sequence_parallel)
+    plan, layout, kv_layers, left_behind, experts = prep.plan, prep.layout, prep.kv_layers, prep.left_behind, prep.experts
     regions = plan.regions
     specs: dict[str, ShardSpec] = {}
     partial: set[nn.Parameter] = set()
@@ -351,10 +379,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         _hidden_states_hook(lambda x: copy_to_tp(x, tp_group)), with_kwargs=True)
         for name in regions if not sequence_parallel]
     hooks += [h for path in sorted(plan.experts) for h in expert_hooks(model.get_submodule(path), tp_group)]
-    if layout is not None:
-        hooks += [model.get_submodule(name).register_forward_pre_hook(
-            head_input_hook(model.get_submodule(name), inputs, layout, rank), with_kwargs=True)
-            for name, inputs in sorted(plan.head_inputs.items())]
+    hooks += head_input_hooks(model, prep, rank)
     rng = SplitRegionRNG(rank)
     if sequence_parallel:
         hooks += _sequence_parallel_hooks(model, tp_group, regions)
