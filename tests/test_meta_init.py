@@ -206,3 +206,21 @@ def test_shard_source_runs_rebuild_the_shard(size, packed, pad, world, replicas)
         for shard_start, full_start, count in spec.source_runs(0, want.shape[0], rank, world):
             got[shard_start : shard_start + count] = full[full_start : full_start + count]
         assert torch.equal(got, want), rank
+
+
+def test_storageless_parameters_never_allocate_their_size():
+    """A meta model's parameters become storage-less without ever asking for their bytes: a 4 TiB
+    one (more than any host or device holds) costs one element, and sharding it stays storage-less."""
+    from parallel3d.meta_init import detach_from_meta
+    from parallel3d.storageless import is_storageless
+    from parallel3d.tensor_parallel.sharding import make_spec
+
+    with torch.device("meta"):
+        layer = nn.Linear(1 << 20, 1 << 20, bias=False)
+    detach_from_meta(layer, iter(()), torch.device("cpu"))
+    weight = layer.weight
+    assert weight.shape == (1 << 20, 1 << 20) and weight.device.type == "cpu" and is_storageless(weight)
+    assert weight.untyped_storage().nbytes() == weight.element_size()
+    shard = make_spec(1 << 20, 0, 4).shard(weight, 1, 4)
+    assert shard.shape == (1 << 18, 1 << 20) and is_storageless(shard)
+    assert not is_storageless(torch.zeros(3)) and not is_storageless(torch.zeros(4)[:1].expand(4))

@@ -127,6 +127,9 @@ def load_model(path: str):
         except ValueError as exc:
             raise ConfigError(f"model {path!r}: {type(config).__name__} is not a causal LM transformers knows: "
                               f"{exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the model's own constructor on this config: any error, reported
+            raise ConfigError(f"model {path!r}: transformers cannot build {type(config).__name__}'s model from this "
+                              f"config ({type(exc).__name__}: {exc})") from None
 
 
 def _choice(args: argparse.Namespace):
