@@ -14,6 +14,7 @@ the coverage script's tiny configs (``scripts/coverage_tiny.py``: one layer of e
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,9 +71,11 @@ def layer_entries(config: Any, layers: int, picks: Sequence[int],
 
 
 def layers_of_each_kind(config: Any, layers: int, count: int) -> list[int]:
-    """``count`` of the config's ``layers`` layers, in order: the first of each kind, then the second
-    of each, and so on (a layer's kind: its entries in every per-layer list and index list, and its
-    overrides), so that a few layers show every kind the model has."""
+    """``count`` (at most ``layers``) of the config's ``layers`` layers, in order: the first of each
+    kind, then the second of each, and so on (a layer's kind: its entries in every per-layer list
+    and index list, and its overrides), so that a few layers show every kind the model has."""
+    if not 0 < count <= layers:
+        raise ValueError(f"{count} of {layers} layers")
     values, per_layer_overrides = stored(config), overrides(config)
     per_layer = [v for v in values.values() if isinstance(v, list) and len(v) == layers]
     indexed = [set(v) for v in values.values() if is_index_list(v, layers)]
@@ -91,20 +94,26 @@ def layers_of_each_kind(config: Any, layers: int, count: int) -> list[int]:
     return sorted(picks)
 
 
+_PRIVATE = ("_attn_implementation_internal", "_experts_implementation_internal", "_name_or_path")
+
+
 def with_layers(config: Any, count: int) -> Any:
-    """``config`` with ``count`` of its layers (a new config; ``config`` is unchanged): the first
-    ones, or where the config's own validation refuses those (a hybrid model that wants an
-    attention layer among them), :func:`layers_of_each_kind`."""
+    """A copy of ``config`` with ``count`` layers (``config`` is unchanged): its first ones, past
+    its own count by repeating them (a one-layer model profiled at two), or where the config's own
+    validation refuses the first ones (a hybrid model that wants an attention layer among them)
+    :func:`layers_of_each_kind`. A composite config (text and vision parts) has its text part cut.
+    Where the config refuses to be rebuilt with any choice, its count and per-layer lists are set
+    on a copy directly (its derived properties are left as they are)."""
     found = layer_count(config)
     derived = getattr(config, "num_hidden_layers", None)
     if found is None and not (isinstance(derived, int) and derived > 0):
-        raise ValueError(f"{type(config).__name__} stores its layer count under none of {', '.join(LAYER_COUNTS)}")
+        return _with_text_layers(config, count)
     # a count derived from a per-layer list (Nemotron-H's layers_block_type) follows the list
     key, layers = found if found is not None else (None, derived)
+    if count <= 0:
+        raise ValueError(f"{count} layers of a {type(config).__name__}")
     if count == layers:
-        return config
-    if not 0 < count <= layers:
-        raise ValueError(f"{count} layers of a {type(config).__name__} with {layers}")
+        return copy.deepcopy(config)
     text = {k: v for k, v in config.to_dict().items() if k != "per_layer_config"}
     if key is not None:
         text[key] = count
@@ -113,12 +122,40 @@ def with_layers(config: Any, count: int) -> Any:
         built = type(config).from_dict({**text, **layer_entries(config, layers, picks)})
         if key is None and built.num_hidden_layers != count:
             raise ValueError(f"{type(config).__name__}: no stored value sets its layer count ({layers})")
+        for name in _PRIVATE:
+            if name in vars(config):
+                setattr(built, name, getattr(config, name))
         return built
 
-    try:
-        return build(range(count))
-    except Exception as first:  # noqa: BLE001 - a config's own validation raises what it likes
-        picks = layers_of_each_kind(config, layers, count)
-        if picks == list(range(count)):
-            raise first from None
-        return build(picks)
+    choices = [[j % layers for j in range(count)]]
+    if count < layers:
+        choices.append(layers_of_each_kind(config, layers, count))
+    errors = []
+    for picks in choices:
+        try:
+            return build(picks)
+        except Exception as exc:  # noqa: BLE001 - a config's own validation raises what it likes
+            errors.append(exc)
+    if key is None:
+        raise errors[0]
+    return _set_directly(config, key, layers, choices[0])
+
+
+def _set_directly(config: Any, key: str, layers: int, picks: Sequence[int]) -> Any:
+    """A copy with the count and the stored per-layer entries set as attributes (no validation)."""
+    out = copy.deepcopy(config)
+    for name, value in {key: len(picks), **layer_entries(config, layers, picks)}.items():
+        if name != "per_layer_config":
+            object.__setattr__(out, name, value)
+    return out
+
+
+def _with_text_layers(config: Any, count: int) -> Any:
+    """A composite config whose text part (``get_text_config()``) has ``count`` layers."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    names = [n for n in getattr(config, "sub_configs", {}) if getattr(config, n, None) is text]
+    if text is config or not names:
+        raise ValueError(f"{type(config).__name__} stores its layer count under none of {', '.join(LAYER_COUNTS)}")
+    out = copy.deepcopy(config)
+    setattr(out, names[0], with_layers(text, count))
+    return out

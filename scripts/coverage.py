@@ -215,8 +215,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type not yet recorded)")
-    parser.add_argument("--out", type=Path, help=f"results (default docs/{RESULTS.name}; "
-                        "coverage_composed.jsonl, coverage_meta.jsonl, coverage_meta_composed.jsonl with the options)")
+    parser.add_argument("--out", type=Path, help=f"results (default docs/{RESULTS.name}; each of --meta, --resume "
+                        "and --composed adds to the name: docs/coverage_meta_resume_composed.jsonl)")
     parser.add_argument("--composed", action="store_true", help=f"the four-rank layouts: {', '.join(COMPOSED)}")
     parser.add_argument("--meta", action="store_true", help="build the engine's model on the meta device")
     parser.add_argument("--resume", action="store_true", help="save under one layout, resume under another: "

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from coverage_tiny import VOCAB, drop_off, get, tiny_sizes
+from models.layer_configs import layer_count
 
 SEQ, MICRO = 8, 2
 STEPS, LR = 2, 0.5
@@ -213,8 +214,8 @@ def _compare(losses: list[float], want: list[float], got: dict[str, torch.Tensor
 
 
 def _blocks(model: torch.nn.Module) -> int | None:
-    config = _text_part(model.config)
-    return getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    found = layer_count(_text_part(model.config))
+    return found[1] if found else None
 
 
 _ORACLE: dict[tuple[str, float], Any] = {}  # the last type's oracle (or its exception), shared by its layouts

@@ -7,8 +7,9 @@ it leaves the rest out, instead of failing inside the model's code.
 * pipeline stages are left out, with the engine's reason, for a model they cannot split
   (Bamba: no pipeline plan), and the other layouts are still planned;
 * a layout whose profile fails in the model's code is left out with the error, not raised;
-* the profile's one- and two-layer configs keep a hybrid model's per-layer lists consistent
-  (``models.layer_configs.with_layers``).
+* the profile's one- and two-layer configs keep a hybrid model's per-layer lists consistent,
+  cut a composite config's text part, keep the attention implementation, go past a one-layer
+  model's count, and never change the planner's own config (``models.layer_configs.with_layers``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoConfig, BambaConfig, BloomConfig, Gemma2Config
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, BambaConfig, BloomConfig, Gemma2Config, LlamaConfig
 
 from models.layer_configs import with_layers
 from parallel3d.cli import main as zero3d
@@ -54,32 +56,70 @@ def test_a_model_pipelines_cannot_split_is_planned_without_them(capsys, tmp_path
 
 
 def test_a_profile_that_fails_leaves_its_layouts_out(capsys, tmp_path, monkeypatch):
-    from parallel3d.planner import predict
+    """An error raised while the model runs on fake tensors (here: in the loss of every tp > 1
+    pass) leaves those layouts out with the error; the others are planned."""
+    from parallel3d.planner import profile
 
-    real = predict.profile_pass
+    def fails(*args, **kwargs):
+        raise RuntimeError("a shape this model's code cannot take")
 
-    def fails_at_tp2(*args, **kwargs):
-        if kwargs.get("tp") == 2:
-            raise RuntimeError("a shape this model's code cannot take")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(predict, "profile_pass", fails_at_tp2)
+    monkeypatch.setattr(profile, "token_loss", fails)
     Gemma2Config(**SMALL, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
                  head_dim=16).save_pretrained(tmp_path)
     code, out, err = _plan(capsys, tmp_path, "--zero-stage", 1, "--pp", 1)
     assert code == 0, err
-    assert {r["layout"].split()[2] for r in json.loads(out)} <= {"tp1", "tp4"}
+    assert {r["layout"].split()[2] for r in json.loads(out)} == {"tp1"}
     code, _, err = _plan(capsys, tmp_path, "--zero-stage", 1, "--pp", 1, "--tp", 2)
-    assert code == 1 and "fail on the profile's fake tensors" in err and "a shape this model's code cannot take" in err
+    assert code == 1 and "could not be priced" in err and "a shape this model's code cannot take" in err
+    assert "more devices" not in err  # nothing was priced, so nothing was too big
 
 
-@pytest.mark.parametrize("model_type,count", [("bamba", 2), ("olmo_hybrid", 2), ("nemotron_h", 1), ("gemma2", 1)])
+@pytest.mark.parametrize("model_type", ["bamba", "olmo_hybrid", "nemotron_h", "gemma2", "dory", "gemma3", "qwen3_5"])
+@pytest.mark.parametrize("count", [1, 2])
 def test_configs_cut_to_a_few_layers_stay_consistent(model_type, count):
+    """The counts the profile uses, for hybrids (per-layer lists, a validator that wants an
+    attention layer, a count derived from a list, counts tied to other counts) and composite
+    configs (the text part is cut)."""
     config = AutoConfig.for_model(model_type)
+    before = config.to_dict()
     cut = with_layers(config, count)
-    assert cut.num_hidden_layers == count
-    for name, value in vars(cut).items():
-        if isinstance(value, list) and isinstance(getattr(config, name), list) \
-                and len(getattr(config, name)) == config.num_hidden_layers:
+    text, original = cut.get_text_config(), config.get_text_config()
+    assert text.num_hidden_layers == count
+    for name, value in vars(text).items():
+        full = vars(original).get(name)
+        if isinstance(value, list) and isinstance(full, list) and len(full) == original.num_hidden_layers:
             assert len(value) == count, name
-    assert config.num_hidden_layers > count  # the original is unchanged
+    assert config.to_dict() == before  # the original is unchanged
+
+
+def test_cutting_keeps_the_attention_and_never_returns_the_original():
+    config = LlamaConfig(**SMALL, num_hidden_layers=1, attn_implementation="eager")
+    two, one = with_layers(config, 2), with_layers(config, 1)
+    assert two.num_hidden_layers == 2 and two._attn_implementation == "eager"
+    assert one is not config and one._attn_implementation == "eager"
+
+
+def test_a_profile_leaves_the_planners_config_alone():
+    from parallel3d.planner.profile import profile_pass
+
+    config = LlamaConfig(**SMALL, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2)
+    before = config.to_dict()
+    profile_pass(config, "only", 2, micro_batch=1, seq=16, dtype=torch.float32, tp=2)
+    assert config.to_dict() == before
+
+
+def test_a_one_layer_model_is_planned_and_llama_prices_every_layout(capsys, tmp_path):
+    from parallel3d.planner.hardware import a100
+    from parallel3d.planner.predict import Planner, Workload
+    from parallel3d.planner.search import Choice, search
+
+    one = tmp_path / "one"
+    LlamaConfig(**SMALL, intermediate_size=128, num_hidden_layers=1, num_key_value_heads=2).save_pretrained(one)
+    code, out, err = _plan(capsys, one, "--zero-stage", 1)
+    assert code == 0 and json.loads(out), err
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            LlamaConfig(**SMALL, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2))
+    result = search(Planner(model, Workload(seq=32, global_batch=8, dtype=torch.bfloat16)), a100(4),
+                    Choice(zero_stage=1, micro_batch=1))
+    assert result.best and not result.unpriced

@@ -153,7 +153,7 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
     best, result = choose(Planner(shape_model, _workload(cfg, hints["seq_length"])), hw, choice)
     considered = result.considered
     if best is None:
-        why = f" (not considered: {result.why_none()})" if result.refused else ""
+        why = f" ({result.why_none()})" if result.refused or result.unpriced else ""
         raise ConfigError(f"\"auto\": none of the {considered} layouts of this model fits {world} devices of "
                           f"{hw.memory / 2**30:.1f} GiB at sequence length {hints['seq_length']} and global batch "
                           f"{cfg.train_batch_size}{why}; `zero3d plan` shows what does with other settings")

@@ -218,8 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not best:
         print(f"zero3d plan: none of the {considered} layouts considered fits {hw.gpus} x {hw.memory / 1e9:.0f} GB"
               + (": more devices, a shorter sequence, a smaller global batch, or ZeRO stage 3 / checkpointing if "
-                 "pinned off" if considered else "")
-              + (f"; not considered: {result.why_none()}" if result.refused else ""), file=sys.stderr)
+                 "pinned off" if considered > sum(result.unpriced.values()) else "")
+              + (f"; {result.why_none()}" if result.refused or result.unpriced else ""), file=sys.stderr)
         return 1
     tokens = args.global_batch * args.seq_len
     rows = [row(p, hw, tokens) for p in best[: args.top]]

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from models.anatomy import fetch_unit_modules
-from models.pipeline_anatomy import AnatomyError, PipelineAnatomy, pipeline_anatomy
+from models.pipeline_anatomy import AnatomyError, AnatomyPaths, PipelineAnatomy, anatomy_paths, pipeline_anatomy
 from parallel3d.errors import ConfigError
 from parallel3d.meta_init import detach_from_meta
 from parallel3d.pipeline.stage import StageLayout, make_layout
@@ -57,7 +57,7 @@ class RankParams:
         return sum(p.numel for g in self.groups for p in g)
 
 
-def _checked_anatomy(model: nn.Module) -> PipelineAnatomy:
+def _checked_anatomy(model: nn.Module) -> PipelineAnatomy | AnatomyPaths:
     """``split_model``'s checks (its cut of the forward run on a probe included) on a copy of
     ``model`` whose meta tensors are made CPU ones that read as shapes: buffers zeros, parameters
     storage-less (the probe runs no block and reads no weight)."""
@@ -66,8 +66,8 @@ def _checked_anatomy(model: nn.Module) -> PipelineAnatomy:
         buffers = ((n, torch.zeros(b.shape, dtype=b.dtype)) for n, b in probe.named_buffers(remove_duplicate=False))
         try:
             detach_from_meta(probe, buffers, torch.device("cpu"))
-        except ConfigError as exc:
-            raise AnatomyError(f"pipeline parallelism: {exc}") from None
+        except ConfigError:  # a meta tensor outside params and buffers: the structure alone is checked
+            return anatomy_paths(model)
     return pipeline_anatomy(probe)
 
 
@@ -78,11 +78,14 @@ class ModelShapes:
         local = copy.deepcopy(model)
         info = localize(local, tp, sequence_parallel=sequence_parallel)
         self.tp = tp
+        self.has_tp_experts = bool(info.experts)
         self.pipeline_refusal: str | None = None  # why pipeline stages cannot split this model
         try:
             self.paths = _checked_anatomy(local)
         except AnatomyError as exc:
             self.paths, self.pipeline_refusal = None, str(exc)
+            if not self.pipeline_refusal.startswith("pipeline parallelism"):
+                self.pipeline_refusal = f"pipeline parallelism: {self.pipeline_refusal}"
         blocks = fetch_unit_modules(local)
         block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
         self.params: list[Param] = []
@@ -128,7 +131,7 @@ class ModelShapes:
                      balance: str = "parameters") -> StageLayout:
         """The blocks of every global stage, as ``split_model`` decides them on this tp size."""
         if self.paths is None:
-            raise ConfigError(f"pipeline parallelism: {self.pipeline_refusal}")
+            raise ConfigError(self.pipeline_refusal)
         key = (pp, virtual_stages, partition, balance)
         if key not in self._layouts:
             self._layouts[key] = make_layout(self._local, self.paths, pp, virtual_stages,

@@ -63,6 +63,7 @@ class LocalTP:
     specs: dict[str, ShardSpec]
     log: CommLog
     padded_vocab: int
+    experts: frozenset[str] = frozenset()  # expert weights split over tp (sequence parallelism refuses them)
 
 
 class _Enter(torch.autograd.Function):
@@ -249,7 +250,6 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
     specs.update({f"{names[id(head)]}.{p}": s for p, s in local_head.specs.items()})
     _replace(model, names[id(emb)], local_emb)
     _replace(model, names[id(head)], local_head)
-    model.config.vocab_size = local_emb.rows  # the loss runs on this rank's vocabulary slice
     for name in regions:
         module = model.get_submodule(name)
         enter = (lambda x: _Seq.apply(x, log, world, True, True, True)) if sequence_parallel else (
@@ -260,4 +260,4 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
         blocks[0].register_forward_pre_hook(
             _hidden_hook(lambda x: _Seq.apply(x, log, world, False, True, False)), with_kwargs=True)
         blocks[-1].register_forward_hook(_output_hook(lambda x: _Seq.apply(x, log, world, True, False, True)))
-    return LocalTP(world, specs, log, local_emb.specs["weight"].padded_size)
+    return LocalTP(world, specs, log, local_emb.specs["weight"].padded_size, frozenset(experts))

@@ -29,7 +29,7 @@ from parallel3d.pipeline.schedules import validate_schedule_args
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.inventory import ModelShapes, RankParams
 from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
-from parallel3d.planner.profile import PassProfile, profile_pass
+from parallel3d.planner.profile import PassProfile, ProfileError, profile_pass
 from parallel3d.planner.states import ZeroSetup
 from parallel3d.planner.timing import RankCost, step_parts
 from zero.sizing import OptimizerStateShape
@@ -189,7 +189,7 @@ class Planner:
         self.workload = workload
         self._shapes: dict[int, ModelShapes] = {}
         self._profile = lru_cache(maxsize=None)(self._profile_uncached)
-        self._failed: dict[tuple, ConfigError] = {}  # profiles that failed, not run again
+        self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
 
     def shapes(self, tp: int) -> ModelShapes:
         if tp not in self._shapes:
@@ -201,18 +201,14 @@ class Planner:
         w = self.workload
         key = (kind, blocks, micro_batch, tp, sp, ac, attention, split)
         if key in self._failed:
-            raise self._failed[key]
+            raise ProfileError(self._failed[key])
         try:
             return profile_pass(self.config, kind, blocks, micro_batch=micro_batch, seq=w.seq, dtype=w.dtype, tp=tp,
                                 sequence_parallel=sp, checkpointing=ac, attention=attention, split_backward=split)
-        except ConfigError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the model's own code on fake tensors: any error, reported
+        except ProfileError as exc:
             where = f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}"
-            self._failed[key] = ConfigError(
-                f"{where}: the model's forward and backward fail on the profile's fake tensors ({kind} chunk of "
-                f"{blocks} block(s): {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''})")
-            raise self._failed[key] from exc
+            self._failed[key] = f"{where}: {exc}"
+            raise ProfileError(self._failed[key]) from None
 
     def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
         key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1")
@@ -233,6 +229,8 @@ class Planner:
                               f"{layout.micro_batch}")
         if layout.sequence_parallel and w.seq % layout.tp:
             raise ConfigError("sequence parallelism needs a sequence length divisible by tp")
+        if layout.sequence_parallel and self.shapes(layout.tp).has_tp_experts:
+            raise ConfigError("sequence parallelism with tensor-parallel experts is not supported")
         if layout.pp > 1:
             validate_schedule_args(layout.schedule, layout.pp, layout.microbatches(w.global_batch),
                                    layout.virtual_stages)

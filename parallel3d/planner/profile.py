@@ -20,7 +20,6 @@ which the planner counts from its unit accounting).
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import weakref
 from collections.abc import Iterator
@@ -36,6 +35,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from models.anatomy import fetch_unit_modules
 from models.layer_configs import with_layers
+from parallel3d.errors import ConfigError
 from parallel3d.planner.local_tp import localize
 
 logger = logging.getLogger(__name__)
@@ -283,11 +283,29 @@ class _Stop(Exception):
         self.output = output
 
 
+class ProfileError(ConfigError):
+    """A pass the profile cannot run: the model's code fails on fake tensors, or its config
+    cannot be cut to the chunk's blocks. The planner leaves the layouts that need it out."""
+
+
+def _text(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _build(config, blocks: int, dtype: torch.dtype, tp: int, sequence_parallel: bool, checkpointing: bool):
     """The model with ``blocks`` blocks on fake tensors, as tp rank 0 holds it; and its tp log."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(with_layers(config, blocks), dtype=dtype)
+    try:
+        cut = with_layers(config, blocks)
+    except Exception as exc:  # noqa: BLE001 - a config's own validation raises what it likes
+        raise ProfileError(f"{type(config).__name__} cannot be cut to {blocks} block(s) to profile "
+                           f"({type(exc).__name__}: {exc})") from None
+    try:
+        model = AutoModelForCausalLM.from_config(cut, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001 - the model's own constructor: any error, reported
+        raise ProfileError(f"transformers cannot build {type(config).__name__}'s model with {blocks} block(s) "
+                           f"({type(exc).__name__}: {exc})") from None
     model.train()
     info = localize(model, tp, sequence_parallel=sequence_parallel)
     if checkpointing:
@@ -364,29 +382,37 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
         kernels = contextlib.nullcontext() if attention == "native" else _gpu_kernels(live, attention)
         split = SplitBackward()
         with live, kernels:
-            inputs: dict = {"input_ids": ids}
-            if kind in ("middle", "last"):  # no embedding lookup: the received activations stand in
-                inputs = {"inputs_embeds": torch.empty(micro_batch, seq, config.hidden_size, dtype=dtype)}
-            if kind != "only":
-                inputs["use_cache"] = False  # as the pipeline's stage programs call the blocks
-            try:  # one rank runs the model's own loss, as the engine does; tp ranks a loss on their slice
-                out = model(**inputs, labels=ids).loss if tp == 1 else token_loss(model(**inputs).logits, ids)
-            except _Stop as stop_at:
-                out = stop_at.output
-            at_rest, forward_peak, forward_in_block = live.live, live.peak, live.peak_in_block
-            live.reset_peak()
-            grad = None if out.dim() == 0 else torch.ones_like(out)
-            if split_backward:
-                _, work = backward_input(out, grad, live.received, [p for p in model.parameters() if p.requires_grad])
-                del out, grad
-                split = SplitBackward(live.peak, live.live)
+            try:
+                inputs: dict = {"input_ids": ids}
+                if kind in ("middle", "last"):  # no embedding lookup: the received activations stand in
+                    inputs = {"inputs_embeds": torch.empty(micro_batch, seq, _text(config).hidden_size, dtype=dtype)}
+                if kind != "only":
+                    inputs["use_cache"] = False  # as the pipeline's stage programs call the blocks
+                try:  # one rank runs the model's own loss, as the engine does; tp ranks a loss on their slice
+                    out = model(**inputs, labels=ids).loss if tp == 1 else token_loss(model(**inputs).logits, ids)
+                except _Stop as stop_at:
+                    out = stop_at.output
+                at_rest, forward_peak, forward_in_block = live.live, live.peak, live.peak_in_block
                 live.reset_peak()
-                backward_weight(work)
-                del work
-                split = SplitBackward(split.input_peak, split.held, live.peak)
-            else:
-                torch.autograd.backward(out, grad_tensors=grad)
-                del out, grad
+                grad = None if out.dim() == 0 else torch.ones_like(out)
+                if split_backward:
+                    _, work = backward_input(out, grad, live.received, [p for p in model.parameters() if p.requires_grad])
+                    del out, grad
+                    split = SplitBackward(live.peak, live.live)
+                    live.reset_peak()
+                    backward_weight(work)
+                    del work
+                    split = SplitBackward(split.input_peak, split.held, live.peak)
+                else:
+                    torch.autograd.backward(out, grad_tensors=grad)
+                    del out, grad
+            except (ConfigError, _Stop):
+                raise
+            except Exception as exc:  # noqa: BLE001 - the model's own code on fake tensors: any error, reported
+                logger.info("profile of a %s chunk of %d block(s) at tp %d failed", kind, blocks, tp, exc_info=True)
+                raise ProfileError(f"the model's forward and backward fail on the profile's fake tensors ({kind} "
+                                   f"chunk of {blocks} block(s): {type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
     backward_peak = max(split.input_peak, split.weight_peak) if split_backward else live.peak
     return PassProfile(kind, blocks, at_rest, forward_peak, backward_peak, live.marked or 0, forward_in_block,
                        live.peak_in_block, tuple(live.ops[False]), tuple(live.ops[True]), tuple(info.log.calls), split)

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.schedules import SCHEDULES
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.predict import Layout, Planner, Prediction
+from parallel3d.planner.profile import ProfileError
 from parallel3d.planner.states import model_state_bytes
 from zero.sizing import device_bytes
 
@@ -54,8 +55,7 @@ def _pick(pinned, options):
 def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice(),
                refused: dict[str, int] | None = None) -> Iterator[Layout]:
     """Every layout of ``choice`` that ``initialize`` would accept for this model and workload;
-    why the others are not (one line per reason, with how many layouts it rules out) goes
-    into ``refused``."""
+    why the others are not goes into ``refused`` (reason -> how often it was met)."""
     refused = {} if refused is None else refused
 
     def refuse(reason: str, count: int = 1) -> None:
@@ -129,17 +129,27 @@ def model_states_fit(planner: Planner, layout: Layout, hw: Hardware) -> bool:
 
 @dataclass
 class SearchResult:
-    """The fastest layouts that fit (fastest first), how many layouts were considered, and why
-    others were not considered or could not be priced (reason -> layouts)."""
+    """The fastest layouts that fit (fastest first), how many layouts were considered, why others
+    were not considered (reason -> how often it was met), and why considered ones could not be
+    priced (their profile failed in the model's code: reason -> layouts)."""
 
     best: list[Prediction]
     considered: int
     refused: dict[str, int]
+    unpriced: dict[str, int] = field(default_factory=dict)
 
     def why_none(self) -> str:
-        """The reasons, most frequent first, for a message when nothing fits."""
-        return "; ".join(f"{reason} ({n} layout{'s' * (n > 1)})"
-                         for reason, n in sorted(self.refused.items(), key=lambda kv: -kv[1])[:5])
+        """What ruled layouts out, most frequent first, for a message when nothing fits."""
+        parts = []
+        if self.unpriced:
+            parts.append(f"{sum(self.unpriced.values())} could not be priced: " + _most_frequent(self.unpriced))
+        if self.refused:
+            parts.append("not considered: " + _most_frequent(self.refused))
+        return "; ".join(parts)
+
+
+def _most_frequent(reasons: dict[str, int]) -> str:
+    return "; ".join(reason for reason, _ in sorted(reasons.items(), key=lambda kv: -kv[1])[:5])
 
 
 def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int = 10) -> SearchResult:
@@ -147,17 +157,17 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
 
     Two passes: every candidate whose model states fit is priced quickly (a few ranks of a long
     pipeline, the schedule's closed-form makespan); the best ``3 x top`` of those that fit are
-    then priced exactly (every rank, the simulated table) and ranked again. A layout that cannot
-    be priced (its model's forward fails on the profile's fake tensors) is left out with the
-    reason.
+    then priced exactly (every rank, the simulated table) and ranked again. A layout whose
+    profile fails in the model's code (:class:`ProfileError`) is left out with the reason.
     """
     refused: dict[str, int] = {}
+    unpriced: dict[str, int] = {}
 
     def priced(layout: Layout, exact: bool) -> Prediction | None:
         try:
             return planner.predict(layout, hw, exact=exact)
-        except ConfigError as exc:
-            refused[str(exc)] = refused.get(str(exc), 0) + 1
+        except ProfileError as exc:
+            unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
             return None
 
     rough: list[Prediction] = []
@@ -172,4 +182,4 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
     rough.sort(key=lambda p: (p.step_seconds, p.peak))
     exact = [p for p in (priced(r.layout, exact=True) for r in rough[: 3 * top]) if p is not None and p.fits(hw.memory)]
     exact.sort(key=lambda p: (p.step_seconds, p.peak))
-    return SearchResult(exact[:top], considered, refused)
+    return SearchResult(exact[:top], considered, refused, unpriced)
