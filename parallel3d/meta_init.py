@@ -32,7 +32,10 @@ def on_meta(model: nn.Module) -> bool:
         where.setdefault(p.is_meta, name)
     if len(where) == 2:
         raise ConfigError(f"the model is partly on the meta device ({where[True]} is, {where[False]} is not); "
-                          "build it wholly under torch.device('meta') or wholly on a real device")
+                          "build it wholly under torch.device('meta') or wholly on a real device (some models' "
+                          "constructors make parameters on the CPU even under torch.device('meta'), e.g. with "
+                          "torch.normal(mean, std, size=...), which takes no device: DiffLlama, XLNet; build "
+                          "those eagerly)")
     return where.get(True) is not None or any(b.is_meta for b in model.buffers())
 
 
