@@ -61,13 +61,14 @@ def _checked_anatomy(model: nn.Module) -> PipelineAnatomy | AnatomyPaths:
     """``split_model``'s checks (its cut of the forward run on a probe included) on a copy of
     ``model`` whose meta tensors are made CPU ones that read as shapes: buffers zeros, parameters
     storage-less (the probe runs no block and reads no weight)."""
-    probe = copy.deepcopy(model) if any(t.is_meta for t in (*model.parameters(), *model.buffers())) else model
-    if probe is not model:
-        buffers = ((n, torch.zeros(b.shape, dtype=b.dtype)) for n, b in probe.named_buffers(remove_duplicate=False))
-        try:
-            detach_from_meta(probe, buffers, torch.device("cpu"))
-        except ConfigError:  # a meta tensor outside params and buffers: the structure alone is checked
-            return anatomy_paths(model)
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return pipeline_anatomy(model)
+    probe = copy.deepcopy(model)
+    buffers = ((n, torch.zeros(b.shape, dtype=b.dtype)) for n, b in probe.named_buffers(remove_duplicate=False))
+    try:
+        detach_from_meta(probe, buffers, torch.device("cpu"))
+    except ConfigError:  # a meta tensor outside params and buffers: the structure alone is checked
+        return anatomy_paths(model)
     return pipeline_anatomy(probe)
 
 

@@ -58,8 +58,8 @@ def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice(),
     why the others are not goes into ``refused`` (reason -> how often it was met)."""
     refused = {} if refused is None else refused
 
-    def refuse(reason: str, count: int = 1) -> None:
-        refused[reason] = refused.get(reason, 0) + count
+    def refuse(reason: str) -> None:
+        refused[reason] = refused.get(reason, 0) + 1
 
     w = planner.workload
     blocks = len(planner.shapes(1).block_params)
