@@ -406,7 +406,7 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
                 else:
                     torch.autograd.backward(out, grad_tensors=grad)
                     del out, grad
-            except (ConfigError, _Stop):
+            except ConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the model's own code on fake tensors: any error, reported
                 logger.info("profile of a %s chunk of %d block(s) at tp %d failed", kind, blocks, tp, exc_info=True)
