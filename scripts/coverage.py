@@ -8,6 +8,7 @@
     python scripts/coverage.py --composed --table             # README's table of those
     python scripts/coverage.py --meta [--composed]            # the engine's model built on the meta device
     python scripts/coverage.py --resume [--composed] [--meta] # a checkpoint of one layout resumed under another
+    python scripts/coverage.py --more [--composed]            # sequence parallelism; ZeRO-2 inside pipelines
 
 Each type runs under three layouts on two gloo ranks against one process
 (``scripts/coverage_check.py`` says how), or with ``--composed`` under three layouts of two axes
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from coverage_check import COMPOSED, COMPOSED_RESUMES, LAYOUTS, RESUMES, SHAPES, check  # noqa: E402
+from coverage_check import COMPOSED, COMPOSED_RESUMES, LAYOUTS, MORE, MORE_COMPOSED, RESUMES, SHAPES, check  # noqa: E402
 
 RESULTS = ROOT / "docs" / "coverage.jsonl"
 README = ROOT / "README.md"
@@ -215,12 +216,14 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the workers on the way out
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("types", nargs="*", help="model types (default: every causal-LM type not yet recorded)")
-    parser.add_argument("--out", type=Path, help=f"results (default docs/{RESULTS.name}; each of --meta, --resume "
+    parser.add_argument("--out", type=Path, help=f"results (default docs/{RESULTS.name}; each of --meta, --resume, --more "
                         "and --composed adds to the name: docs/coverage_meta_resume_composed.jsonl)")
     parser.add_argument("--composed", action="store_true", help=f"the four-rank layouts: {', '.join(COMPOSED)}")
     parser.add_argument("--meta", action="store_true", help="build the engine's model on the meta device")
     parser.add_argument("--resume", action="store_true", help="save under one layout, resume under another: "
                         f"{', '.join(RESUMES)}; with --composed {', '.join(COMPOSED_RESUMES)}")
+    parser.add_argument("--more", action="store_true", help=f"further layouts: {', '.join(MORE)}; with --composed "
+                        f"{', '.join(MORE_COMPOSED)} (not with --resume)")
     parser.add_argument("--redo", action="store_true", help="run types already recorded again")
     parser.add_argument("--shard", default="0/1", help="K/N: only every N-th pending type, from the K-th")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds a type may take")
@@ -228,17 +231,22 @@ def main() -> None:
                         f"{', '.join(LAYOUTS)}; with --composed {', '.join(COMPOSED)}")
     parser.add_argument("--table", action="store_true", help="write README's table from the results and stop")
     args = parser.parse_args()
-    known = ((COMPOSED_RESUMES if args.resume else COMPOSED) if args.composed
-             else (RESUMES if args.resume else LAYOUTS))
-    out = args.out or ROOT / "docs" / ("coverage" + "_meta" * args.meta + "_resume" * args.resume
-                                       + "_composed" * args.composed + ".jsonl")
+    if args.more and args.resume:
+        parser.error("--more and --resume: the further layouts are not resumed (the resumed ones are fixed pairs)")
+    if args.more:
+        known = MORE_COMPOSED if args.composed else MORE
+    else:
+        known = ((COMPOSED_RESUMES if args.resume else COMPOSED) if args.composed
+                 else (RESUMES if args.resume else LAYOUTS))
+    options = [o for o in ("meta", "resume", "more", "composed") if getattr(args, o)]
+    out = args.out or ROOT / "docs" / ("coverage" + "".join(f"_{o}" for o in options) + ".jsonl")
     if args.table:
         from coverage_table import write_composed_table, write_table
 
-        if args.meta or args.composed or args.resume:  # README's markers are named after the results file
+        if options:  # README's markers are named after the results file
             marker = out.stem.replace("_", "-")
             write_composed_table(load(out), README, f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->", known,
-                                 " ".join(f"--{o}" for o in ("meta", "resume", "composed") if getattr(args, o)))
+                                 " ".join(f"--{o}" for o in options))
         else:
             write_table(load(out), README, BEGIN, END, all_types())
         return

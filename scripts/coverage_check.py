@@ -20,6 +20,10 @@ and the composed layouts, four ranks each (``--layouts`` of ``scripts/coverage.p
   ZB-H1: fewer micro-batches than stages);
 * ``tp2-dp2-z3``: two tensor-parallel ranks in each of two ZeRO-3 data-parallel groups.
 
+and beyond those (``--more``): ``tp2-sp``, tensor parallel with sequence parallelism on two
+ranks, and on four ``pp2-tp2-sp`` (the same with two 1F1B pipeline stages) and ``pp2-dp2-z2``
+(two pipeline stages of two ZeRO-2 data-parallel ranks, 1F1B).
+
 A data-parallel rank trains its share of the step's two micro-batches (dp 2: one each). A
 resumed layout ``A>B`` (``--resume``) trains the first step under A with momentum SGD, saves a
 checkpoint, and takes the second step in a fresh engine under B that loads it: the oracle is
@@ -51,6 +55,8 @@ COMPOSED = ("pp2-tp2", "pp2-dp2-z3", "tp2-dp2-z3")  # four ranks each
 # a checkpoint saved under the first layout resumed under the second, each axis changed
 RESUMES = ("zero3>tp2", "tp2>pp2", "pp2>zero3")
 COMPOSED_RESUMES = ("pp2-tp2>tp2-dp2-z3", "tp2-dp2-z3>pp2-dp2-z3", "pp2-dp2-z3>pp2-tp2")
+MORE = ("tp2-sp",)  # sequence parallelism
+MORE_COMPOSED = ("pp2-tp2-sp", "pp2-dp2-z2")  # sequence parallelism and ZeRO-2 inside pipelines
 MOMENTUM = 0.9  # resumed runs: the optimizer's state must come through the checkpoint too
 
 
@@ -61,6 +67,7 @@ class Layout:
     tp: int = 1
     stage: int = 0
     schedule: str = "1f1b"
+    sequence_parallel: bool = False
 
     @property
     def dp(self) -> int:
@@ -72,6 +79,9 @@ SHAPES = {
     "pp2-tp2": Layout(4, pp=2, tp=2, stage=1, schedule="interleaved_1f1b"),
     "pp2-dp2-z3": Layout(4, pp=2, stage=3, schedule="zb_h1"),
     "tp2-dp2-z3": Layout(4, tp=2, stage=3),
+    "tp2-sp": Layout(2, tp=2, sequence_parallel=True),
+    "pp2-tp2-sp": Layout(4, pp=2, tp=2, stage=1, sequence_parallel=True),
+    "pp2-dp2-z2": Layout(4, pp=2, stage=2),
 }
 
 
@@ -162,7 +172,7 @@ def engine_config(layout: str, blocks: int | None = None, momentum: float = 0.0)
         "zero_optimization": {"stage": shape.stage, "stage3_param_persistence_threshold": 0},
     }
     if shape.tp > 1:
-        config["tensor_parallel"] = {"size": shape.tp}
+        config["tensor_parallel"] = {"size": shape.tp, "sequence_parallel": shape.sequence_parallel}
     if shape.pp > 1:
         config["pipeline"] = {"stages": shape.pp, "schedule": shape.schedule}
         if shape.schedule == "interleaved_1f1b":
