@@ -10,7 +10,8 @@ float64 any difference above the tolerance is a bug. The specs cover each fused 
 per head (classic Falcon, BLOOM, GPT-BigCode without multi-query), grouped by kv head (Falcon's
 new decoder architecture), [query heads | k | v] (multi-query Falcon and GPT-BigCode, gathered),
 CodeGen's four head groups; ALiBi (BLOOM, Falcon); OPT's fc1/fc2 in the decoder layer itself;
-StableLM's per-head LayerNorms; experts split with their router's gradient intact; DeepSeek's
+StableLM's per-head LayerNorms; experts split with their router's gradient intact (and with the
+router's load-balancing loss added to the token loss, ``mixtral_aux``); DeepSeek's
 multi-head latent attention (V2's plan splits its heads: the compressing q_a_proj and norms and
 the replicated kv_a_proj_with_mqa sum their partial gradients) and shared experts.
 """
@@ -28,7 +29,7 @@ from tests.tiny_tp import tp_group
 
 RTOL = 1e-5
 KINDS = ("falcon", "falcon_mqa", "falcon_new", "falcon_alibi", "gpt_bigcode", "gpt_bigcode_mha", "opt", "bloom", "gptj",
-         "codegen", "stablelm", "stablelm_qk", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2")
+         "codegen", "stablelm", "stablelm_qk", "mixtral", "mixtral_aux", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2")
 
 
 def train_tp(kind: str, tp: int) -> dict:
@@ -68,7 +69,7 @@ def test_family_matches_single_process(dist, kind):
     assert any("embed" in n or "wte" in n for n in sharded), "the vocabulary is split"
     blocks = [n for n in sharded if ".0." in n]
     assert len(blocks) >= 3, f"block weights are split: {blocks}"
-    if kind in ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"):
+    if kind in ("mixtral", "mixtral_aux", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"):
         assert any(n.endswith("experts.gate_up_proj") for n in sharded)
         assert any(n.endswith("experts.down_proj") for n in sharded)
 

@@ -49,6 +49,9 @@ SPECS: dict[str, tuple[dict, str]] = {
     "phi3": (dict(pad_token_id=0, sliding_window=_WINDOW), "sdpa"),
     "starcoder2": (dict(sliding_window=_WINDOW, residual_dropout=0.0, embedding_dropout=0.0), "sdpa"),
     "mixtral": (dict(num_local_experts=4, num_experts_per_tok=2), "sdpa"),
+    # the router's load-balancing loss added to the token loss
+    "mixtral_aux": (dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                         router_aux_loss_coef=0.3), "sdpa"),
     "qwen2_moe": (dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        shared_expert_intermediate_size=24, decoder_sparse_step=1), "sdpa"),
     "qwen3_moe": (dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -76,12 +79,12 @@ SPECS: dict[str, tuple[dict, str]] = {
     "stablelm_qk": (dict(qk_layernorm=True, use_parallel_residual=True), "sdpa"),  # a LayerNorm per head
 }
 
-_MOE = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"}
+_MOE = {"mixtral", "mixtral_aux", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"}
 
 
 # specs that are another layout of a family
 VARIANTS = {"falcon_mqa": "falcon", "falcon_new": "falcon", "falcon_alibi": "falcon", "gpt_bigcode_mha": "gpt_bigcode",
-            "stablelm_qk": "stablelm"}
+            "stablelm_qk": "stablelm", "mixtral_aux": "mixtral"}
 
 
 def model_type(kind: str) -> str:

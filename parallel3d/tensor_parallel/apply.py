@@ -59,7 +59,7 @@ from models.anatomy import fetch_unit_modules
 from models.tp_plans import ModelTPPlan, TPPlanError, base_model_prefix, resolve_tp_plan
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp, gather_from_tp, gather_seq, split_to_tp
-from parallel3d.tensor_parallel.forward import causal_lm_forward, check_logit_transforms
+from parallel3d.tensor_parallel.forward import causal_lm_forward, check_extra_loss_terms, check_logit_transforms
 from parallel3d.tensor_parallel.experts import expert_hooks, expert_specs
 from parallel3d.tensor_parallel.heads import (
     HeadLayout, head_input_hook, head_layout, kv_projections, localize_head_counts,
@@ -327,6 +327,7 @@ def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: boo
     _check_embedding(model)
     _check_head(model)
     check_logit_transforms(model)
+    check_extra_loss_terms(model)
     kv_layers = dict.fromkeys(kv_projections(model, plan, layout), layout.kv_replicas) if layout else {}
     left_behind = find_left_behind(model, plan, layout, world)
     experts = {n: s for path, planned in sorted(plan.experts.items())

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.forward_source import SourceError
+from models.loss_terms import extra_loss_terms
 from models.tp_plans import base_model_prefix
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.cross_entropy import causal_lm_loss
@@ -51,6 +53,16 @@ def check_logit_transforms(model: nn.Module) -> None:
                               f"parallel forward does not reproduce: {line.strip()!r}")
 
 
+def check_extra_loss_terms(model: nn.Module) -> None:
+    """Refuse a model whose forward adds loss terms (the router's auxiliary loss) that the
+    replacement cannot reproduce for this config (``models.loss_terms``)."""
+    try:
+        extra_loss_terms(model, base_model_prefix(model)).check(model)
+    except SourceError as exc:
+        raise ConfigError(f"{exc}; zero3d's tensor-parallel forward computes the token loss on vocabulary "
+                          "shards and adds only the terms it can read from the model's forward") from None
+
+
 def causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
                        attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                        past_key_values: Any = None, inputs_embeds: torch.Tensor | None = None,
@@ -65,7 +77,7 @@ def causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
     logits (all-gathered, padding removed), False none; by default they are gathered only
     when no labels are given (there would be nothing else to return).
     """
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
     base, head = getattr(self, base_model_prefix(self)), self.get_output_embeddings()
     kwargs.pop("return_dict", None)
@@ -81,7 +93,16 @@ def causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
     if labels is not None or shift_labels is not None:
         loss = causal_lm_loss(local, labels, head.group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
+    terms = extra_loss_terms(self, base_model_prefix(self))
+    extra, aux_loss = terms(self, out, torch.zeros((), dtype=torch.float32, device=hidden.device),
+                            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs)
+    if loss is not None and terms.has_terms:
+        loss = loss + extra  # the model's own `loss += coef * aux_loss`, bit for bit (x + 0.0 == x)
     want = gather_logits if gather_logits is not None else loss is None
-    return CausalLMOutputWithPast(
-        loss=loss, logits=head.gather(local) if want else None, past_key_values=getattr(out, "past_key_values", None),
-        hidden_states=getattr(out, "hidden_states", None), attentions=getattr(out, "attentions", None))
+    fields = dict(loss=loss, logits=head.gather(local) if want else None,
+                  past_key_values=getattr(out, "past_key_values", None), hidden_states=getattr(out, "hidden_states", None),
+                  attentions=getattr(out, "attentions", None))
+    if terms.aux_name is None:
+        return CausalLMOutputWithPast(**fields)
+    return MoeCausalLMOutputWithPast(**fields, aux_loss=aux_loss, router_logits=getattr(out, "router_logits", None))

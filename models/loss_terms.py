@@ -1,0 +1,161 @@
+"""The terms a Hugging Face causal LM's own ``forward`` adds to its token loss, as a function.
+
+Mixture-of-experts causal LMs add the router's load-balancing loss when ``output_router_logits``
+is on (``loss += self.router_aux_loss_coef * aux_loss``, with ``aux_loss`` from the module's own
+``load_balancing_loss_func`` over every block's router logits). A forward that replaces the
+model's own (tensor parallelism's vocab-parallel head and loss) must add the same terms, or it
+trains another model without a word. :class:`ExtraLossTerms` reads the causal LM's ``forward``
+(:mod:`models.forward_source`) and keeps, from the statements after its one call of the base
+model, those that bind or add to a loss other than the token loss (and the statements they
+read); :meth:`ExtraLossTerms.__call__` runs them with the base model's output and a zero in
+place of the token loss, so the token loss plus the result equals what ``forward`` returns,
+bit for bit (``x + 0.0 == x``). Terms that read the logits, or loss code it cannot separate
+from the token loss, raise :class:`~models.forward_source.SourceError`.
+"""
+
+from __future__ import annotations
+
+import ast
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.forward_source import SourceError, compile_function, free_names, loads, method_source, parse_statement, stores
+
+__all__ = ["ExtraLossTerms", "extra_loss_terms"]
+
+_TOKEN_LOSS, _AUX = "loss", "aux_loss"
+
+
+def _is_call_of(node: ast.expr, path: str) -> bool:
+    return isinstance(node, ast.Call) and ast.unparse(node.func) == f"self.{path}"
+
+
+def _binds_from_call(stmt: ast.stmt, path: str) -> str | None:
+    """The name ``stmt`` binds to a call of ``self.<path>``, else None."""
+    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
+    value = getattr(stmt, "value", None)
+    if len(targets) == 1 and isinstance(targets[0], ast.Name) and value is not None and _is_call_of(value, path):
+        return targets[0].id
+    return None
+
+
+def _adds_to_loss(node: ast.AST) -> bool:
+    """``loss += ...`` or ``loss = loss + ...``."""
+    if isinstance(node, ast.AugAssign):
+        return isinstance(node.target, ast.Name) and node.target.id == _TOKEN_LOSS and isinstance(node.op, ast.Add)
+    return (isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [_TOKEN_LOSS]
+            and isinstance(node.value, ast.BinOp) and isinstance(node.value.op, ast.Add)
+            and _TOKEN_LOSS in loads(node.value))
+
+
+def _sets_loss(node: ast.AST) -> bool:
+    """A binding of the loss that is neither an addition to it nor ``loss = None``."""
+    if isinstance(node, ast.AugAssign):
+        return isinstance(node.target, ast.Name) and node.target.id == _TOKEN_LOSS and not _adds_to_loss(node)
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or _TOKEN_LOSS not in stores(node) or _adds_to_loss(node):
+        return False
+    return not (isinstance(node.value, ast.Constant) and node.value.value is None)
+
+
+def _kind(stmt: ast.stmt) -> str:
+    """``"term"`` (adds to the loss or binds the auxiliary loss), ``"token"`` (computes the token
+    loss), ``"mixed"`` (both in one statement) or ``"other"``."""
+    nodes = list(ast.walk(stmt))
+    term = any(_adds_to_loss(n) for n in nodes) or _AUX in loads(stmt) | stores(stmt)
+    token = any(_sets_loss(n) for n in nodes)
+    return "mixed" if term and token else "term" if term else "token" if token else "other"
+
+
+class ExtraLossTerms:
+    """The loss terms ``lm_cls.forward`` adds after its call of ``self.<base_attr>`` (module docstring)."""
+
+    def __init__(self, lm_cls: type, base_attr: str) -> None:
+        src = method_source(lm_cls)
+        self.owner = src.owner
+        body = src.body
+        found = [stmt for stmt in body if not isinstance(stmt, ast.Return) and _kind(stmt) in ("term", "mixed")]
+        terms = [stmt for stmt in found if _kind(stmt) == "term"]
+        guards = [test for stmt in found if _kind(stmt) == "mixed" for test in self._guards(stmt)]
+        self.has_terms = bool(terms)
+        self.aux_name: str | None = None
+        self.guards = [ast.unparse(t) for t in guards]
+        self._guard_fn = compile_function(src, "extra_loss_guards", [ast.Return(value=ast.List(elts=guards, ctx=ast.Load()))])
+        if not terms:
+            return
+        calls = [k for k, s in enumerate(body) if _binds_from_call(s, base_attr)]
+        if len(calls) != 1:
+            raise SourceError(f"{self.owner} adds to its loss, and does not call self.{base_attr} once")
+        k = calls[0]
+        outputs = _binds_from_call(body[k], base_attr)
+        after = body[k + 1:]
+        if any(stmt not in after for stmt in terms):
+            raise SourceError(f"{self.owner} adds to its loss before it calls self.{base_attr}")
+        needed = self._inputs(terms, after, outputs, src.params)
+        self.aux_name = _AUX if _AUX in stores(terms) else None
+        ret = f"return {_TOKEN_LOSS}, {self.aux_name or 'None'}"
+        self._fn = compile_function(src, "extra_loss_terms", body[:k] + [parse_statement(f"{outputs} = extra_outputs"),
+                                    parse_statement(f"{_TOKEN_LOSS} = extra_zero")] + needed + terms
+                                    + [parse_statement(ret)], extra_params=["extra_outputs", "extra_zero"])
+
+    def _guards(self, stmt: ast.stmt) -> list[ast.expr]:
+        """The tests of the ``if`` statements inside a token-loss statement that guard its additions
+        (Bamba's ``if self.z_loss_coefficient > 0:``), which must read only ``self``; SourceError
+        for an addition no such test guards."""
+        guards: list[ast.expr] = []
+
+        def visit(node: ast.AST) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.If) and child is not stmt and any(_adds_to_loss(n) for n in ast.walk(child)) \
+                        and loads(child.test) <= {"self"}:
+                    guards.append(child.test)
+                elif _adds_to_loss(child):
+                    raise SourceError(f"{self.owner} computes its loss as `{ast.unparse(stmt).splitlines()[0]}`, "
+                                      "which cannot be told apart from the token loss")
+                else:
+                    visit(child)
+
+        visit(stmt)
+        return guards
+
+    def check(self, model: nn.Module) -> None:
+        """SourceError when ``model``'s config turns on a term added inside the token loss's own
+        statement (one this class cannot separate from it)."""
+        for text, value in zip(self.guards, self._guard_fn(model)):
+            if value:
+                raise SourceError(f"{self.owner} adds a term to its token loss when `{text}` (true for this "
+                                  "config), which cannot be separated from it")
+
+    def _inputs(self, terms: list[ast.stmt], after: list[ast.stmt], outputs: str, params: list[str]) -> list[ast.stmt]:
+        """The statements between the base call and the terms that bind what the terms read."""
+        bound = {outputs, _TOKEN_LOSS, "self", *params}
+        wanted = set(free_names(terms, bound))
+        kept: list[ast.stmt] = []
+        for stmt in reversed(after):
+            if stmt in terms or not (stores(stmt) & wanted):
+                continue
+            if "logits" in stores(stmt) or "lm_head" in ast.unparse(stmt):
+                raise SourceError(f"{self.owner} adds a loss term that reads the logits "
+                                  f"(`{ast.unparse(stmt).splitlines()[0]}`)")
+            kept.insert(0, stmt)
+            wanted |= set(free_names([stmt], bound))
+        return kept
+
+    def __call__(self, model: nn.Module, outputs: Any, zero: torch.Tensor, **forward_kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """(the sum of the extra terms, starting from ``zero``; the auxiliary loss or None) for the
+        base model's ``outputs`` and the forward's keyword arguments (labels, attention mask, ...)."""
+        if not self.has_terms:
+            return zero, None
+        return self._fn(model, extra_outputs=outputs, extra_zero=zero, **forward_kwargs)
+
+
+_CACHE: dict[tuple[type, str], ExtraLossTerms] = {}
+
+
+def extra_loss_terms(model: nn.Module, base_attr: str) -> ExtraLossTerms:
+    """The (cached) :class:`ExtraLossTerms` of ``type(model)``; SourceError when it cannot be read."""
+    key = (type(model), base_attr)
+    if key not in _CACHE:
+        _CACHE[key] = ExtraLossTerms(type(model), base_attr)
+    return _CACHE[key]
