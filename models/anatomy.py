@@ -42,6 +42,19 @@ def fetch_unit_modules(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def text_blocks(model: nn.Module) -> list[nn.Module]:
+    """The blocks of the text path: those inside the module that holds the input embedding (a
+    multimodal model's language model, not its vision tower, whose blocks text training never
+    runs); all blocks when the embedding sits outside every block container."""
+    blocks = fetch_unit_modules(model)
+    get = getattr(model, "get_input_embeddings", None)
+    emb = get() if callable(get) else None
+    names = {id(m): n for n, m in model.named_modules()}
+    parent = names.get(id(emb), "").rpartition(".")[0] if emb is not None else ""
+    inside = [b for b in blocks if names[id(b)].startswith(parent + ".")] if parent else []
+    return inside or blocks
+
+
 def _is_layer_list(module: nn.Module) -> bool:
     """A ModuleList of two or more modules of one class, each holding parameters: a model's layers."""
     return (isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1

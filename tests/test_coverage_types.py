@@ -12,7 +12,8 @@ step's gradients at a time: transformers computes the loss in float32 even for a
 rounding (5e-7 in the gradients) past the tolerance within three steps; so is Qwen4-Exp, whose
 hyper-connection mixer splits its replicated input itself (``rowwise_split_input``) beside
 computations on the whole input (its module is no region: summing at its entry doubled their
-gradients).
+gradients). Under sequence parallelism (``tp2-sp``): HunYuan (its plan splits no attention),
+Falcon-H1 (state-space mixers) and Gemma 3 (a vision tower before its text blocks).
 """
 
 from __future__ import annotations
@@ -55,11 +56,11 @@ def train(model_type: str, layout: str) -> dict:
     oracle = copy.deepcopy(start)
     want = sgd_train(oracle.parameters(), lambda batches: accumulate(oracle, batches))
     after = {n: p.detach().clone() for n, p in oracle.named_parameters(remove_duplicate=False)}
-    if layout == "tp2":
+    if layout in ("tp2", "tp2-sp"):
         from parallel3d.tensor_parallel import apply_tensor_parallel
 
         model = copy.deepcopy(start)
-        info = apply_tensor_parallel(model, tp_group(2))
+        info = apply_tensor_parallel(model, tp_group(2), sequence_parallel=layout == "tp2-sp")
         losses = sgd_train(model.parameters(), lambda batches: accumulate(model, batches))
 
         def local(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -79,7 +80,12 @@ def train(model_type: str, layout: str) -> dict:
     return {"losses": losses, "want": want, "errors": _errors(named, before, after)}
 
 
-@pytest.mark.parametrize("model_type,layout", [("dots1", "tp2"), ("dots1", "pp2"), ("cohere_compass_text", "pp2")])
+@pytest.mark.parametrize("model_type,layout", [
+    ("dots1", "tp2"), ("dots1", "pp2"), ("cohere_compass_text", "pp2"),
+    # sequence parallelism around modules that mix tokens without being split: an attention its
+    # plan leaves whole (HunYuan), state-space mixers beside attention (Falcon-H1), a multimodal
+    # model whose vision blocks come first (Gemma 3: the sequence is split at its first text block)
+    ("hunyuan_v1_dense", "tp2-sp"), ("falcon_h1", "tp2-sp"), ("gemma3", "tp2-sp")])
 def test_matches_single_process(dist, model_type, layout):
     results = dist.run(2, train, model_type, layout)
     names = {n for n, _ in _tiny(model_type).named_parameters()}

@@ -114,3 +114,27 @@ def test_activations_follow_the_schedule(p, m):
             continue
         table = schedule_table(name, p, m, v, communication=False)
         assert [_in_flight(table[r]) for r in range(p)] == simulate(table).peak_live
+
+
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "sp"])
+def test_experts_collectives_are_counted(sp):
+    """A tp rank's experts enter and leave tensor parallelism as the engine's do
+    (``tensor_parallel.experts``): per MoE block, one collective for the attention's output and
+    one for the experts' (an all-reduce each, or under sequence parallelism a reduce-scatter
+    each, the experts' over the tokens they gathered: hidden states, routing weights and indices)."""
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    b, s, h, k = 2, 16, 64, 2
+    run = profile_pass(config, "middle", 2, micro_batch=b, seq=s, dtype=torch.bfloat16, tp=2, sequence_parallel=sp)
+    forward = [(op, size) for op, size, backward in run.comm if not backward]
+    if not sp:
+        assert forward.count(("all_reduce", b * s * h * 2)) == 2 * 2
+        return
+    assert forward.count(("reduce_scatter", b * s * h * 2)) == 2 * 2
+    gathered = [size for op, size in forward if op == "all_gather"]
+    # per block: the attention's entry (b x s x h), the experts' hidden states (b s x h), routing
+    # weights (b s x k, float32 from the router's softmax) and expert indices (b s x k, int64); and
+    # the last block's exit (b x s x h)
+    assert sorted(gathered) == sorted([b * s * h * 2] * 5 + [b * s * k * 4] * 2 + [b * s * k * 8] * 2)

@@ -28,11 +28,15 @@ from tests.tiny_pp_families import make_family_model, sgd_train
 from tests.tiny_tp import tp_group
 
 RTOL = 1e-5
+# sequence parallelism with experts split over tp: the experts gather the ranks' tokens (a
+# shared expert, Qwen2-MoE's and DeepSeek's, on inputs flattened to [tokens, hidden]), and the
+# router's loss reads every rank's router logits
+SP_KINDS = ("mixtral", "mixtral_aux", "qwen2_moe", "deepseek_v3")
 KINDS = ("falcon", "falcon_mqa", "falcon_new", "falcon_alibi", "gpt_bigcode", "gpt_bigcode_mha", "opt", "bloom", "gptj",
          "codegen", "stablelm", "stablelm_qk", "mixtral", "mixtral_aux", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2")
 
 
-def train_tp(kind: str, tp: int) -> dict:
+def train_tp(kind: str, tp: int, sequence_parallel: bool = False) -> dict:
     """On every rank: losses and each parameter's update error against the single process."""
     from parallel3d.tensor_parallel import apply_tensor_parallel
 
@@ -44,7 +48,7 @@ def train_tp(kind: str, tp: int) -> dict:
     after = {n: p.detach().clone() for n, p in oracle.named_parameters(remove_duplicate=False)}
 
     model = copy.deepcopy(start)
-    info = apply_tensor_parallel(model, group)
+    info = apply_tensor_parallel(model, group, sequence_parallel=sequence_parallel)
     losses = sgd_train(model.parameters(), lambda batches: accumulate(model, batches))
     errors, sharded = {}, []
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -56,9 +60,10 @@ def train_tp(kind: str, tp: int) -> dict:
     return {"losses": losses, "want": want, "errors": errors, "sharded": sharded, "source": info.plan_source}
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_family_matches_single_process(dist, kind):
-    results = dist.run(2, train_tp, kind, 2)
+@pytest.mark.parametrize("kind,sp", [(k, False) for k in KINDS] + [(k, True) for k in SP_KINDS],
+                         ids=[*KINDS, *(f"{k}-sp" for k in SP_KINDS)])
+def test_family_matches_single_process(dist, kind, sp):
+    results = dist.run(2, train_tp, kind, 2, sp)
     names = {n for n, _ in make_family_model(kind).named_parameters(remove_duplicate=False)}
     for rank, r in enumerate(results):
         assert r["losses"] == pytest.approx(r["want"], rel=RTOL), f"rank {rank} losses"
@@ -92,10 +97,9 @@ def refusal(kind: str, tp: int, overrides: dict, sequence_parallel: bool = False
     ("bloom", dict(pretraining_tp=2, slow_but_exact=True), False,
      "BLOOM with slow_but_exact=True slices its projections by pretraining_tp, which tensor parallelism does not "
      "reproduce"),
-    ("mixtral", {}, True, "MixtralForCausalLM: sequence parallelism with tensor-parallel experts is not supported"),
     ("opt", {}, True, "sequence parallelism: column-parallel model.decoder.layers.0.fc1 is not inside a module that "
                       "ends in a row-parallel layer"),
-], ids=["codegen-groups", "bloom-slow", "moe-sp", "opt-sp"])
+], ids=["codegen-groups", "bloom-slow", "opt-sp"])
 def test_refused(dist, kind, overrides, sp, message):
     for msg in dist.run(2, refusal, kind, 2, overrides, sp):
         assert message in msg, msg

@@ -79,7 +79,6 @@ class ModelShapes:
         local = copy.deepcopy(model)
         info = localize(local, tp, sequence_parallel=sequence_parallel)
         self.tp = tp
-        self.has_tp_experts = bool(info.experts)
         self.pipeline_refusal: str | None = None  # why pipeline stages cannot split this model
         try:
             self.paths = _checked_anatomy(local)

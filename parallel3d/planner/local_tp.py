@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from models.anatomy import fetch_unit_modules
-from parallel3d.tensor_parallel.apply import head_input_hooks, prepare_tensor_parallel
+from models.anatomy import text_blocks
+from parallel3d.tensor_parallel.apply import head_input_hooks, prepare_tensor_parallel, sequence_mixers
 from parallel3d.tensor_parallel.heads import localize_head_counts
 from parallel3d.tensor_parallel.layers import _linear_parts, _matmul
 from parallel3d.tensor_parallel.regions import split_params
@@ -63,7 +63,7 @@ class LocalTP:
     specs: dict[str, ShardSpec]
     log: CommLog
     padded_vocab: int
-    experts: frozenset[str] = frozenset()  # expert weights split over tp (sequence parallelism refuses them)
+    experts: frozenset[str] = frozenset()  # expert weights split over tp
 
 
 class _Enter(torch.autograd.Function):
@@ -94,29 +94,52 @@ class _Leave(torch.autograd.Function):
 
 
 class _Seq(torch.autograd.Function):
-    """The sequence-parallel pairs along dim 1: ``gather`` (all-gather forward; reduce-scatter or a
+    """The sequence-parallel pairs along ``dim``: ``gather`` (all-gather forward; reduce-scatter or a
     local split backward) and its reverse ``scatter`` (reduce-scatter or a local split forward)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, log: CommLog, world: int, gather: bool, comm_back: bool,  # type: ignore[override]
-                comm_fwd: bool) -> torch.Tensor:
-        ctx.log, ctx.world, ctx.gather, ctx.comm_back = log, world, gather, comm_back
-        return _seq(x, log, world, gather, comm_fwd)
+                comm_fwd: bool, dim: int = 1) -> torch.Tensor:
+        ctx.log, ctx.world, ctx.gather, ctx.comm_back, ctx.dim = log, world, gather, comm_back, dim
+        return _seq(x, log, world, gather, comm_fwd, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return _seq(grad, ctx.log, ctx.world, not ctx.gather, ctx.comm_back), None, None, None, None, None
+        return _seq(grad, ctx.log, ctx.world, not ctx.gather, ctx.comm_back, ctx.dim), None, None, None, None, None, None
 
 
-def _seq(x: torch.Tensor, log: CommLog, world: int, gather: bool, comm: bool) -> torch.Tensor:
+def _seq(x: torch.Tensor, log: CommLog, world: int, gather: bool, comm: bool, dim: int = 1) -> torch.Tensor:
     if gather:
-        out = torch.cat([x] * world, dim=1)
+        out = torch.cat([x] * world, dim=dim)
         if comm:
             log.record("all_gather", out)
         return out
     if comm:
         log.record("reduce_scatter", x)
-    return x.narrow(1, 0, x.shape[1] // world).contiguous()
+    return x.narrow(dim, 0, x.shape[dim] // world).contiguous()
+
+
+def _expert_hooks(module: nn.Module, log: CommLog, world: int, sequence_parallel: bool) -> None:
+    """``tensor_parallel.experts.expert_hooks`` on one rank: enter (copy_to_tp on floating inputs,
+    or under sequence parallelism an all-gather of every token input) and leave (all-reduce, or
+    reduce-scatter of the tokens)."""
+
+    def enter(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if sequence_parallel:
+            return _Seq.apply(value, log, world, True, value.is_floating_point(), True, 0) \
+                if value.is_floating_point() else _seq(value, log, world, True, True, 0)
+        return _Enter.apply(value, log) if value.is_floating_point() else value
+
+    def pre(_: nn.Module, args: tuple, kwargs: dict):
+        return tuple(enter(a) for a in args), {k: enter(v) for k, v in kwargs.items()}
+
+    def leave(y: torch.Tensor) -> torch.Tensor:
+        return _Seq.apply(y, log, world, False, True, True, 0) if sequence_parallel else _Leave.apply(y, log)
+
+    module.register_forward_pre_hook(pre, with_kwargs=True)
+    module.register_forward_hook(_output_hook(leave))
 
 
 def _local_param(full: torch.Tensor, spec: ShardSpec | None, world: int) -> nn.Parameter:
@@ -151,7 +174,7 @@ class _LocalLinear(nn.Module):
         if self.split_input:
             x = x.narrow(-1, 0, x.shape[-1] // self.world).contiguous()
         y = _matmul(x, self.weight, None, self.out_dim)
-        y = _Seq.apply(y, self.log, self.world, False, True, True) if self.seq else _Leave.apply(y, self.log)
+        y = _Seq.apply(y, self.log, self.world, False, True, True, -2) if self.seq else _Leave.apply(y, self.log)
         return y + self.bias if self.bias is not None else y
 
 
@@ -252,11 +275,18 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
     _replace(model, names[id(head)], local_head)
     for name in regions:
         module = model.get_submodule(name)
-        enter = (lambda x: _Seq.apply(x, log, world, True, True, True)) if sequence_parallel else (
+        enter = (lambda x: _Seq.apply(x, log, world, True, True, True, -2)) if sequence_parallel else (
             lambda x: _Enter.apply(x, log))
         module.register_forward_pre_hook(_hidden_hook(enter), with_kwargs=True)
+    for path in sorted(plan.experts):
+        _expert_hooks(model.get_submodule(path), log, world, sequence_parallel)
     if sequence_parallel:
-        blocks = fetch_unit_modules(model)
+        for name in sequence_mixers(model, regions):  # replicated mixers: whole sequence in, own part out
+            mixer = model.get_submodule(name)
+            mixer.register_forward_pre_hook(_hidden_hook(lambda x: _Seq.apply(x, log, world, True, True, True)),
+                                            with_kwargs=True)
+            mixer.register_forward_hook(_output_hook(lambda x: x.narrow(1, 0, x.shape[1] // world)))
+        blocks = text_blocks(model)
         blocks[0].register_forward_pre_hook(
             _hidden_hook(lambda x: _Seq.apply(x, log, world, False, True, False)), with_kwargs=True)
         blocks[-1].register_forward_hook(_output_hook(lambda x: _Seq.apply(x, log, world, True, False, True)))

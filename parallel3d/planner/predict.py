@@ -229,8 +229,6 @@ class Planner:
                               f"{layout.micro_batch}")
         if layout.sequence_parallel and w.seq % layout.tp:
             raise ConfigError("sequence parallelism needs a sequence length divisible by tp")
-        if layout.sequence_parallel and self.shapes(layout.tp).has_tp_experts:
-            raise ConfigError("sequence parallelism with tensor-parallel experts is not supported")
         if layout.pp > 1:
             validate_schedule_args(layout.schedule, layout.pp, layout.microbatches(w.global_batch),
                                    layout.virtual_stages)

@@ -46,6 +46,8 @@ blocks) each rank draws from its own stream, which recomputation replays (``rng.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -55,7 +57,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from models.anatomy import fetch_unit_modules
+from models.anatomy import text_blocks
 from models.tp_plans import ModelTPPlan, TPPlanError, base_model_prefix, resolve_tp_plan
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp, gather_from_tp, gather_seq, split_to_tp
@@ -280,14 +282,62 @@ def sequence_segment_hooks(first: nn.Module, last: nn.Module, group: ProcessGrou
     return handles
 
 
+# Inputs only a module that mixes tokens takes (HF attention, state-space and convolution mixers);
+# norms, MLPs, routers and experts work token by token and take none of them.
+_MIXER_INPUTS = frozenset({"attention_mask", "position_embeddings", "position_ids", "past_key_values", "cache",
+                           "cache_params", "cache_position", "past_key_value", "layer_past"})
+
+
+def _mixes_tokens(module: nn.Module) -> bool:
+    try:
+        params = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return bool(_MIXER_INPUTS & set(params))
+
+
+def sequence_mixers(model: nn.Module, regions: set[str]) -> list[str]:
+    """The outermost modules inside the blocks that mix tokens (by their inputs: ``_MIXER_INPUTS``)
+    and are neither split regions nor inside or around one: replicated attention or state-space
+    mixers, which under sequence parallelism must see the whole sequence."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out: list[str] = []
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            name = names.get(id(child), "")
+            holds_region = any(r == name or r.startswith(name + ".") for r in regions)
+            if holds_region:
+                if name not in regions:
+                    visit(child)
+            elif _mixes_tokens(child):
+                out.append(name)
+            else:
+                visit(child)
+
+    for block in text_blocks(model):
+        visit(block)
+    return out
+
+
 def _sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str]) -> list[Any]:
-    """Sequence parallelism's hooks inside the blocks: each split region gathers the sequence."""
-    if not fetch_unit_modules(model):
+    """Sequence parallelism's hooks inside the blocks: each split region gathers the sequence, and
+    each replicated mixer (``sequence_mixers``) runs on the gathered sequence and keeps this rank's
+    part of its output. Its gradient then comes from that part only: the entry's reduce-scatter
+    sums the ranks' input gradients, and its parameters are summed over tp like the norms'."""
+    if not text_blocks(model):
         raise ConfigError(f"sequence parallelism: {type(model).__name__} names no block class in _no_split_modules")
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     handles = []
     for name in regions:
         handles.append(model.get_submodule(name).register_forward_pre_hook(
-            _hidden_states_hook(lambda x: gather_seq(x, group, 1)), with_kwargs=True))
+            _hidden_states_hook(lambda x: gather_seq(x, group, -2)), with_kwargs=True))
+    for name in sequence_mixers(model, regions):
+        module = model.get_submodule(name)
+        handles.append(module.register_forward_pre_hook(_hidden_states_hook(lambda x: gather_seq(x, group, 1)),
+                                                        with_kwargs=True))
+        handles.append(module.register_forward_hook(
+            _first_output_hook(lambda x: x.narrow(1, rank * (x.shape[1] // world), x.shape[1] // world))))
     return handles
 
 
@@ -295,7 +345,7 @@ def _sequence_partial_params(model: nn.Module, regions: set[str], sharded: set[n
                              rows: list[RowParallelLinear]) -> set[nn.Parameter]:
     """Replicated params that only see this rank's tokens under sequence parallelism."""
     in_regions = {id(p) for name in regions for p in model.get_submodule(name).parameters()}
-    out = {p for block in fetch_unit_modules(model) for p in block.parameters()
+    out = {p for block in text_blocks(model) for p in block.parameters()
            if p.requires_grad and p not in sharded and id(p) not in in_regions}
     return out | {r.bias for r in rows if r.bias is not None and r.bias.requires_grad}
 
@@ -332,10 +382,6 @@ def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: boo
     left_behind = find_left_behind(model, plan, layout, world)
     experts = {n: s for path, planned in sorted(plan.experts.items())
                for n, s in expert_specs(model, path, planned, world).items()}
-    if experts and sequence_parallel:
-        raise ConfigError(f"{type(model).__name__}: sequence parallelism with tensor-parallel experts is not supported "
-                          "(each rank's experts would see its own sequence shard, whose partial outputs cannot be "
-                          "summed across ranks)")
     return Preparation(world, plan, layout, kv_layers, left_behind, experts)
 
 
@@ -379,14 +425,14 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     hooks = [model.get_submodule(name).register_forward_pre_hook(
         _hidden_states_hook(lambda x: copy_to_tp(x, tp_group)), with_kwargs=True)
         for name in regions if not sequence_parallel]
-    hooks += [h for path in sorted(plan.experts) for h in expert_hooks(model.get_submodule(path), tp_group)]
+    hooks += [h for path in sorted(plan.experts) for h in expert_hooks(model.get_submodule(path), tp_group, sequence_parallel)]
     hooks += head_input_hooks(model, prep, rank)
     rng = SplitRegionRNG(rank)
     if sequence_parallel:
         hooks += _sequence_parallel_hooks(model, tp_group, regions)
         partial |= _sequence_partial_params(model, regions, sharded, rows)
         if sequence_segments:
-            blocks = fetch_unit_modules(model)
+            blocks = text_blocks(model)
             hooks += sequence_segment_hooks(blocks[0], blocks[-1], tp_group, rng)
     hooks += [p.register_hook(all_reduce_grad_hook(tp_group)) for p in partial]
     hooks += _rng_hooks(model, plan, rng)
@@ -394,7 +440,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     hooks += [params[n].register_hook(all_reduce_grad_hook(tp_group, *s.pieces(rank, world)))
               for n, s in replicated.items()]
 
-    model.forward = types.MethodType(causal_lm_forward, model)
+    model.forward = types.MethodType(
+        functools.partial(causal_lm_forward, sequence_group=tp_group if sequence_parallel else None), model)
     return TensorParallelInfo(
         group=tp_group, tp_size=world, tp_rank=rank, sequence_parallel=sequence_parallel, sharded_params=sharded,
         shard_specs=specs, partial_grad_params=partial, vocab_size=head.vocab_size,

@@ -162,6 +162,11 @@ def reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup, dim: int = 1) -> to
     return _ReduceScatterSeq.apply(x, group, dim)
 
 
+def all_gather_tokens(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along dim 0, without autograd (indices, masks)."""
+    return _all_gather(x, group, 0)
+
+
 def all_reduce_grad_hook(group: ProcessGroup, piece: int = 0, pieces: int = 1):
     """A tensor hook that sums a gradient over the ranks of ``group`` holding the same piece.
 

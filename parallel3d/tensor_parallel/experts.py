@@ -17,10 +17,19 @@ only; on exit the output is all-reduced. The routing weights scale the partial o
 the sum, so their gradient is the sum of the ranks' shares: without the entry all-reduce the
 router would train on one rank's share.
 
+Under sequence parallelism a rank's router sees its own part of the sequence, and so would its
+slice of the experts, whose partial sums could then not be added across ranks. So the entry
+all-gathers every tensor input along its first dim (the tokens: ``[tokens, ...]`` flattened from
+``[batch, sequence part]``, or ``[batch, sequence part, ...]``; each rank's part is token-major,
+so the gathered tokens line up across inputs), with a reduce-scatter of the gradient for
+floating inputs, and the exit reduce-scatters the output along the same dim, handing each rank
+its own tokens' sums: Megatron's sequence-parallel MoE layer without expert parallelism. The
+experts compute token by token, so the gathered order (rank by rank) does not change any value.
+
 Refused, naming the parameter or the attribute: expert weights the plan does not name (a
-down-projection bias would be added once per rank), a norm after each expert
-(``has_post_expert_norm``: it would normalize a partial sum), and sequence parallelism (the
-experts' tokens are a rank's sequence shard, whose partial outputs cannot be summed across ranks).
+down-projection bias would be added once per rank) and a norm after each expert
+(``has_post_expert_norm``: it would normalize a partial sum); under sequence parallelism, an
+experts module called with an input that is not a tensor of tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from parallel3d.errors import ConfigError
-from parallel3d.tensor_parallel.comm import copy_to_tp, reduce_from_tp
+from parallel3d.tensor_parallel.comm import all_gather_tokens, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 from parallel3d.tensor_parallel.sharding import ShardSpec, make_spec
 
 
@@ -70,20 +79,33 @@ def expert_specs(model: nn.Module, path: str, planned: set[str], world: int) -> 
     return specs
 
 
-def expert_hooks(module: nn.Module, group: ProcessGroup) -> list[Any]:
-    """Enter tensor parallelism at the experts module (hidden states and routing weights) and sum its output."""
+def expert_hooks(module: nn.Module, group: ProcessGroup, sequence_parallel: bool = False) -> list[Any]:
+    """Enter tensor parallelism at the experts module (hidden states and routing weights) and sum its
+    output; under sequence parallelism gather the tokens on entry and reduce-scatter them on exit."""
+    owner = type(module).__name__
 
-    def enter(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return copy_to_tp(value, group)
-        return value
+    def enter(value: Any, tokens: int | None) -> Any:
+        if not sequence_parallel:
+            return copy_to_tp(value, group) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+        if value is None:
+            return value
+        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != tokens:
+            what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ConfigError(f"sequence parallelism: {owner} is called with an input ({what}) that is not a tensor "
+                              f"of its {tokens} tokens, which its rank's part of the sequence cannot be gathered by")
+        return gather_seq(value, group, 0) if value.is_floating_point() else all_gather_tokens(value, group)
 
     def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return tuple(enter(a) for a in args), {k: enter(v) for k, v in kwargs.items()}
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        tokens = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+        return tuple(enter(a, tokens) for a in args), {k: enter(v, tokens) for k, v in kwargs.items()}
+
+    def leave(output: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter_seq(output, group, 0) if sequence_parallel else reduce_from_tp(output, group)
 
     def post(_: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, tuple):
-            return (reduce_from_tp(output[0], group), *output[1:])
-        return reduce_from_tp(output, group)
+            return (leave(output[0]), *output[1:])
+        return leave(output)
 
     return [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post)]

@@ -20,6 +20,7 @@ from models.forward_source import SourceError
 from models.loss_terms import extra_loss_terms
 from models.tp_plans import base_model_prefix
 from parallel3d.errors import ConfigError
+from parallel3d.tensor_parallel.comm import gather_from_tp
 from parallel3d.tensor_parallel.cross_entropy import causal_lm_loss
 
 # What HF causal LM forwards do to the logits after the head (all elementwise, so they apply
@@ -53,6 +54,15 @@ def check_logit_transforms(model: nn.Module) -> None:
                               f"parallel forward does not reproduce: {line.strip()!r}")
 
 
+def _gather_tokens(x: Any, batch: int, group: Any) -> Any:
+    """A per-token tensor of this rank's part of the sequence (``[batch x part, ...]`` or
+    ``[batch, part, ...]``) with every rank's parts in sequence order; whole gradient back."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    whole = gather_from_tp(x.reshape(batch, -1, *x.shape[1 if x.dim() == 2 else 2:]), group, 1)
+    return whole.reshape(-1, *whole.shape[2:]) if x.dim() == 2 else whole
+
+
 def check_extra_loss_terms(model: nn.Module) -> None:
     """Refuse a model whose forward adds loss terms (the router's auxiliary loss) that the
     replacement cannot reproduce for this config (``models.loss_terms``)."""
@@ -69,13 +79,15 @@ def causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
                        labels: torch.Tensor | None = None, use_cache: bool | None = None,
                        logits_to_keep: int | torch.Tensor = 0, gather_logits: bool | None = None,
                        num_items_in_batch: Any = None, shift_labels: torch.Tensor | None = None,
-                       **kwargs: Any) -> Any:
+                       sequence_group: Any = None, **kwargs: Any) -> Any:
     """The replacement ``model.forward`` (bound to the model, so a deep copy stays consistent).
 
     HF's ``*ForCausalLM.forward`` with the vocab-parallel head and loss: base model ->
     this rank's logits -> ``causal_lm_loss``. ``gather_logits``: True returns the full
     logits (all-gathered, padding removed), False none; by default they are gathered only
-    when no labels are given (there would be nothing else to return).
+    when no labels are given (there would be nothing else to return). ``sequence_group``: the tp
+    group under sequence parallelism (bound by ``apply_tensor_parallel``), whose ranks' router
+    logits are gathered before the model's own loss terms read them.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
@@ -94,6 +106,8 @@ def causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
         loss = causal_lm_loss(local, labels, head.group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
     terms = extra_loss_terms(self, base_model_prefix(self))
+    if sequence_group is not None and terms.has_terms and getattr(out, "router_logits", None):
+        out.router_logits = tuple(_gather_tokens(x, out[0].shape[0], sequence_group) for x in out.router_logits)
     extra, aux_loss = terms(self, out, torch.zeros((), dtype=torch.float32, device=hidden.device),
                             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs)

@@ -101,7 +101,7 @@ class ColumnParallelLinear(nn.Module):
         if self.input_comm == "copy":
             x = copy_to_tp(x, self.group)
         elif self.input_comm == "gather_seq":
-            x = gather_seq(x, self.group, 1)
+            x = gather_seq(x, self.group, -2)
         y = _matmul(x, self.weight, self.bias, self.out_dim)
         if not self.gather_output:
             return y
@@ -147,7 +147,7 @@ class RowParallelLinear(nn.Module):
         if self.split_input:
             x = split_to_tp(x, self.group, -1)
         y = _matmul(x, self.weight, None, self.out_dim)
-        y = reduce_from_tp(y, self.group) if self.output_comm == "all_reduce" else reduce_scatter_seq(y, self.group, 1)
+        y = reduce_from_tp(y, self.group) if self.output_comm == "all_reduce" else reduce_scatter_seq(y, self.group, -2)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
