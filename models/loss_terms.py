@@ -59,13 +59,28 @@ def _sets_loss(node: ast.AST) -> bool:
     return not (isinstance(node.value, ast.Constant) and node.value.value is None)
 
 
+def _scales_loss(node: ast.AST) -> bool:
+    """``loss -= ...``, ``loss *= ...`` and the like: a change of the loss that is no added term."""
+    return (isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and node.target.id == _TOKEN_LOSS
+            and not isinstance(node.op, ast.Add))
+
+
+def _involved(node: ast.AST) -> bool:
+    """Whether ``node`` adds to the loss, changes it otherwise, or reads or binds the auxiliary loss."""
+    return (any(_adds_to_loss(n) or _scales_loss(n) for n in ast.walk(node))
+            or _AUX in loads(node) | stores(node))
+
+
 def _kind(stmt: ast.stmt) -> str:
     """``"term"`` (adds to the loss or binds the auxiliary loss), ``"token"`` (computes the token
-    loss), ``"mixed"`` (both in one statement) or ``"other"``."""
+    loss), ``"mixed"`` (both in one statement, or a change of the loss other than an addition,
+    which the token loss computed elsewhere would miss) or ``"other"``."""
     nodes = list(ast.walk(stmt))
     term = any(_adds_to_loss(n) for n in nodes) or _AUX in loads(stmt) | stores(stmt)
     token = any(_sets_loss(n) for n in nodes)
-    return "mixed" if term and token else "term" if term else "token" if token else "other"
+    if any(_scales_loss(n) for n in nodes) or (term and token):
+        return "mixed"
+    return "term" if term else "token" if token else "other"
 
 
 class ExtraLossTerms:
@@ -100,23 +115,30 @@ class ExtraLossTerms:
                                     + [parse_statement(ret)], extra_params=["extra_outputs", "extra_zero"])
 
     def _guards(self, stmt: ast.stmt) -> list[ast.expr]:
-        """The tests of the ``if`` statements inside a token-loss statement that guard its additions
-        (Bamba's ``if self.z_loss_coefficient > 0:``), which must read only ``self``; SourceError
-        for an addition no such test guards."""
+        """The tests of the ``if`` statements that guard the changes of the loss in ``stmt`` other
+        than added terms (Bamba's ``if self.z_loss_coefficient > 0:`` inside its token-loss
+        statement), which must read only ``self``; SourceError for a change no such test guards."""
         guards: list[ast.expr] = []
+
+        def refuse(node: ast.AST) -> None:
+            raise SourceError(f"{self.owner} changes its loss in `{ast.unparse(node).splitlines()[0]}`, beyond adding a "
+                              "term to the token loss, which a forward that computes the token loss its own way "
+                              "cannot reproduce")
 
         def visit(node: ast.AST) -> None:
             for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.If) and child is not stmt and any(_adds_to_loss(n) for n in ast.walk(child)) \
-                        and loads(child.test) <= {"self"}:
+                if not isinstance(child, ast.stmt) or not _involved(child):
+                    continue
+                if isinstance(child, ast.If) and loads(child.test) <= {"self"}:
                     guards.append(child.test)
-                elif _adds_to_loss(child):
-                    raise SourceError(f"{self.owner} computes its loss as `{ast.unparse(stmt).splitlines()[0]}`, "
-                                      "which cannot be told apart from the token loss")
-                else:
+                elif isinstance(child, (ast.If, ast.For, ast.While, ast.With, ast.Try)):
                     visit(child)
+                else:
+                    refuse(child)
 
-        visit(stmt)
+        visit(ast.Module(body=[stmt], type_ignores=[]))
+        if not guards:
+            refuse(stmt)
         return guards
 
     def check(self, model: nn.Module) -> None:

@@ -24,7 +24,7 @@ from parallel3d.mesh import Mesh3D
 from parallel3d.meta_init import value_provider
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
-from parallel3d.tensor_parallel.apply import sequence_segment_hooks
+from parallel3d.tensor_parallel.sequence import sequence_segment_hooks
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
 from zero.offload import OffloadSettings
 from zero.partition import stage3_fetch_modules, standalone_head

@@ -55,8 +55,45 @@ def test_a_term_inside_the_token_loss_is_refused_only_when_on():
 
 
 def test_an_unguarded_term_inside_the_token_loss_is_refused():
-    with pytest.raises(SourceError, match="cannot be told apart from the token loss"):
+    with pytest.raises(SourceError) as info:
         ExtraLossTerms(transformers.MusicgenForCausalLM, "model")
+    assert str(info.value) == ("MusicgenForCausalLM.forward changes its loss in `loss += loss_fct(codebook_logits, "
+                               "codebook_labels)`, beyond adding a term to the token loss, which a forward that "
+                               "computes the token loss its own way cannot reproduce")
+
+
+class _SumsInTheTokenStatement(torch.nn.Module):
+    def forward(self, input_ids=None, labels=None):
+        outputs = self.model(input_ids)
+        aux_loss = outputs.aux
+        if labels is not None:
+            loss = self.loss_function(outputs.logits, labels) + aux_loss
+        return loss
+
+
+class _ScalesAfterwards(torch.nn.Module):
+    def forward(self, input_ids=None, labels=None):
+        outputs = self.model(input_ids)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(outputs.logits, labels)
+        if self.halve:
+            loss *= 0.5
+        return loss
+
+
+def test_changes_that_are_no_added_term_are_refused():
+    """A term summed into the token-loss statement itself, or a scaling of the loss after it, would
+    be lost by a forward that computes the token loss its own way: refused (a guarded scaling only
+    when its guard is on)."""
+    with pytest.raises(SourceError, match=r"changes its loss in `loss = self.loss_function\(outputs.logits, labels\) "
+                                          r"\+ aux_loss`, beyond adding a term"):
+        ExtraLossTerms(_SumsInTheTokenStatement, "model")
+    terms = ExtraLossTerms(_ScalesAfterwards, "model")
+    assert terms.guards == ["self.halve"] and not terms.has_terms
+    terms.check(SimpleNamespace(halve=False))
+    with pytest.raises(SourceError, match=r"when `self.halve`"):
+        terms.check(SimpleNamespace(halve=True))
 
 
 def test_tensor_parallel_refuses_a_term_it_cannot_add():

@@ -128,3 +128,28 @@ def test_expert_bias_is_refused(dist):
     msg = dist.run(2, _refuse_built, _mixtral_with_expert_bias)[0]
     assert msg.startswith("MixtralForCausalLM: parameter model.layers.0.mlp.experts.down_proj_bias (shape [4, 32]) of "
                           "the experts module is not split by its tensor-parallel plan"), msg
+
+
+def _experts_called_with(extra) -> str:
+    from parallel3d.errors import ConfigError
+    from parallel3d.tensor_parallel import apply_tensor_parallel
+
+    model = make_family_model("mixtral")
+    apply_tensor_parallel(model, tp_group(2), sequence_parallel=True)
+    experts = model.model.layers[0].mlp.experts
+    tokens, hidden = 4, model.config.hidden_size
+    try:
+        experts(torch.zeros(tokens, hidden), torch.zeros(tokens, 2, dtype=torch.long), torch.ones(tokens, 2), extra)
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_experts_input_that_is_no_token_tensor_is_refused(dist):
+    """Under sequence parallelism the experts gather every input along its tokens: one that is not
+    a tensor of the tokens (a per-expert count list, an expert-major layout) is refused by name."""
+    msg = dist.run(2, _experts_called_with, [2, 2])[0]
+    assert msg == ("sequence parallelism: MixtralExperts is called with an input (list) that is not a tensor of its "
+                   "4 tokens, so the ranks' parts of the sequence cannot be gathered for it")
+    msg = dist.run(2, _experts_called_with, torch.zeros(3, 2))[0]
+    assert "an input (shape [3, 2]) that is not a tensor of its 4 tokens" in msg

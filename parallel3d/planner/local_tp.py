@@ -28,7 +28,9 @@ import torch
 from torch import nn
 
 from models.anatomy import text_blocks
-from parallel3d.tensor_parallel.apply import head_input_hooks, prepare_tensor_parallel, sequence_mixers
+from parallel3d.tensor_parallel.apply import head_input_hooks, prepare_tensor_parallel
+from parallel3d.tensor_parallel.experts import check_token_input
+from parallel3d.tensor_parallel.sequence import sequence_mixers, token_input_hook
 from parallel3d.tensor_parallel.heads import localize_head_counts
 from parallel3d.tensor_parallel.layers import _linear_parts, _matmul
 from parallel3d.tensor_parallel.regions import split_params
@@ -124,7 +126,9 @@ def _expert_hooks(module: nn.Module, log: CommLog, world: int, sequence_parallel
     or under sequence parallelism an all-gather of every token input) and leave (all-reduce, or
     reduce-scatter of the tokens)."""
 
-    def enter(value):
+    def enter(value, tokens):
+        if sequence_parallel and value is not None:
+            check_token_input(type(module).__name__, value, tokens)
         if not isinstance(value, torch.Tensor):
             return value
         if sequence_parallel:
@@ -133,7 +137,9 @@ def _expert_hooks(module: nn.Module, log: CommLog, world: int, sequence_parallel
         return _Enter.apply(value, log) if value.is_floating_point() else value
 
     def pre(_: nn.Module, args: tuple, kwargs: dict):
-        return tuple(enter(a) for a in args), {k: enter(v) for k, v in kwargs.items()}
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        tokens = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+        return tuple(enter(a, tokens) for a in args), {k: enter(v, tokens) for k, v in kwargs.items()}
 
     def leave(y: torch.Tensor) -> torch.Tensor:
         return _Seq.apply(y, log, world, False, True, True, 0) if sequence_parallel else _Leave.apply(y, log)
@@ -281,6 +287,9 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
     for path in sorted(plan.experts):
         _expert_hooks(model.get_submodule(path), log, world, sequence_parallel)
     if sequence_parallel:
+        for block in text_blocks(model):  # per-token inputs cut to the rank's part (no collective)
+            block.register_forward_pre_hook(
+                token_input_hook(block, world, lambda x, part: x.narrow(1, 0, part)), with_kwargs=True)
         for name in sequence_mixers(model, regions):  # replicated mixers: whole sequence in, own part out
             mixer = model.get_submodule(name)
             mixer.register_forward_pre_hook(_hidden_hook(lambda x: _Seq.apply(x, log, world, True, True, True)),

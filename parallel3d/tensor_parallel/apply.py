@@ -25,6 +25,8 @@ What changes, in this order:
    hook on the last block all-gathers the sequence again, so the final norm and the head
    (and HF's reshapes to the full input shape) see whole sequences. The split sits at block
    boundaries because HF attention reads the sequence length from its input.
+   Per-token block inputs, replicated token mixers and experts are handled in ``sequence.py``
+   and ``experts.py``.
 5. Replicated parameters whose gradient is a per-rank partial sum get a gradient hook that
    all-reduces (sums) it over tp before it is accumulated into ``.grad``: Qwen3/Gemma3-style
    per-head norms (``replicated_with_grad_allreduce``) and the other parameters
@@ -47,12 +49,10 @@ blocks) each rank draws from its own stream, which recomputation replays (``rng.
 from __future__ import annotations
 
 import functools
-import inspect
 import types
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
@@ -60,7 +60,7 @@ from torch.distributed import ProcessGroup
 from models.anatomy import text_blocks
 from models.tp_plans import ModelTPPlan, TPPlanError, base_model_prefix, resolve_tp_plan
 from parallel3d.errors import ConfigError
-from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp, gather_from_tp, gather_seq, split_to_tp
+from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp
 from parallel3d.tensor_parallel.forward import causal_lm_forward, check_extra_loss_terms, check_logit_transforms
 from parallel3d.tensor_parallel.experts import expert_hooks, expert_specs
 from parallel3d.tensor_parallel.heads import (
@@ -75,6 +75,9 @@ from parallel3d.tensor_parallel.layers import (
 )
 from parallel3d.tensor_parallel.regions import LeftBehind, find_left_behind, split_params, split_regions
 from parallel3d.tensor_parallel.rng import SplitRegionRNG
+from parallel3d.tensor_parallel.sequence import (
+    hidden_states_hook, partial_params, sequence_parallel_hooks, sequence_segment_hooks,
+)
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
 
@@ -178,29 +181,6 @@ def _check_row_outputs(model: nn.Module, plan: ModelTPPlan) -> None:
                               "attention, which tensor parallelism would need whole on every rank")
 
 
-def _hidden_states_hook(enter: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """A forward pre-hook (with kwargs) applying ``enter`` to a module's hidden-states input."""
-
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if args:
-            return (enter(args[0]), *args[1:]), kwargs
-        for key in ("hidden_states", "x"):
-            if key in kwargs:
-                return args, {**kwargs, key: enter(kwargs[key])}
-        raise RuntimeError(f"tensor parallel: no hidden states among the inputs of {type(module).__name__}")
-
-    return hook
-
-
-def _first_output_hook(leave: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        if isinstance(output, tuple):
-            return (leave(output[0]), *output[1:])
-        return leave(output)
-
-    return hook
-
-
 def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: bool, specs: dict[str, ShardSpec],
                   partial: set[nn.Parameter], regions: set[str], kv_layers: dict[str, int]) -> list[RowParallelLinear]:
     """Swap every planned module for its parallel layer; returns the row layers.
@@ -258,96 +238,6 @@ def _shard_vocab(model: nn.Module, group: ProcessGroup, specs: dict[str, ShardSp
     specs[f"{emb_name}.weight"] = new_emb.specs["weight"]
     specs.update({f"{head_name}.{p}": s for p, s in new_head.specs.items()})
     return new_head
-
-
-def sequence_segment_hooks(first: nn.Module, last: nn.Module, group: ProcessGroup,
-                           rng: SplitRegionRNG | None) -> list[Any]:
-    """Sequence parallelism over a run of blocks: ``first`` scatters the hidden states along the
-    sequence, ``last`` gathers them back; between them each tp rank holds its part of the
-    sequence and draws dropout from its own stream. The whole block list is one run; under
-    pipeline stages each chunk's blocks are one (``apply_tensor_parallel(..., sequence_segments=False)``)."""
-    world = dist.get_world_size(group)
-
-    def scatter(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[1] % world:
-            raise ConfigError(f"sequence parallelism: sequence length {x.shape[1]} must be divisible by "
-                              f"tensor_parallel.size={world}")
-        return split_to_tp(x, group, 1)
-
-    handles = [first.register_forward_pre_hook(_hidden_states_hook(scatter), with_kwargs=True),
-               last.register_forward_hook(_first_output_hook(lambda x: gather_from_tp(x, group, 1)))]
-    if rng is not None:
-        handles += [first.register_forward_pre_hook(rng.entry_hook(), with_kwargs=True),
-                    last.register_forward_hook(rng.exit_hook(first))]
-    return handles
-
-
-# Inputs only a module that mixes tokens takes (HF attention, state-space and convolution mixers);
-# norms, MLPs, routers and experts work token by token and take none of them.
-_MIXER_INPUTS = frozenset({"attention_mask", "position_embeddings", "position_ids", "past_key_values", "cache",
-                           "cache_params", "cache_position", "past_key_value", "layer_past"})
-
-
-def _mixes_tokens(module: nn.Module) -> bool:
-    try:
-        params = inspect.signature(module.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return bool(_MIXER_INPUTS & set(params))
-
-
-def sequence_mixers(model: nn.Module, regions: set[str]) -> list[str]:
-    """The outermost modules inside the blocks that mix tokens (by their inputs: ``_MIXER_INPUTS``)
-    and are neither split regions nor inside or around one: replicated attention or state-space
-    mixers, which under sequence parallelism must see the whole sequence."""
-    names = {id(m): n for n, m in model.named_modules()}
-    out: list[str] = []
-
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            name = names.get(id(child), "")
-            holds_region = any(r == name or r.startswith(name + ".") for r in regions)
-            if holds_region:
-                if name not in regions:
-                    visit(child)
-            elif _mixes_tokens(child):
-                out.append(name)
-            else:
-                visit(child)
-
-    for block in text_blocks(model):
-        visit(block)
-    return out
-
-
-def _sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str]) -> list[Any]:
-    """Sequence parallelism's hooks inside the blocks: each split region gathers the sequence, and
-    each replicated mixer (``sequence_mixers``) runs on the gathered sequence and keeps this rank's
-    part of its output. Its gradient then comes from that part only: the entry's reduce-scatter
-    sums the ranks' input gradients, and its parameters are summed over tp like the norms'."""
-    if not text_blocks(model):
-        raise ConfigError(f"sequence parallelism: {type(model).__name__} names no block class in _no_split_modules")
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    handles = []
-    for name in regions:
-        handles.append(model.get_submodule(name).register_forward_pre_hook(
-            _hidden_states_hook(lambda x: gather_seq(x, group, -2)), with_kwargs=True))
-    for name in sequence_mixers(model, regions):
-        module = model.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(_hidden_states_hook(lambda x: gather_seq(x, group, 1)),
-                                                        with_kwargs=True))
-        handles.append(module.register_forward_hook(
-            _first_output_hook(lambda x: x.narrow(1, rank * (x.shape[1] // world), x.shape[1] // world))))
-    return handles
-
-
-def _sequence_partial_params(model: nn.Module, regions: set[str], sharded: set[nn.Parameter],
-                             rows: list[RowParallelLinear]) -> set[nn.Parameter]:
-    """Replicated params that only see this rank's tokens under sequence parallelism."""
-    in_regions = {id(p) for name in regions for p in model.get_submodule(name).parameters()}
-    out = {p for block in text_blocks(model) for p in block.parameters()
-           if p.requires_grad and p not in sharded and id(p) not in in_regions}
-    return out | {r.bias for r in rows if r.bias is not None and r.bias.requires_grad}
 
 
 @dataclass
@@ -423,14 +313,14 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     sharded = {params[n] for n in specs}
     partial |= {params[n] for n in left_behind.summed if params[n].requires_grad}
     hooks = [model.get_submodule(name).register_forward_pre_hook(
-        _hidden_states_hook(lambda x: copy_to_tp(x, tp_group)), with_kwargs=True)
+        hidden_states_hook(lambda x: copy_to_tp(x, tp_group)), with_kwargs=True)
         for name in regions if not sequence_parallel]
     hooks += [h for path in sorted(plan.experts) for h in expert_hooks(model.get_submodule(path), tp_group, sequence_parallel)]
     hooks += head_input_hooks(model, prep, rank)
     rng = SplitRegionRNG(rank)
     if sequence_parallel:
-        hooks += _sequence_parallel_hooks(model, tp_group, regions)
-        partial |= _sequence_partial_params(model, regions, sharded, rows)
+        hooks += sequence_parallel_hooks(model, tp_group, regions)
+        partial |= partial_params(model, regions, sharded, rows)
         if sequence_segments:
             blocks = text_blocks(model)
             hooks += sequence_segment_hooks(blocks[0], blocks[-1], tp_group, rng)
@@ -440,8 +330,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     hooks += [params[n].register_hook(all_reduce_grad_hook(tp_group, *s.pieces(rank, world)))
               for n, s in replicated.items()]
 
-    model.forward = types.MethodType(
-        functools.partial(causal_lm_forward, sequence_group=tp_group if sequence_parallel else None), model)
+    forward = functools.partial(causal_lm_forward, sequence_group=tp_group) if sequence_parallel else causal_lm_forward
+    model.forward = types.MethodType(forward, model)
     return TensorParallelInfo(
         group=tp_group, tp_size=world, tp_rank=rank, sequence_parallel=sequence_parallel, sharded_params=sharded,
         shard_specs=specs, partial_grad_params=partial, vocab_size=head.vocab_size,

@@ -79,6 +79,15 @@ def expert_specs(model: nn.Module, path: str, planned: set[str], world: int) -> 
     return specs
 
 
+def check_token_input(owner: str, value: Any, tokens: int | None) -> None:
+    """ConfigError unless ``value``, an input of the experts module ``owner`` under sequence
+    parallelism, is a tensor of its ``tokens`` tokens (``[tokens, ...]``), which can be gathered."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != tokens:
+        what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(f"sequence parallelism: {owner} is called with an input ({what}) that is not a tensor "
+                          f"of its {tokens} tokens, so the ranks' parts of the sequence cannot be gathered for it")
+
+
 def expert_hooks(module: nn.Module, group: ProcessGroup, sequence_parallel: bool = False) -> list[Any]:
     """Enter tensor parallelism at the experts module (hidden states and routing weights) and sum its
     output; under sequence parallelism gather the tokens on entry and reduce-scatter them on exit."""
@@ -89,10 +98,7 @@ def expert_hooks(module: nn.Module, group: ProcessGroup, sequence_parallel: bool
             return copy_to_tp(value, group) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
         if value is None:
             return value
-        if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != tokens:
-            what = f"shape {list(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ConfigError(f"sequence parallelism: {owner} is called with an input ({what}) that is not a tensor "
-                              f"of its {tokens} tokens, which its rank's part of the sequence cannot be gathered by")
+        check_token_input(owner, value, tokens)
         return gather_seq(value, group, 0) if value.is_floating_point() else all_gather_tokens(value, group)
 
     def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
