@@ -121,8 +121,8 @@ def sequence_mixers(model: nn.Module, regions: set[str]) -> list[str]:
 
 
 # Name parts of block inputs that mixers read whole (Falcon-H1's ``mamba_attention_mask``,
-# rotary tables, positions, caches), beside ``MIXER_INPUTS``.
-_WHOLE_PARTS = ("mask", "position", "cache", "past", "rotary", "rope", "freqs")
+# rotary tables, positions, caches, a cross-attention's encoder states), beside ``MIXER_INPUTS``.
+_WHOLE_PARTS = ("mask", "position", "cache", "past", "rotary", "rope", "freqs", "encoder")
 
 
 def _kept_whole(name: str) -> bool:
