@@ -256,13 +256,15 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
     prep = prepare_tensor_parallel(model, world, sequence_parallel)
     plan, layout, kv, left, experts = prep.plan, prep.layout, prep.kv_layers, prep.left_behind, prep.experts
     regions = plan.regions
+    mixers, whole = (sequence_mixers(model, regions) if sequence_parallel else []), prep.whole_mixers
     for name, layer in plan.layers.items():
         if layer.kind not in ("column", "row"):
             continue
         new = _LocalLinear(model.get_submodule(name), world, log, row=layer.kind == "row",
                            enter=name.rpartition(".")[0] not in regions, packed=layer.packed,
                            replicas=kv.get(name, 1), gather_output=layer.gather_output,
-                           split_input=layer.split_input, seq=sequence_parallel)
+                           split_input=layer.split_input,
+                           seq=sequence_parallel and not any(name.startswith(m + ".") for m in whole))
         _replace(model, name, new)
         specs.update({f"{name}.{p}": s for p, s in new.specs.items()})
     split_params(model, {**left.split, **experts}, 0, world)
@@ -290,11 +292,16 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
         for block in text_blocks(model):  # per-token inputs cut to the rank's part (no collective)
             block.register_forward_pre_hook(
                 token_input_hook(block, world, lambda x, part: x.narrow(1, 0, part)), with_kwargs=True)
-        for name in sequence_mixers(model, regions):  # replicated mixers: whole sequence in, own part out
+        for name in mixers:  # replicated mixers: whole sequence in, own part out (sequence.py)
             mixer = model.get_submodule(name)
-            mixer.register_forward_pre_hook(_hidden_hook(lambda x: _Seq.apply(x, log, world, True, True, True)),
-                                            with_kwargs=True)
-            mixer.register_forward_hook(_output_hook(lambda x: x.narrow(1, 0, x.shape[1] // world)))
+            if name in whole:  # gather_from_tp in, split_to_tp out: the whole gradient comes back
+                enter = lambda x: _Seq.apply(x, log, world, True, False, True)  # noqa: E731
+                leave = lambda x: _Seq.apply(x, log, world, False, True, False)  # noqa: E731
+            else:  # gather_seq in, a local slice out
+                enter = lambda x: _Seq.apply(x, log, world, True, True, True)  # noqa: E731
+                leave = lambda x: x.narrow(1, 0, x.shape[1] // world)  # noqa: E731
+            mixer.register_forward_pre_hook(_hidden_hook(enter), with_kwargs=True)
+            mixer.register_forward_hook(_output_hook(leave))
         blocks = text_blocks(model)
         blocks[0].register_forward_pre_hook(
             _hidden_hook(lambda x: _Seq.apply(x, log, world, False, True, False)), with_kwargs=True)

@@ -76,7 +76,7 @@ from parallel3d.tensor_parallel.layers import (
 from parallel3d.tensor_parallel.regions import LeftBehind, find_left_behind, split_params, split_regions
 from parallel3d.tensor_parallel.rng import SplitRegionRNG
 from parallel3d.tensor_parallel.sequence import (
-    hidden_states_hook, partial_params, sequence_parallel_hooks, sequence_segment_hooks,
+    hidden_states_hook, partial_params, sequence_mixers, sequence_parallel_hooks, sequence_segment_hooks, whole_mixers,
 )
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
@@ -182,10 +182,13 @@ def _check_row_outputs(model: nn.Module, plan: ModelTPPlan) -> None:
 
 
 def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: bool, specs: dict[str, ShardSpec],
-                  partial: set[nn.Parameter], regions: set[str], kv_layers: dict[str, int]) -> list[RowParallelLinear]:
+                  partial: set[nn.Parameter], regions: set[str], kv_layers: dict[str, int],
+                  whole: list[str] = ()) -> list[RowParallelLinear]:
     """Swap every planned module for its parallel layer; returns the row layers.
 
     ``kv_layers``: column layers whose slices are replicated, with their replica count.
+    ``whole``: sequence-parallel mixers every rank runs on the whole sequence, whose layers are
+    plain tensor-parallel ones.
     """
     world = dist.get_world_size(group)
     rows = []
@@ -199,19 +202,14 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
         try:
             _linear_parts(module)
             parent = name.rpartition(".")[0]
+            layer_sp = sp and not any(name.startswith(m + ".") for m in whole)  # checked by _check_sequence_layers
             if layer.kind == "column":
-                if sp and parent not in regions:
-                    raise ConfigError(f"sequence parallelism: column-parallel {name} is not inside a module that ends "
-                                      "in a row-parallel layer, so its input cannot be gathered at a region entry")
                 new: nn.Module = ColumnParallelLinear(
                     module, group, input_comm="none" if parent in regions else "copy",
                     gather_output=layer.gather_output, packed=layer.packed, replicas=kv_layers.get(name, 1))
             else:
-                if sp and parent not in regions:
-                    raise ConfigError(f"sequence parallelism: row-parallel {name} splits a replicated input outside a "
-                                      "module that tensor parallelism enters, so its sequence is never gathered")
                 new = RowParallelLinear(module, group, split_input=layer.split_input, packed=layer.packed,
-                                        output_comm="reduce_scatter_seq" if sp else "all_reduce")
+                                        output_comm="reduce_scatter_seq" if layer_sp else "all_reduce")
                 rows.append(new)
         except TypeError as exc:
             raise ConfigError(f"tensor parallel plan entry {name}: {exc}") from None
@@ -251,6 +249,7 @@ class Preparation:
     kv_layers: dict[str, int]  # replicated kv projections -> their replica count
     left_behind: LeftBehind
     experts: dict[str, ShardSpec]
+    whole_mixers: list[str] = field(default_factory=list)  # sequence parallelism: mixers run whole (sequence.py)
 
 
 def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: bool = False) -> Preparation:
@@ -272,7 +271,25 @@ def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: boo
     left_behind = find_left_behind(model, plan, layout, world)
     experts = {n: s for path, planned in sorted(plan.experts.items())
                for n, s in expert_specs(model, path, planned, world).items()}
-    return Preparation(world, plan, layout, kv_layers, left_behind, experts)
+    whole = _check_sequence_layers(plan, model) if sequence_parallel else []
+    return Preparation(world, plan, layout, kv_layers, left_behind, experts, whole)
+
+
+def _check_sequence_layers(plan: ModelTPPlan, model: nn.Module) -> list[str]:
+    """Under sequence parallelism: the mixers every rank runs whole (``sequence.whole_mixers``);
+    ConfigError for a column or row layer outside the split regions and those mixers, whose
+    input would be a rank's part of the sequence."""
+    tp_layers = {n: layer for n, layer in plan.layers.items() if layer.kind in ("column", "row")}
+    whole = whole_mixers(sequence_mixers(model, plan.regions), set(tp_layers))
+    for name, layer in tp_layers.items():
+        if name.rpartition(".")[0] in plan.regions or any(name.startswith(m + ".") for m in whole):
+            continue
+        if layer.kind == "column":
+            raise ConfigError(f"sequence parallelism: column-parallel {name} is not inside a module that ends in a "
+                              "row-parallel layer, so its input cannot be gathered at a region entry")
+        raise ConfigError(f"sequence parallelism: row-parallel {name} splits a replicated input outside a module "
+                          "that tensor parallelism enters, so its sequence is never gathered")
+    return whole
 
 
 def head_input_hooks(model: nn.Module, prep: Preparation, rank: int) -> list[Any]:
@@ -302,7 +319,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     regions = plan.regions
     specs: dict[str, ShardSpec] = {}
     partial: set[nn.Parameter] = set()
-    rows = _shard_layers(model, plan, tp_group, sequence_parallel, specs, partial, regions, kv_layers)
+    whole = prep.whole_mixers
+    rows = _shard_layers(model, plan, tp_group, sequence_parallel, specs, partial, regions, kv_layers, whole)
     split_params(model, {**left_behind.split, **experts}, rank, world)
     specs.update(left_behind.split)
     specs.update(experts)
@@ -319,8 +337,8 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     hooks += head_input_hooks(model, prep, rank)
     rng = SplitRegionRNG(rank)
     if sequence_parallel:
-        hooks += sequence_parallel_hooks(model, tp_group, regions)
-        partial |= partial_params(model, regions, sharded, rows)
+        hooks += sequence_parallel_hooks(model, tp_group, regions, whole)
+        partial |= partial_params(model, regions, sharded, rows, whole)
         if sequence_segments:
             blocks = text_blocks(model)
             hooks += sequence_segment_hooks(blocks[0], blocks[-1], tp_group, rng)

@@ -125,6 +125,13 @@ def sequence_mixers(model: nn.Module, regions: set[str]) -> list[str]:
 _WHOLE_PARTS = ("mask", "position", "cache", "past", "rotary", "rope", "freqs", "encoder")
 
 
+def whole_mixers(mixers: list[str], tp_layers: set[str]) -> list[str]:
+    """The mixers that hold tensor-parallel layers (Qwen3-Next's linear attention: its projections
+    split their weights and gather their outputs). Each rank runs them whole, forward and
+    backward, as under plain tensor parallelism (``sequence_parallel_hooks``)."""
+    return [m for m in mixers if any(layer.startswith(m + ".") for layer in tp_layers)]
+
+
 def _kept_whole(name: str) -> bool:
     return name in MIXER_INPUTS or any(part in name for part in _WHOLE_PARTS)
 
@@ -162,9 +169,19 @@ def token_input_hook(block: nn.Module, world: int, cut: Callable[[torch.Tensor, 
     return hook
 
 
-def sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str]) -> list[Any]:
+def sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str],
+                            whole: list[str] = ()) -> list[Any]:
     """Sequence parallelism's hooks inside the text blocks (module docstring): regions gather the
-    sequence, per-token inputs are cut to the rank's part, replicated mixers run whole."""
+    sequence, per-token inputs are cut to the rank's part, replicated mixers run whole.
+
+    A mixer of ``whole`` (``whole_mixers``: it holds tensor-parallel layers, whose collectives
+    need the same gradient on every rank) takes the gathered sequence with ``gather_from_tp``
+    and hands back its rank's part with ``split_to_tp``: every rank then runs its backward on
+    the whole output gradient, as plain tensor parallelism does, and its parameters get whole
+    gradients (``partial_params`` leaves them out). The other mixers take it with
+    ``gather_seq`` and keep their part with a local slice: each rank's backward covers its own
+    part, the entry's reduce-scatter sums the input gradients, and their parameters are summed
+    over tp like the norms'."""
     blocks = text_blocks(model)
     if not blocks:
         raise ConfigError(f"sequence parallelism: {type(model).__name__} names no block class in _no_split_modules")
@@ -182,17 +199,21 @@ def sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[
             hidden_states_hook(lambda x: gather_seq(x, group, -2)), with_kwargs=True))
     for name in sequence_mixers(model, regions):
         module = model.get_submodule(name)
-        handles.append(module.register_forward_pre_hook(hidden_states_hook(lambda x: gather_seq(x, group, 1)),
-                                                        with_kwargs=True))
-        handles.append(module.register_forward_hook(
-            first_output_hook(lambda x: x.narrow(1, rank * (x.shape[1] // world), x.shape[1] // world))))
+        if name in whole:
+            enter, leave = (lambda x: gather_from_tp(x, group, 1)), (lambda x: split_to_tp(x, group, 1))
+        else:
+            enter = lambda x: gather_seq(x, group, 1)  # noqa: E731
+            leave = lambda x: x.narrow(1, rank * (x.shape[1] // world), x.shape[1] // world)  # noqa: E731
+        handles.append(module.register_forward_pre_hook(hidden_states_hook(enter), with_kwargs=True))
+        handles.append(module.register_forward_hook(first_output_hook(leave)))
     return handles
 
 
 def partial_params(model: nn.Module, regions: set[str], sharded: set[nn.Parameter],
-                   rows: list[RowParallelLinear]) -> set[nn.Parameter]:
-    """Replicated params that only see this rank's tokens under sequence parallelism."""
-    in_regions = {id(p) for name in regions for p in model.get_submodule(name).parameters()}
+                   rows: list[RowParallelLinear], whole: list[str] = ()) -> set[nn.Parameter]:
+    """Replicated params that only see this rank's tokens under sequence parallelism (not those of
+    the regions, nor of the mixers every rank runs whole)."""
+    own = {id(p) for name in [*regions, *whole] for p in model.get_submodule(name).parameters()}
     out = {p for block in text_blocks(model) for p in block.parameters()
-           if p.requires_grad and p not in sharded and id(p) not in in_regions}
+           if p.requires_grad and p not in sharded and id(p) not in own}
     return out | {r.bias for r in rows if r.bias is not None and r.bias.requires_grad}
