@@ -13,8 +13,8 @@ rounding (5e-7 in the gradients) past the tolerance within three steps; so is Qw
 hyper-connection mixer splits its replicated input itself (``rowwise_split_input``) beside
 computations on the whole input (its module is no region: summing at its entry doubled their
 gradients). Under sequence parallelism (``tp2-sp``): HunYuan (its plan splits no attention),
-Falcon-H1 (state-space mixers), Gemma 3 (a vision tower before its text blocks) and Qwen3.5
-(linear attention with tensor-parallel projections).
+Gemma 3 (a vision tower before its text blocks) and Qwen3.5 (linear attention with
+tensor-parallel projections).
 """
 
 from __future__ import annotations
@@ -84,9 +84,10 @@ def train(model_type: str, layout: str) -> dict:
 @pytest.mark.parametrize("model_type,layout", [
     ("dots1", "tp2"), ("dots1", "pp2"), ("cohere_compass_text", "pp2"),
     # sequence parallelism around modules that mix tokens without being split: an attention its
-    # plan leaves whole (HunYuan), state-space mixers beside attention (Falcon-H1), a multimodal
-    # model whose vision blocks come first (Gemma 3: the sequence is split at its first text block)
-    ("hunyuan_v1_dense", "tp2-sp"), ("falcon_h1", "tp2-sp"), ("gemma3", "tp2-sp"),
+    # plan leaves whole (HunYuan), a multimodal model whose vision blocks come first (Gemma 3: the
+    # sequence is split at its first text block). State-space mixers (Falcon-H1, Bamba) take the
+    # same path; the coverage script runs them (70 s here in float64, too slow for the suite).
+    ("hunyuan_v1_dense", "tp2-sp"), ("gemma3", "tp2-sp"),
     # a mixer holding tensor-parallel layers (linear attention whose projections gather their
     # outputs): every rank runs it whole, forward and backward
     ("qwen3_5_text", "tp2-sp")])
