@@ -181,6 +181,28 @@ def compile_function(source: MethodSource, name: str, body: list[ast.stmt], para
     return namespace[name]
 
 
+def is_call_of(node: ast.expr, path: str) -> bool:
+    """Whether ``node`` calls ``self.<path>`` (``path`` may be dotted: ``model.decoder``)."""
+    return isinstance(node, ast.Call) and ast.unparse(node.func) == f"self.{path}"
+
+
+def assigned_name(stmt: ast.stmt) -> str | None:
+    """The name ``stmt`` binds if it is ``name = ...`` or ``name: T = ...``."""
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
+        return stmt.targets[0].id
+    if isinstance(stmt, ast.AnnAssign) and stmt.value is not None and isinstance(stmt.target, ast.Name):
+        return stmt.target.id
+    return None
+
+
+def calls_of(body: list[ast.stmt], paths: Iterable[str]) -> list[int]:
+    """The indices of the statements of ``body`` that bind a name to a call of ``self.<path>``
+    for one of ``paths`` (a causal LM's call of its base model)."""
+    paths = list(paths)
+    return [k for k, stmt in enumerate(body)
+            if assigned_name(stmt) and any(is_call_of(stmt.value, p) for p in paths)]
+
+
 def parse_statement(text: str) -> ast.stmt:
     """One statement written here (e.g. the ``return locals()`` that ends a piece)."""
     return ast.parse(text).body[0]

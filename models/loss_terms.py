@@ -21,24 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.forward_source import SourceError, compile_function, free_names, loads, method_source, parse_statement, stores
+from models.forward_source import (
+    SourceError, assigned_name, calls_of, compile_function, free_names, loads, method_source, parse_statement, stores,
+)
 
 __all__ = ["ExtraLossTerms", "extra_loss_terms"]
 
 _TOKEN_LOSS, _AUX = "loss", "aux_loss"
-
-
-def _is_call_of(node: ast.expr, path: str) -> bool:
-    return isinstance(node, ast.Call) and ast.unparse(node.func) == f"self.{path}"
-
-
-def _binds_from_call(stmt: ast.stmt, path: str) -> str | None:
-    """The name ``stmt`` binds to a call of ``self.<path>``, else None."""
-    targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(stmt, ast.AnnAssign) else []
-    value = getattr(stmt, "value", None)
-    if len(targets) == 1 and isinstance(targets[0], ast.Name) and value is not None and _is_call_of(value, path):
-        return targets[0].id
-    return None
 
 
 def _adds_to_loss(node: ast.AST) -> bool:
@@ -51,9 +40,8 @@ def _adds_to_loss(node: ast.AST) -> bool:
 
 
 def _sets_loss(node: ast.AST) -> bool:
-    """A binding of the loss that is neither an addition to it nor ``loss = None``."""
-    if isinstance(node, ast.AugAssign):
-        return isinstance(node.target, ast.Name) and node.target.id == _TOKEN_LOSS and not _adds_to_loss(node)
+    """A binding of the loss that is neither an addition to it nor ``loss = None`` (``loss *= ...``
+    and the like are ``_scales_loss``)."""
     if not isinstance(node, (ast.Assign, ast.AnnAssign)) or _TOKEN_LOSS not in stores(node) or _adds_to_loss(node):
         return False
     return not (isinstance(node.value, ast.Constant) and node.value.value is None)
@@ -90,20 +78,20 @@ class ExtraLossTerms:
         src = method_source(lm_cls)
         self.owner = src.owner
         body = src.body
-        found = [stmt for stmt in body if not isinstance(stmt, ast.Return) and _kind(stmt) in ("term", "mixed")]
-        terms = [stmt for stmt in found if _kind(stmt) == "term"]
-        guards = [test for stmt in found if _kind(stmt) == "mixed" for test in self._guards(stmt)]
+        kinds = [(stmt, _kind(stmt)) for stmt in body if not isinstance(stmt, ast.Return)]
+        terms = [stmt for stmt, kind in kinds if kind == "term"]
+        guards = [test for stmt, kind in kinds if kind == "mixed" for test in self._guards(stmt)]
         self.has_terms = bool(terms)
         self.aux_name: str | None = None
         self.guards = [ast.unparse(t) for t in guards]
         self._guard_fn = compile_function(src, "extra_loss_guards", [ast.Return(value=ast.List(elts=guards, ctx=ast.Load()))])
         if not terms:
             return
-        calls = [k for k, s in enumerate(body) if _binds_from_call(s, base_attr)]
+        calls = calls_of(body, [base_attr])
         if len(calls) != 1:
             raise SourceError(f"{self.owner} adds to its loss, and does not call self.{base_attr} once")
         k = calls[0]
-        outputs = _binds_from_call(body[k], base_attr)
+        outputs = assigned_name(body[k])
         after = body[k + 1:]
         if any(stmt not in after for stmt in terms):
             raise SourceError(f"{self.owner} adds to its loss before it calls self.{base_attr}")
@@ -168,7 +156,7 @@ class ExtraLossTerms:
         """(the sum of the extra terms, starting from ``zero``; the auxiliary loss or None) for the
         base model's ``outputs`` and the forward's keyword arguments (labels, attention mask, ...)."""
         if not self.has_terms:
-            return zero, None
+            return zero, None  # nothing compiled: the forward adds no term
         return self._fn(model, extra_outputs=outputs, extra_zero=zero, **forward_kwargs)
 
 

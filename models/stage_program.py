@@ -32,8 +32,8 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutput
 
 from models.forward_source import (
-    SourceError, compile_function, fold_output_flags, free_names, is_validator, loads, mentions_self_attr, method_source,
-    parse_statement, stores,
+    SourceError, assigned_name, calls_of, compile_function, fold_output_flags, free_names, is_call_of, is_validator,
+    loads, mentions_self_attr, method_source, parse_statement, stores,
 )
 from models.shape_guard import ShapeOnly, ValueRead, shape_only
 
@@ -220,20 +220,6 @@ class BaseProgram:
                               f"({type(exc).__name__}: {exc})") from None
 
 
-def _is_call_of(node: ast.expr, path: str) -> bool:
-    """Whether ``node`` calls ``self.<path>`` (``path`` may be dotted: ``model.decoder``)."""
-    return isinstance(node, ast.Call) and ast.unparse(node.func) == f"self.{path}"
-
-
-def _assigned_name(stmt: ast.stmt) -> str | None:
-    """The name ``stmt`` binds if it is ``name = ...`` or ``name: T = ...``."""
-    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name):
-        return stmt.targets[0].id
-    if isinstance(stmt, ast.AnnAssign) and stmt.value is not None and isinstance(stmt.target, ast.Name):
-        return stmt.target.id
-    return None
-
-
 def _is_none_binding(stmt: ast.stmt) -> bool:
     return isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant) and stmt.value.value is None
 
@@ -243,7 +229,7 @@ def _is_token_loss(stmt: ast.stmt) -> bool:
     return (isinstance(stmt, ast.If) and not stmt.orelse and ast.unparse(stmt.test) == "labels is not None"
             and len(stmt.body) == 1 and isinstance(stmt.body[0], ast.Assign)
             and [ast.unparse(t) for t in stmt.body[0].targets] == ["loss"]
-            and _is_call_of(stmt.body[0].value, "loss_function"))
+            and is_call_of(stmt.body[0].value, "loss_function"))
 
 
 def _loss_logits(stmt: ast.If) -> str | None:
@@ -263,11 +249,11 @@ class HeadProgram:
         self.owner = src.owner
         body = fold_output_flags(src.body)
         paths = {base_attr} | ({f"{base_attr}.{inner}"} if inner else set())
-        calls = [k for k, s in enumerate(body) if _assigned_name(s) and any(_is_call_of(s.value, p) for p in paths)]
+        calls = calls_of(body, paths)
         if len(calls) != 1 or not isinstance(body[-1], ast.Return):
             raise SourceError(f"{self.owner} does not call self.{base_attr} once and then return")
         k = calls[0]
-        outputs = _assigned_name(body[k])
+        outputs = assigned_name(body[k])
         keep, conditions = [], []
         logits = "logits"
         for stmt in body[k + 1:-1]:

@@ -29,8 +29,8 @@ from torch import nn
 
 from models.anatomy import text_blocks
 from parallel3d.tensor_parallel.apply import head_input_hooks, prepare_tensor_parallel
-from parallel3d.tensor_parallel.experts import check_token_input
-from parallel3d.tensor_parallel.sequence import sequence_mixers, token_input_hook
+from parallel3d.tensor_parallel.experts import check_token_input, token_inputs_hook
+from parallel3d.tensor_parallel.sequence import first_output_hook, hidden_states_hook, token_input_hook
 from parallel3d.tensor_parallel.heads import localize_head_counts
 from parallel3d.tensor_parallel.layers import _linear_parts, _matmul
 from parallel3d.tensor_parallel.regions import split_params
@@ -136,16 +136,11 @@ def _expert_hooks(module: nn.Module, log: CommLog, world: int, sequence_parallel
                 if value.is_floating_point() else _seq(value, log, world, True, True, 0)
         return _Enter.apply(value, log) if value.is_floating_point() else value
 
-    def pre(_: nn.Module, args: tuple, kwargs: dict):
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        tokens = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
-        return tuple(enter(a, tokens) for a in args), {k: enter(v, tokens) for k, v in kwargs.items()}
-
     def leave(y: torch.Tensor) -> torch.Tensor:
         return _Seq.apply(y, log, world, False, True, True, 0) if sequence_parallel else _Leave.apply(y, log)
 
-    module.register_forward_pre_hook(pre, with_kwargs=True)
-    module.register_forward_hook(_output_hook(leave))
+    module.register_forward_pre_hook(token_inputs_hook(enter), with_kwargs=True)
+    module.register_forward_hook(first_output_hook(leave))
 
 
 def _local_param(full: torch.Tensor, spec: ShardSpec | None, world: int) -> nn.Parameter:
@@ -229,23 +224,6 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _hidden_hook(fn):
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
-        if args:
-            return (fn(args[0]), *args[1:]), kwargs
-        key = next(k for k in ("hidden_states", "x") if k in kwargs)
-        return args, {**kwargs, key: fn(kwargs[key])}
-
-    return hook
-
-
-def _output_hook(fn):
-    def hook(module: nn.Module, args: tuple, output):
-        return (fn(output[0]), *output[1:]) if isinstance(output, tuple) else fn(output)
-
-    return hook
-
-
 def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -> LocalTP:
     """Make ``model`` (meta or fake tensors, consumed) what tp rank 0 of ``world`` holds and runs."""
     log = CommLog()
@@ -256,7 +234,7 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
     prep = prepare_tensor_parallel(model, world, sequence_parallel)
     plan, layout, kv, left, experts = prep.plan, prep.layout, prep.kv_layers, prep.left_behind, prep.experts
     regions = plan.regions
-    mixers, whole = (sequence_mixers(model, regions) if sequence_parallel else []), prep.whole_mixers
+    whole = prep.whole_mixers
     for name, layer in plan.layers.items():
         if layer.kind not in ("column", "row"):
             continue
@@ -285,14 +263,14 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
         module = model.get_submodule(name)
         enter = (lambda x: _Seq.apply(x, log, world, True, True, True, -2)) if sequence_parallel else (
             lambda x: _Enter.apply(x, log))
-        module.register_forward_pre_hook(_hidden_hook(enter), with_kwargs=True)
+        module.register_forward_pre_hook(hidden_states_hook(enter), with_kwargs=True)
     for path in sorted(plan.experts):
         _expert_hooks(model.get_submodule(path), log, world, sequence_parallel)
     if sequence_parallel:
         for block in text_blocks(model):  # per-token inputs cut to the rank's part (no collective)
             block.register_forward_pre_hook(
                 token_input_hook(block, world, lambda x, part: x.narrow(1, 0, part)), with_kwargs=True)
-        for name in mixers:  # replicated mixers: whole sequence in, own part out (sequence.py)
+        for name in prep.sequence_mixers:  # replicated mixers: whole sequence in, own part out (sequence.py)
             mixer = model.get_submodule(name)
             if name in whole:  # gather_from_tp in, split_to_tp out: the whole gradient comes back
                 enter = lambda x: _Seq.apply(x, log, world, True, False, True)  # noqa: E731
@@ -300,10 +278,11 @@ def localize(model: nn.Module, world: int, *, sequence_parallel: bool = False) -
             else:  # gather_seq in, a local slice out
                 enter = lambda x: _Seq.apply(x, log, world, True, True, True)  # noqa: E731
                 leave = lambda x: x.narrow(1, 0, x.shape[1] // world)  # noqa: E731
-            mixer.register_forward_pre_hook(_hidden_hook(enter), with_kwargs=True)
-            mixer.register_forward_hook(_output_hook(leave))
+            mixer.register_forward_pre_hook(hidden_states_hook(enter), with_kwargs=True)
+            mixer.register_forward_hook(first_output_hook(leave))
         blocks = text_blocks(model)
-        blocks[0].register_forward_pre_hook(
-            _hidden_hook(lambda x: _Seq.apply(x, log, world, False, True, False)), with_kwargs=True)
-        blocks[-1].register_forward_hook(_output_hook(lambda x: _Seq.apply(x, log, world, True, False, True)))
+        scatter = hidden_states_hook(lambda x: _Seq.apply(x, log, world, False, True, False))
+        # before the blocks' own hooks (token_input_hook), as sequence_segment_hooks registers it
+        blocks[0].register_forward_pre_hook(scatter, with_kwargs=True, prepend=True)
+        blocks[-1].register_forward_hook(first_output_hook(lambda x: _Seq.apply(x, log, world, True, False, True)))
     return LocalTP(world, specs, log, local_emb.specs["weight"].padded_size, frozenset(experts))

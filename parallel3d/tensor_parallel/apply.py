@@ -249,7 +249,10 @@ class Preparation:
     kv_layers: dict[str, int]  # replicated kv projections -> their replica count
     left_behind: LeftBehind
     experts: dict[str, ShardSpec]
-    whole_mixers: list[str] = field(default_factory=list)  # sequence parallelism: mixers run whole (sequence.py)
+    # sequence parallelism (sequence.py): the replicated token mixers, and those of them every rank
+    # runs whole because they hold tensor-parallel layers
+    sequence_mixers: list[str] = field(default_factory=list)
+    whole_mixers: list[str] = field(default_factory=list)
 
 
 def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: bool = False) -> Preparation:
@@ -271,16 +274,17 @@ def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: boo
     left_behind = find_left_behind(model, plan, layout, world)
     experts = {n: s for path, planned in sorted(plan.experts.items())
                for n, s in expert_specs(model, path, planned, world).items()}
-    whole = _check_sequence_layers(plan, model) if sequence_parallel else []
-    return Preparation(world, plan, layout, kv_layers, left_behind, experts, whole)
+    mixers = sequence_mixers(model, plan.regions) if sequence_parallel else []
+    whole = _check_sequence_layers(plan, mixers) if sequence_parallel else []
+    return Preparation(world, plan, layout, kv_layers, left_behind, experts, mixers, whole)
 
 
-def _check_sequence_layers(plan: ModelTPPlan, model: nn.Module) -> list[str]:
+def _check_sequence_layers(plan: ModelTPPlan, mixers: list[str]) -> list[str]:
     """Under sequence parallelism: the mixers every rank runs whole (``sequence.whole_mixers``);
     ConfigError for a column or row layer outside the split regions and those mixers, whose
     input would be a rank's part of the sequence."""
     tp_layers = {n: layer for n, layer in plan.layers.items() if layer.kind in ("column", "row")}
-    whole = whole_mixers(sequence_mixers(model, plan.regions), set(tp_layers))
+    whole = whole_mixers(mixers, set(tp_layers))
     for name, layer in tp_layers.items():
         if name.rpartition(".")[0] in plan.regions or any(name.startswith(m + ".") for m in whole):
             continue
@@ -337,7 +341,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     hooks += head_input_hooks(model, prep, rank)
     rng = SplitRegionRNG(rank)
     if sequence_parallel:
-        hooks += sequence_parallel_hooks(model, tp_group, regions, whole)
+        hooks += sequence_parallel_hooks(model, tp_group, regions, prep.sequence_mixers, whole)
         partial |= partial_params(model, regions, sharded, rows, whole)
         if sequence_segments:
             blocks = text_blocks(model)

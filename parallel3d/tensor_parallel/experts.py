@@ -34,7 +34,7 @@ experts module called with an input that is not a tensor of tokens.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from torch.distributed import ProcessGroup
 
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.comm import all_gather_tokens, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
+from parallel3d.tensor_parallel.sequence import first_output_hook
 from parallel3d.tensor_parallel.sharding import ShardSpec, make_spec
 
 
@@ -88,6 +89,18 @@ def check_token_input(owner: str, value: Any, tokens: int | None) -> None:
                           f"of its {tokens} tokens, so the ranks' parts of the sequence cannot be gathered for it")
 
 
+def token_inputs_hook(enter: Callable[[Any, int | None], Any]) -> Callable:
+    """A forward pre-hook (with kwargs) applying ``enter(value, tokens)`` to every input of an
+    experts module, ``tokens`` being its first input's leading size (the token count)."""
+
+    def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = args[0] if args else next(iter(kwargs.values()), None)
+        tokens = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+        return tuple(enter(a, tokens) for a in args), {k: enter(v, tokens) for k, v in kwargs.items()}
+
+    return pre
+
+
 def expert_hooks(module: nn.Module, group: ProcessGroup, sequence_parallel: bool = False) -> list[Any]:
     """Enter tensor parallelism at the experts module (hidden states and routing weights) and sum its
     output; under sequence parallelism gather the tokens on entry and reduce-scatter them on exit."""
@@ -101,17 +114,8 @@ def expert_hooks(module: nn.Module, group: ProcessGroup, sequence_parallel: bool
         check_token_input(owner, value, tokens)
         return gather_seq(value, group, 0) if value.is_floating_point() else all_gather_tokens(value, group)
 
-    def pre(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        first = args[0] if args else next(iter(kwargs.values()), None)
-        tokens = first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
-        return tuple(enter(a, tokens) for a in args), {k: enter(v, tokens) for k, v in kwargs.items()}
-
     def leave(output: torch.Tensor) -> torch.Tensor:
         return reduce_scatter_seq(output, group, 0) if sequence_parallel else reduce_from_tp(output, group)
 
-    def post(_: nn.Module, args: tuple, output: Any) -> Any:
-        if isinstance(output, tuple):
-            return (leave(output[0]), *output[1:])
-        return leave(output)
-
-    return [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post)]
+    return [module.register_forward_pre_hook(token_inputs_hook(enter), with_kwargs=True),
+            module.register_forward_hook(first_output_hook(leave))]

@@ -105,14 +105,15 @@ def causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
     if labels is not None or shift_labels is not None:
         loss = causal_lm_loss(local, labels, head.group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
-    terms = extra_loss_terms(self, base_model_prefix(self))
-    if sequence_group is not None and terms.has_terms and getattr(out, "router_logits", None):
-        out.router_logits = tuple(_gather_tokens(x, out[0].shape[0], sequence_group) for x in out.router_logits)
-    extra, aux_loss = terms(self, out, torch.zeros((), dtype=torch.float32, device=hidden.device),
-                            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs)
-    if loss is not None and terms.has_terms:
-        loss = loss + extra  # the model's own `loss += coef * aux_loss`, bit for bit (x + 0.0 == x)
+    terms, aux_loss = extra_loss_terms(self, base_model_prefix(self)), None
+    if terms.has_terms:
+        if sequence_group is not None and getattr(out, "router_logits", None):
+            out.router_logits = tuple(_gather_tokens(x, out[0].shape[0], sequence_group) for x in out.router_logits)
+        extra, aux_loss = terms(self, out, torch.zeros((), dtype=torch.float32, device=hidden.device),
+                                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, **kwargs)
+        if loss is not None:
+            loss = loss + extra  # the model's own `loss += coef * aux_loss`, bit for bit (x + 0.0 == x)
     want = gather_logits if gather_logits is not None else loss is None
     fields = dict(loss=loss, logits=head.gather(local) if want else None,
                   past_key_values=getattr(out, "past_key_values", None), hidden_states=getattr(out, "hidden_states", None),

@@ -169,10 +169,11 @@ def token_input_hook(block: nn.Module, world: int, cut: Callable[[torch.Tensor, 
     return hook
 
 
-def sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str],
-                            whole: list[str] = ()) -> list[Any]:
+def sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[str], mixers: list[str],
+                            whole: list[str]) -> list[Any]:
     """Sequence parallelism's hooks inside the text blocks (module docstring): regions gather the
-    sequence, per-token inputs are cut to the rank's part, replicated mixers run whole.
+    sequence, per-token inputs are cut to the rank's part, replicated ``mixers``
+    (``sequence_mixers``) run on the whole sequence.
 
     A mixer of ``whole`` (``whole_mixers``: it holds tensor-parallel layers, whose collectives
     need the same gradient on every rank) takes the gathered sequence with ``gather_from_tp``
@@ -197,7 +198,7 @@ def sequence_parallel_hooks(model: nn.Module, group: ProcessGroup, regions: set[
     for name in regions:
         handles.append(model.get_submodule(name).register_forward_pre_hook(
             hidden_states_hook(lambda x: gather_seq(x, group, -2)), with_kwargs=True))
-    for name in sequence_mixers(model, regions):
+    for name in mixers:
         module = model.get_submodule(name)
         if name in whole:
             enter, leave = (lambda x: gather_from_tp(x, group, 1)), (lambda x: split_to_tp(x, group, 1))
