@@ -32,6 +32,7 @@ import torch
 from parallel3d.checkpoint import MANIFEST, check_tag, read_manifest
 from parallel3d.checkpoint_storage import read_chunk, read_metadata
 from parallel3d.errors import ConfigError
+from parallel3d.export_guard import check_output
 
 logger = logging.getLogger(__name__)
 
@@ -169,14 +170,13 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size <= 0:
+        raise ConfigError(f"--max-shard-size must be a positive number of bytes, got {max_shard_size!r}")
     tag_dir, out = resolve_checkpoint(ckpt), Path(out)
     if not (tag_dir / "config.json").is_file():
         raise ConfigError(f"checkpoint {tag_dir} has no config.json (the Hugging Face model config); "
                           "was the engine's model a transformers model?")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output {out} is a file; give the directory to write (a new or an empty one)")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise ConfigError(f"output directory {out} is not empty (pass --overwrite to replace it)")
+    check_output(tag_dir, out, overwrite)
     try:
         config = AutoConfig.from_pretrained(tag_dir)
     except Exception as exc:
@@ -226,9 +226,12 @@ def _size(text: str) -> int:
     units = {"KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
     t = text.strip().upper()
     try:
-        return int(float(t[:-2]) * units[t[-2:]]) if t[-2:] in units else int(t)
-    except ValueError:
+        size = int(float(t[:-2]) * units[t[-2:]]) if t[-2:] in units else int(t)
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"expected a size like 500MB or 2GB, got {text!r}") from None
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size like 500MB or 2GB, got {text!r}")
+    return size
 
 
 def main(argv: Sequence[str] | None = None) -> int:

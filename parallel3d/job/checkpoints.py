@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint import read_manifest
-from parallel3d.checkpoint_storage import read_metadata
+from parallel3d.checkpoint import MANIFEST, read_manifest
+from parallel3d.checkpoint_storage import METADATA_FILE, read_metadata
 from parallel3d.errors import ConfigError
 from parallel3d.export import resolve_checkpoint
 from parallel3d.job.config import JobConfig
@@ -30,26 +30,76 @@ def checkpoint_root(job: JobConfig) -> Path:
     return Path(job.train.output_dir) / "checkpoints"
 
 
+def stored_checkpoints(root: Path) -> list[str]:
+    """The checkpoints under ``root`` (``output_dir/checkpoints``), newest step first.
+
+    A checkpoint here is any directory named ``global_step<N>`` (what the trainer writes,
+    complete or not) or holding a ``checkpoint.json`` or ``dcp.json`` (a tag of another name);
+    the hidden ``.<tag>.tmp`` of a save that never finished is not one.
+    """
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (
+        _TAG.fullmatch(p.name) or (p / MANIFEST).is_file() or (p / METADATA_FILE).is_file())]
+    step = {p.name: int(m[1]) if (m := _TAG.fullmatch(p.name)) else -1 for p in found}
+    return sorted(step, key=lambda name: (-step[name], name))
+
+
+def _orphans_message(job: JobConfig, root: Path, tags: list[str]) -> str:
+    shown = ", ".join(tags[:4]) + (", ..." if len(tags) > 4 else "")
+    return (f"train.output_dir: {root} holds checkpoints ({shown}) but no 'latest' file naming the one to continue "
+            f"from, so train.resume={_mode_text(job.train.resume)} would start over and replace them and "
+            f"metrics.jsonl; to continue, write the checkpoint's name into {root / 'latest'} (such as "
+            f"{tags[0]}) and set train.resume=auto; to start fresh, use another train.output_dir (or delete this one)")
+
+
+def _mode_text(mode: bool | str) -> str:
+    return mode if isinstance(mode, str) else str(mode).lower()
+
+
+def check_fresh_start(job: JobConfig) -> None:
+    """Refuse to start a fresh run where it would replace what an earlier run wrote.
+
+    ``output_dir`` holds an earlier run when ``checkpoints/`` holds a ``latest`` file or any
+    checkpoint (`stored_checkpoints`), or, for ``train.resume=false``, a non-empty
+    ``metrics.jsonl``. ``resume=auto`` starts fresh only without checkpoints (its metrics.jsonl
+    may be its own first attempt's, which a restart after a failure replaces).
+    """
+    out, root = Path(job.train.output_dir), checkpoint_root(job)
+    latest = root / "latest"
+    if job.train.resume is False and latest.is_file():
+        raise ConfigError(
+            f"train.output_dir: {job.train.output_dir} already holds checkpoints (latest: "
+            f"{latest.read_text(errors='replace').strip()}); set train.resume=auto to continue that run, or use another "
+            "train.output_dir (or delete it) to start fresh")
+    tags = stored_checkpoints(root)
+    if tags:
+        raise ConfigError(_orphans_message(job, root, tags))
+    metrics = out / "metrics.jsonl"
+    if job.train.resume is False and metrics.is_file() and metrics.stat().st_size > 0:
+        raise ConfigError(f"train.output_dir: {out} already holds an earlier run's metrics.jsonl (and no checkpoint to "
+                          "continue from); use another train.output_dir (or delete it) to start fresh")
+
+
 def find_resume(job: JobConfig) -> Path | None:
     """The checkpoint to resume from per train.resume (None: start fresh), checked to be complete.
 
     Any layout and world size may resume it (checkpoints are mesh-free); whether it holds
-    this job's model is :func:`check_resume_model`'s question.
+    this job's model is :func:`check_resume_model`'s question. A fresh start is refused where
+    it would replace an earlier run's checkpoints or metrics (`check_fresh_start`).
     """
     root = checkpoint_root(job)
-    latest = root / "latest"
     mode = job.train.resume
-    if mode is False:
-        if latest.is_file():
-            raise ConfigError(
-                f"train.output_dir: {job.train.output_dir} already holds checkpoints (latest: "
-                f"{latest.read_text().strip()}); set train.resume=auto to continue that run, or use another "
-                "train.output_dir (or delete it) to start fresh")
-        return None
-    if not latest.is_file():
+    if mode is False or not (root / "latest").is_file():
         if mode is True:
+            tags = stored_checkpoints(root)
+            if tags:
+                raise ConfigError(f"train.resume: true, but {root} has no 'latest' file naming the checkpoint to "
+                                  f"continue from (it holds {', '.join(tags[:4])}{', ...' if len(tags) > 4 else ''}); "
+                                  f"write that checkpoint's name into {root / 'latest'} (such as {tags[0]})")
             raise ConfigError(f"train.resume: true, but {root} holds no checkpoint (no 'latest' file); "
                               "use train.resume=auto to start fresh when there is none")
+        check_fresh_start(job)
         return None
     try:
         path = resolve_checkpoint(root)

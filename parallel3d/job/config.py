@@ -186,7 +186,9 @@ class TrainConfig(Section):
     """Seeds model init, the validation hold-out and the data order."""
     resume: Union[bool, Literal["auto"]] = False
     """true: continue from output_dir/checkpoints/latest (must exist); "auto": if there is one;
-    false: start fresh (refused when output_dir already holds checkpoints)."""
+    false: start fresh. A fresh start is refused when output_dir/checkpoints holds a checkpoint
+    (`latest`, or any global_step<N> directory or directory with a checkpoint.json, as when
+    `latest` was deleted), and, for false, when output_dir holds a non-empty metrics.jsonl."""
     save_on_signal: bool = False
     """On SIGTERM, SIGINT (Ctrl-C) or SIGHUP, save a checkpoint at the step where the job stops
     (every rank stops after the same step; a second Ctrl-C stops at once, without saving)."""
