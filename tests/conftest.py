@@ -13,6 +13,9 @@ if _ROOT not in sys.path:  # so `tests.*` and the packages import without instal
     sys.path.insert(0, _ROOT)
 
 from tests.dist_harness import DistRunner  # noqa: E402
+from tests.float64_loss import install as _install_float64_loss  # noqa: E402
+
+_install_float64_loss()
 
 
 @pytest.fixture(scope="session")

@@ -63,6 +63,9 @@ def _worker_main(rank: int, world: int, port: int, conn: Any, log_path: str) -> 
     from torch.distributed import distributed_c10d as c10d
 
     torch.set_num_threads(THREADS)
+    from tests.float64_loss import install
+
+    install()  # float64 oracles compute their loss in float64 (tests/float64_loss.py)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=DEFAULT_TIMEOUT + 60))

@@ -103,8 +103,35 @@ def test_matches_single_process(dist, model_type, layout):
     assert names <= seen, f"parameters no rank holds: {sorted(names - seen)[:5]}"
 
 
+# HF's modules compute parts of a float64 model in float32 (RMS norms, DeepSeek V4's hyper-connection
+# projections), so a gradient that sums N per-token contributions c_t in another order (the
+# sequence split across ranks) may differ by up to ~N float32 rounding steps of sum_t |c_t|: where
+# the c_t cancel (a softmax bias), that is far more than a rounding step of the sum itself.
+_FLOAT32_UNIT = torch.finfo(torch.float32).eps
+
+
+def token_magnitudes(model: torch.nn.Module, batch: dict) -> tuple[dict[str, torch.Tensor], int]:
+    """``sum_t |c_t|`` for every parameter, c_t the gradient of token t's share of the mean loss
+    (one backward per token, in float64), and the token count N."""
+    out = model(input_ids=batch["input_ids"])
+    labels = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:].flatten()
+    per_token = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1).double(), labels, reduction="none")
+    tokens = (labels != -100).nonzero().flatten().tolist()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    sums = {n: torch.zeros_like(p) for n, p in named}
+    for t in tokens:
+        grads = torch.autograd.grad(per_token[t] / len(tokens), [p for _, p in named], retain_graph=True,
+                                    allow_unused=True)
+        for (name, _), g in zip(named, grads):
+            if g is not None:
+                sums[name] += g.abs()
+    return sums, len(tokens)
+
+
 def gradients_tp2(model_type: str, sequence_parallel: bool = False) -> dict:
-    """On every rank: the loss and every parameter's gradient error after one forward and backward."""
+    """On every rank: the loss, and every parameter's gradient error over its bound: the largest of
+    RTOL of the gradient's norm, N float32 rounding steps of its per-token magnitudes, and 1e-12 of
+    the largest gradient."""
     from parallel3d.tensor_parallel import apply_tensor_parallel
 
     start = _tiny(model_type)
@@ -112,6 +139,7 @@ def gradients_tp2(model_type: str, sequence_parallel: bool = False) -> dict:
     oracle = copy.deepcopy(start)
     want = oracle(**batch)
     want.loss.backward()
+    magnitudes, n_tokens = token_magnitudes(copy.deepcopy(start), batch)
     model = copy.deepcopy(start)
     info = apply_tensor_parallel(model, tp_group(2), sequence_parallel=sequence_parallel)
     got = model(**batch, gather_logits=True)
@@ -124,10 +152,12 @@ def gradients_tp2(model_type: str, sequence_parallel: bool = False) -> dict:
     for name, p in model.named_parameters():
         spec = info.shard_specs.get(name)
         if p.grad is None or grads[name] is None:  # an expert no token was routed to: none on both sides
-            errors[name] = 0.0 if p.grad is None and grads[name] is None else 1.0
+            errors[name] = 0.0 if p.grad is None and grads[name] is None else float("inf")
             continue
-        want_grad = grads[name] if spec is None else spec.shard(grads[name], info.tp_rank, 2)
-        errors[name] = ((p.grad - want_grad).norm() / max(want_grad.norm().item(), floor)).item()
+        shard = (lambda t: t) if spec is None else (lambda t: spec.shard(t, info.tp_rank, 2))
+        want_grad, magnitude = shard(grads[name]), shard(magnitudes[name])
+        bound = max(RTOL * want_grad.norm().item(), n_tokens * _FLOAT32_UNIT * magnitude.norm().item(), floor)
+        errors[name] = (p.grad - want_grad).norm().item() / bound
     logits = (got.logits[..., :want.logits.shape[-1]] - want.logits).abs().max().item()
     return {"loss": got.loss.item(), "want": want.loss.item(), "logits": logits, "errors": errors}
 
@@ -142,4 +172,4 @@ def test_gradients_tp2(dist, model_type, sp):
         assert r["logits"] < 1e-12, f"rank {rank}: logits off by {r['logits']:.2e}"
         assert r["loss"] == pytest.approx(r["want"], rel=RTOL)
         worst = max(r["errors"], key=r["errors"].get)
-        assert r["errors"][worst] < RTOL, f"rank {rank}: gradient of {worst} off by {r['errors'][worst]:.2e}"
+        assert r["errors"][worst] <= 1, f"rank {rank}: gradient of {worst} off by {r['errors'][worst]:.2f} x its bound"

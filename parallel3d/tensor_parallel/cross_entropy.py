@@ -8,7 +8,8 @@ non-zero logit). The backward is local: ``softmax - onehot(target)`` on this ran
 
 Padded vocabulary columns (the vocabulary rounded up to a multiple of T) are set to -inf
 before anything else, so they never win the max, add nothing to the sum, and get a zero
-gradient. The loss is computed in fp32 (as transformers upcasts logits for its loss).
+gradient. The loss is computed in fp32 (as transformers upcasts logits for its loss), or in
+fp64 for fp64 logits (transformers' ``.float()`` would cast those down).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: ProcessGroup, vocab_start: int,  # type: ignore[override]
                 vocab_size: int, ignore_index: int) -> torch.Tensor:
-        z = logits.float()
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))
         rows = z.shape[-1]
         valid_cols = max(0, min(rows, vocab_size - vocab_start))
         if valid_cols < rows:  # padded vocabulary on this rank
