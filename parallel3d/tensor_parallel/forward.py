@@ -1,7 +1,8 @@
 """The forward that replaces a tensor-parallel HF causal LM's ``forward``.
 
 HF's ``*ForCausalLM.forward`` runs the base model, the lm head, optional elementwise logit
-transforms and ``ForCausalLMLoss`` on full-vocabulary logits. This one does the same with
+transforms and ``ForCausalLMLoss`` on full-vocabulary logits (what it does there is read from its
+source by ``head_program``, which refuses what this forward would not reproduce). This one does the same with
 the vocab-parallel head and ``causal_lm_loss``, so the full logits exist only when asked
 for. It is bound to the model (``types.MethodType``), so a deep copy stays consistent, and
 it finds the base model and head through the model's own accessors.
@@ -9,8 +10,6 @@ it finds the base model and head through the model's own accessors.
 
 from __future__ import annotations
 
-import inspect
-import re
 from typing import Any
 
 import torch
@@ -22,36 +21,13 @@ from models.tp_plans import base_model_prefix
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.comm import gather_from_tp
 from parallel3d.tensor_parallel.cross_entropy import causal_lm_loss
-
-# What HF causal LM forwards do to the logits after the head (all elementwise, so they apply
-# to vocabulary shards unchanged); anything else is refused by `check_logit_transforms`.
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling", "logit_scale")
-
-
-def logit_transforms(model: nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    scale = getattr(model, "logit_scale", None)  # Cohere: logits * logit_scale
-    if isinstance(scale, (int, float)) and scale != 1:
-        logits = logits * scale
-    divide = getattr(cfg, "logits_scaling", None)  # Granite: logits / logits_scaling
-    if isinstance(divide, (int, float)) and divide != 1:
-        logits = logits / divide
-    softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits
+from parallel3d.tensor_parallel.head_program import head_program
 
 
 def check_logit_transforms(model: nn.Module) -> None:
-    """Refuse a model whose forward rescales its logits in a way the replacement would miss."""
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return
-    for line in source.splitlines():
-        if re.search(r"\blogits\s*([*/]=|=\s*logits\s*[*/])", line) and not any(t in line for t in _LOGIT_TRANSFORMS):
-            raise ConfigError(f"{type(model).__name__}.forward transforms its logits in a way zero3d's tensor "
-                              f"parallel forward does not reproduce: {line.strip()!r}")
+    """Refuse a model whose forward does something between its base model and its loss that the
+    replacement would not reproduce (``head_program``: fails closed, naming the statement)."""
+    head_program(model, base_model_prefix(model)).check(model)
 
 
 def _gather_tokens(x: Any, batch: int, group: Any) -> Any:
@@ -100,7 +76,8 @@ def causal_lm_forward(self: nn.Module, input_ids: torch.Tensor | None = None,
         hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
     else:
         hidden = hidden[:, logits_to_keep]
-    local = logit_transforms(self, head(hidden))
+    program = head_program(self, base_model_prefix(self))  # the model's own elementwise maps, on this rank's slice
+    local = program.post(self, head(program.pre(self, hidden)))
     loss = None
     if labels is not None or shift_labels is not None:
         loss = causal_lm_loss(local, labels, head.group, vocab_start=head.vocab_start, vocab_size=head.vocab_size,
