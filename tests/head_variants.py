@@ -18,7 +18,7 @@ _TEMPLATE = '''
 class {name}(LlamaForCausalLM):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                 inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        outputs = self.model(input_ids={input_ids}, attention_mask=attention_mask, position_ids=position_ids,
                              past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                              **kwargs)
         hidden_states = outputs.last_hidden_state
@@ -32,11 +32,11 @@ _LOSS = "loss = self.loss_function(logits, labels, self.config.vocab_size, **kwa
 _MADE: dict[str, type] = {}
 
 
-def variant(name: str, head: str, loss: str = _LOSS) -> type:
-    """The subclass ``name`` whose forward runs ``head`` (lines that end with ``logits`` bound)
-    and then ``loss`` under ``if labels is not None``."""
+def variant(name: str, head: str, loss: str = _LOSS, input_ids: str = "input_ids") -> type:
+    """The subclass ``name`` whose forward passes ``input_ids`` to its base model, runs ``head``
+    (lines that end with ``logits`` bound) and then ``loss`` under ``if labels is not None``."""
     if name not in _MADE:
-        source = _TEMPLATE.format(name=name, head=textwrap.indent(textwrap.dedent(head).strip(), " " * 8),
+        source = _TEMPLATE.format(name=name, input_ids=input_ids, head=textwrap.indent(textwrap.dedent(head).strip(), " " * 8),
                                   loss=textwrap.indent(loss, " " * 12))
         filename = f"<zero3d-head-variant-{name}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

@@ -30,6 +30,9 @@ REFUSED = {
     "vector_operand": (HEAD + "\nlogits = logits * self.vocab_scale", "a tensor of shape (127,)"),
     "data_dependent_guard": (HEAD + "\nif labels is None:\n    logits = logits * 2.0", "cannot evaluate"),
     "derived_logits": (HEAD + "\nclipped = logits.clamp(-5.0, 5.0)", "clipped = logits.clamp"),
+    "hidden_in_place": ("hidden_states.mul_(2.0)\n" + HEAD, "changes the base model's output in place"),
+    "output_in_place": ("outputs.last_hidden_state.mul_(2.0)\n" + HEAD, "changes the base model's output in place"),
+    "changed_labels": (HEAD + "\nlabels = labels.masked_fill(labels == 3, -100)", "changes the labels"),
     "cast_to_a_local": (HEAD + "\nlogits = logits.to(hidden_states.dtype)", "converts to a value"),
 }
 REFUSED_LOSS = {
@@ -61,6 +64,11 @@ def test_a_loss_other_than_the_causal_lm_loss_is_refused(case):
     with pytest.raises(ConfigError, match="loss") as caught:
         prepare_tensor_parallel(_model(variant(f"Loss_{case}", HEAD, REFUSED_LOSS[case])), 2)
     assert REFUSED_LOSS[case].split(" = ")[1][:30] in str(caught.value)
+
+
+def test_other_inputs_of_the_base_model_are_refused():
+    with pytest.raises(ConfigError, match="passes its base model `input_ids=input_ids % 7`"):
+        prepare_tensor_parallel(_model(variant("OtherInputs", HEAD, input_ids="input_ids % 7")), 2)
 
 
 def test_a_loss_function_of_the_users_is_refused():

@@ -40,7 +40,8 @@ from parallel3d.errors import ConfigError
 
 __all__ = ["HeadProgram", "head_program"]
 
-_LOGITS, _LOSS = "logits", "loss"
+_LOGITS, _LOSS, _LABELS = "logits", "loss", "labels"
+_FLAGS = {"return_dict", "output_attentions", "output_hidden_states", "use_cache"}
 _ELEMENTWISE_FUNCS = {"torch.tanh", "nn.functional.tanh", "torch.nn.functional.tanh", "F.tanh", "torch.sigmoid"}
 _ELEMENTWISE_METHODS = {"float", "double", "to", "contiguous", "tanh", "sigmoid"}
 _METADATA = {"device", "dtype", "shape", "size", "ndim", "dim"}
@@ -103,6 +104,7 @@ class HeadProgram:
             raise SourceError(f"{self.owner} does not call self.{base_attr} once")
         k = calls[0]
         self._outputs = stores(body[k])
+        self._check_base_call(body[k].value)
         self._config_locals: set[str] = set()
         self._bindings = []  # top-level `name = <config value>` (Gemma 3n's soft-cap, RecurrentGemma's cap)
         for stmt in body:
@@ -117,6 +119,10 @@ class HeadProgram:
         reason = self._head_call(heads[0], walk)
         if reason:
             raise SourceError(f"{self.owner} {reason}")
+        for stmt, guards, opaque in self._statements(body, [], False):
+            if _LABELS in stores(stmt) or self._mutates(stmt, _LABELS):
+                if not self._moves_labels(stmt):
+                    walk.refused.append(_Found(f"`{_text(stmt)}` (changes the labels the loss reads)", guards))
         for stmt, guards, opaque in self._statements(body[k + 1:], [], False):
             self._classify(stmt, guards, opaque, walk)
         self._walk = walk
@@ -124,6 +130,29 @@ class HeadProgram:
         self.post = self._compile("head_program_post", body[k + 1:], walk.post, _LOGITS)
 
     # -- reading ---------------------------------------------------------------------------------
+    def _check_base_call(self, call: ast.Call) -> None:
+        """The replacement calls the base model with the forward's own arguments: refuse a call
+        that passes it anything else (``input_ids=input_ids * 0``), flags aside."""
+        params = set(self._src.params)
+        for value, key in [(a, None) for a in call.args] + [(k.value, k.arg) for k in call.keywords]:
+            if key is None and isinstance(value, ast.Starred):
+                value = value.value
+            if isinstance(value, ast.Name) and value.id in params and key in (None, value.id):
+                continue
+            if key is None and isinstance(value, ast.Name) and value.id in params:
+                continue
+            if key in _FLAGS and (isinstance(value, ast.Constant) or (isinstance(value, ast.Name) and value.id in params)):
+                continue
+            raise SourceError(f"{self.owner} passes its base model `{key + '=' if key else ''}{_text(value)}`, which "
+                              "the replacement forward, calling it with the forward's own arguments, would not")
+
+    @staticmethod
+    def _moves_labels(stmt: ast.stmt) -> bool:
+        """``labels = labels.to(...)``: the same labels on another device."""
+        value = _bound_value(stmt, _LABELS)
+        return (isinstance(stmt, ast.Assign) and isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+                and value.func.attr == "to" and _text(value.func.value) == _LABELS)
+
     def _is_config_binding(self, stmt: ast.stmt, extra: set[str]) -> bool:
         if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
             return False
@@ -167,6 +196,9 @@ class HeadProgram:
                 walk.post.append(stmt)
             return
         hidden = walk.hidden
+        if any(self._mutates(stmt, name) for name in (hidden, *self._outputs)):
+            refuse(_Found(f"`{_text(stmt)}` (changes the base model's output in place)", guards))
+            return
         if hidden in bound and not walk.head_seen and _LOGITS not in read and _LOSS not in bound:
             reason = self._hidden_statement(stmt, hidden, walk, guards)
             if reason is None and opaque and not self._is_slice_or_extraction(stmt, hidden):
@@ -187,11 +219,10 @@ class HeadProgram:
         for node in ast.walk(stmt):
             if isinstance(node, (ast.Assign, ast.AugAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                if any(isinstance(t, ast.Subscript) and name in loads(t.value) for t in targets):
+                if any(isinstance(t, (ast.Subscript, ast.Attribute)) and _root(t) == name for t in targets):
                     return True
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.endswith("_") \
-                    and not node.func.attr.startswith("_") and isinstance(node.func.value, ast.Name) \
-                    and node.func.value.id == name:
+                    and not node.func.attr.startswith("_") and _root(node.func.value) == name:
                 return True
         return False
 
@@ -394,6 +425,13 @@ class HeadProgram:
             except Exception:  # noqa: BLE001 - a test this config cannot evaluate may run
                 continue
         return True
+
+
+def _root(node: ast.expr) -> str | None:
+    """The name under ``name.a[0].b``."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
 
 
 def _bound_value(stmt: ast.stmt, name: str) -> ast.expr | None:
