@@ -23,6 +23,7 @@ naming a complete checkpoint. Loading reads no pickle: JSON, and tensors through
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import logging
 import os
@@ -40,6 +41,8 @@ from torch import nn
 
 from parallel3d.agreement import raise_on_every_rank
 from parallel3d.checkpoint_chunks import Chunk, piece_chunks
+from parallel3d.checkpoint_manifest import (OPTIMIZER_TYPE, SAVE_ID, check_fields, check_for_engine, check_pair,
+                                            new_save_id)
 from parallel3d.checkpoint_storage import (DTYPES_BY_NAME, plan_load, read_metadata, read_planned, save_chunks,
                                            write_json_atomically)
 from parallel3d.errors import ConfigError
@@ -225,13 +228,17 @@ def _rng_state() -> dict:
     return encode_value(state, "rng")
 
 
-def _set_rng_state(state: dict) -> None:
-    state = decode_value(state)
-    torch.set_rng_state(state["torch"])
+def _set_rng_state(state: dict, trial: bool = False) -> None:
+    """Set the RNGs from a decoded ``_rng_state``; ``trial``: set fresh generators instead (a check
+    that the states apply, changing nothing)."""
+    (torch.Generator().set_state if trial else torch.set_rng_state)(state["torch"])
     version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
+    (random.Random().setstate if trial else random.setstate)((version, tuple(internal), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    numpy_state = (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached)
+    (np.random.RandomState().set_state if trial else np.random.set_state)(numpy_state)
+    if trial:
+        return
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -300,6 +307,7 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dic
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
         "optimizer": encode_value(engine.optimizer.extra_state(), "optimizer"),
+        OPTIMIZER_TYPE: type(engine.optimizer.inner).__name__,
         "lr_scheduler": encode_value(scheduler, "lr_scheduler.state_dict()"),
         "client_state": client,
         "written_by": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "zero_stage": engine.optimizer.settings.stage,
@@ -341,6 +349,8 @@ def _write(root: Path, tag: str, chunks: list[Chunk], manifest: dict, config_jso
     """Write the checkpoint into ``.<tag>.tmp`` on every rank; rank 0 then publishes it.
     ``zip_crc32=False`` (a save in the training thread only): see ``save_chunks``."""
     tmp, final = root / f".{tag}.tmp", root / tag
+    save_id = new_save_id()  # rank 0's goes into both its dcp.json and its manifest
+    manifest = {**manifest, SAVE_ID: save_id}
 
     def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -353,7 +363,7 @@ def _write(root: Path, tag: str, chunks: list[Chunk], manifest: dict, config_jso
         _publish(root, tmp, final, tag)
 
     _on_rank0(prepare, f"cannot create {tmp}", group)
-    save_chunks(tmp, chunks, group, zip_crc32=zip_crc32)
+    save_chunks(tmp, chunks, group, zip_crc32=zip_crc32, save_id=save_id)
     _on_rank0(finish, f"cannot publish checkpoint {final}", group)
 
 
@@ -425,7 +435,27 @@ def read_manifest(path: Path) -> dict:
         raise ConfigError(f"{file} is unreadable: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") not in (FORMAT, _FORMAT_2):
         raise ConfigError(f"{file} is not a zero3d checkpoint manifest of format {FORMAT!r} or {_FORMAT_2!r}")
+    check_fields(doc, path)
     return doc
+
+
+def _decoded(manifest: dict, path: Path) -> dict:
+    """The manifest's stored values decoded (optimizer, scheduler, client state, RNG), or a
+    ConfigError naming the field that does not decode; nothing is applied yet."""
+    out = {}
+    for field in ("optimizer", "lr_scheduler", "client_state", "rng"):
+        try:
+            out[field] = decode_value(manifest[field])
+        except (KeyError, TypeError, ValueError, RuntimeError, binascii.Error) as exc:
+            raise ConfigError(f"checkpoint {path}: manifest field {field!r} holds a value that does not decode "
+                              f"({exc!r}); the checkpoint.json is damaged or was edited") from None
+    for rank, state in enumerate(out["rng"]):
+        try:
+            _set_rng_state(state, trial=True)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+            raise ConfigError(f"checkpoint {path}: manifest field 'rng[{rank}]' is not a valid RNG state ({exc}); "
+                              "the checkpoint.json is damaged or was edited") from None
+    return out
 
 
 def _check_model(engine, metadata, path: Path) -> None:
@@ -481,8 +511,12 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         path = resolve_tag(load_dir, tag)
         manifest = read_manifest(path)
         metadata = read_metadata(path)
+        check_pair(manifest, metadata.storage_meta.save_id if metadata.storage_meta is not None else None, path)
         _check_model(engine, metadata, path)
         _check_optimizer(engine, manifest, path)
+        if optimizer_states:
+            check_for_engine(manifest, path, engine.optimizer.inner, engine.optimizer.loss_scaler.state_dict())
+        values = _decoded(manifest, path)
         chunks, states = _chunks_to_load(engine, metadata, manifest, optimizer_states)
         planned = plan_load(path, metadata, chunks)
     except ConfigError as exc:
@@ -499,17 +533,17 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     zero = engine.optimizer
     if optimizer_states:
         zero.set_piece_states(states)
-        zero.load_extra_state(decode_value(manifest["optimizer"]))
+        zero.load_extra_state(values["optimizer"])
     zero.publish_params()
-    if engine.lr_scheduler is not None and manifest["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(decode_value(manifest["lr_scheduler"]))
+    if engine.lr_scheduler is not None and values["lr_scheduler"] is not None:
+        engine.lr_scheduler.load_state_dict(values["lr_scheduler"])
     engine.global_steps = int(manifest["global_steps"])
     engine.global_samples = int(manifest["global_samples"])
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
-    rngs, mesh = manifest["rng"], engine.mesh
+    rngs, mesh = values["rng"], engine.mesh
     written = manifest["written_by"]
     if [written["pp"], written["dp"], written["tp"]] == [mesh.pp, mesh.dp, mesh.tp] and len(rngs) == mesh.world_size:
         _set_rng_state(rngs[_rank()])
     else:
         logger.info("checkpoint %s was written on another pp x dp x tp layout: RNG states not restored", path)
-    return str(path), decode_value(manifest["client_state"]) or {}
+    return str(path), values["client_state"] or {}

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -151,7 +152,7 @@ class _ChecksummingFileSystem(FileSystem):
 # ---- metadata as JSON -------------------------------------------------------------------
 
 
-def metadata_to_json(md: Metadata) -> dict:
+def metadata_to_json(md: Metadata, save_id: str | None = None) -> dict:
     tensors = {}
     for fqn, tmd in md.state_dict_metadata.items():
         if not isinstance(tmd, TensorStorageMetadata):
@@ -163,7 +164,10 @@ def metadata_to_json(md: Metadata) -> dict:
         tensors[index.fqn]["chunks"].append({
             "offsets": list(chunk.offsets), "sizes": list(chunk.sizes), "file": info.relative_path,
             "offset": info.offset, "length": info.length, CHECKSUM: info.checksum})
-    return {"format": FORMAT, "tensors": tensors}
+    doc = {"format": FORMAT, "tensors": tensors}
+    if save_id is not None:  # the same id is in the checkpoint's manifest (parallel3d/checkpoint_manifest.py)
+        doc["save_id"] = save_id
+    return doc
 
 
 def metadata_from_json(doc: dict, where: Path) -> Metadata:
@@ -185,9 +189,13 @@ def metadata_from_json(doc: dict, where: Path) -> Metadata:
                     file, int(c["offset"]), int(c["length"]), None, int(c[algorithm]), algorithm)
             state[fqn] = TensorStorageMetadata(TensorProperties(dtype=DTYPES_BY_NAME[t["dtype"]]),
                                                torch.Size(map(int, t["size"])), chunks)
+        save_id = doc.get("save_id")
+        if save_id is not None and not isinstance(save_id, str):
+            raise ValueError(f"save_id {save_id!r} is not a string")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ConfigError(f"{where} is not a valid zero3d checkpoint metadata file: {exc!r}") from None
-    return Metadata(state_dict_metadata=state, storage_data=storage)
+    return Metadata(state_dict_metadata=state, storage_data=storage,
+                    storage_meta=StorageMeta(save_id=save_id) if save_id is not None else None)
 
 
 def read_metadata(directory: Path) -> Metadata:
@@ -217,9 +225,10 @@ def read_chunk(directory: Path, md: Metadata, fqn: str, offsets: Sequence[int]) 
 class _Writer(FileSystemWriter):
     """DCP's file writer, with a checksum per chunk (computed as it writes) and the metadata as JSON."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, manifest_save_id: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.fs = _ChecksummingFileSystem()
+        self.manifest_save_id = manifest_save_id
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
@@ -238,7 +247,7 @@ class _Writer(FileSystemWriter):
 
     def finish(self, metadata: Metadata, results) -> None:
         metadata.storage_data = {wr.index: wr.storage_data for rs in results for wr in rs}
-        write_json_atomically(Path(self.path) / METADATA_FILE, metadata_to_json(metadata))
+        write_json_atomically(Path(self.path) / METADATA_FILE, metadata_to_json(metadata, self.manifest_save_id))
 
 
 class _Reader(FileSystemReader):
@@ -336,21 +345,22 @@ def _first_failure(exc: CheckpointException, directory: Path, what: str) -> Conf
 
 
 def save_chunks(directory: Path, chunks: list[Chunk], group: dist.ProcessGroup | None,
-                zip_crc32: bool = True) -> None:
+                zip_crc32: bool = True, save_id: str | None = None) -> None:
     """Write every rank's ``chunks`` under ``directory`` (collective over ``group``).
 
     ``zip_crc32=False`` skips the CRC-32 that ``torch.save`` computes over every record for
     its zip format (a fifth of a save's CPU time): each chunk already has its own checksum,
     verified on every load, and ``torch.load`` does not check the zip CRC. The switch is
     process-wide (``torch.serialization.set_crc32_options``), so only a save in the training
-    thread uses it, and it is restored when the save returns.
+    thread uses it, and it is restored when the save returns. ``save_id`` (the coordinator's)
+    goes into ``dcp.json``.
     """
     previous = torch.serialization.get_crc32_options()
     if not zip_crc32:
         torch.serialization.set_crc32_options(False)
     try:
-        dcp.save({}, storage_writer=_Writer(directory, single_file_per_rank=True), planner=_SavePlanner(chunks),
-                 process_group=group)
+        writer = _Writer(directory, single_file_per_rank=True, manifest_save_id=save_id)
+        dcp.save({}, storage_writer=writer, planner=_SavePlanner(chunks), process_group=group)
     except CheckpointException as exc:
         raise _first_failure(exc, directory, "saving") from None
     finally:

@@ -101,6 +101,8 @@ def _optimizer_factory(cfg: Zero3DConfig, optimizer: Any, groups: list[dict]) ->
 class ForwardOnly(torch.optim.Optimizer):
     """The inner optimizer of an engine built without one (DeepSpeed allows that for evaluation)."""
 
+    holds_no_state = True  # a checkpoint's optimizer state of any type loads into it (and is never used)
+
     def __init__(self, param_groups: list[dict]) -> None:
         super().__init__(param_groups, {})
 
