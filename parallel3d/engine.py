@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import checkpoint
+from parallel3d.agreement import raise_on_every_rank
+from parallel3d.batch_check import first_problem, vocab_size_of
 from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface
 from parallel3d.partial_load import KeptState, checkpoint_arguments
 from parallel3d.errors import ConfigError, UsageError
@@ -88,6 +90,8 @@ class Engine(DeepSpeedSurface):
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
         self._staging: checkpoint.StagingBuffer | None = None  # async saves' CPU copy, reused
         self.watchdog = watchdog
+        self._vocab_size = vocab_size_of(module)  # token ids are checked against it (parallel3d/batch_check.py)
+        self._batches_checked = False  # inside train_batch/eval_batch: forward need not check again
         if watchdog is not None:
             weakref.finalize(self, watchdog.close)  # the heartbeat thread ends with the engine
 
@@ -106,6 +110,8 @@ class Engine(DeepSpeedSurface):
     @_explained
     def forward(self, *args, **kwargs):
         self._per_micro_batch_call("forward (engine(...))")
+        if not self._batches_checked and (problem := first_problem([kwargs], self._vocab_size)) is not None:
+            raise ConfigError(f"engine(...): {problem}")
         self.optimizer.gather_for_forward()
         if torch.is_grad_enabled():  # gradients may arrive from here on (see GradientReducer.start_backward)
             self.optimizer.start_backward(self._reduces_now())
@@ -210,8 +216,10 @@ class Engine(DeepSpeedSurface):
         pipeline stages, a tuple of positional ones. Returns the mean loss of the batch over all
         dp ranks (the same value on every rank).
         """
-        batches = [self._to_device(self._next_micro_batch(data_iter, i)) for i in range(self.gradient_accumulation_steps)]
-        value = self._dp_mean(self.loop.train(batches))
+        batches = [self._next_micro_batch(data_iter, i) for i in range(self.gradient_accumulation_steps)]
+        self._check_batches(batches, "train_batch")
+        with self._checked():
+            value = self._dp_mean(self.loop.train([self._to_device(b) for b in batches]))
         self._surface_finished_save()
         if self.global_steps % self.config.steps_per_print == 0 and self._is_rank0():
             logger.info("step %d loss %.6f lr %s", self.global_steps, value, self.get_lr())
@@ -227,8 +235,25 @@ class Engine(DeepSpeedSurface):
         count = self.gradient_accumulation_steps if num_micro_batches is None else num_micro_batches
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ConfigError(f"eval_batch: num_micro_batches must be a positive int, got {num_micro_batches!r}")
-        batches = [self._to_device(self._next_micro_batch(data_iter, i, count)) for i in range(count)]
-        return self._dp_mean(self.loop.evaluate(batches))
+        batches = [self._next_micro_batch(data_iter, i, count) for i in range(count)]
+        self._check_batches(batches, "eval_batch")
+        with self._checked():
+            return self._dp_mean(self.loop.evaluate([self._to_device(b) for b in batches]))
+
+    def _check_batches(self, batches: list, what: str) -> None:
+        """Raise one ConfigError on every rank if any rank's micro-batches hold token ids outside the
+        vocabulary, or are empty (one all-reduce of a flag; the batches are checked where they are)."""
+        problem = first_problem(batches, self._vocab_size)
+        rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+        raise_on_every_rank(ConfigError(f"{what}{rank}: {problem}") if problem is not None else None, self.device)
+
+    @contextlib.contextmanager
+    def _checked(self):
+        self._batches_checked = True
+        try:
+            yield
+        finally:
+            self._batches_checked = False
 
     def _next_micro_batch(self, data_iter: Iterator, index: int, count: int | None = None):
         """The next micro-batch, or a message saying the iterator ran out in the middle of a window."""

@@ -1,0 +1,75 @@
+"""Token ids checked before they reach the model: one clear error on every layout.
+
+An id outside the vocabulary fails differently per layout: at tp 1 ``nn.Embedding`` raises
+torch's bare ``IndexError`` (on a GPU, a device-side assert), while at tp > 1 the
+vocabulary-parallel embedding masks ids outside each rank's part, so an id >= the
+vocabulary (or a negative one) embeds as zeros and trains silently wrong. Labels outside the
+vocabulary are masked the same way by the tensor-parallel cross entropy. An empty
+micro-batch raises deep inside the model's reshape.
+
+`batch_problem` finds such a micro-batch with one ``aminmax`` per tensor (a min and a max,
+no copy of the batch): ``input_ids`` must lie in ``[0, vocab_size)``; ``labels`` too, or be
+``IGNORE_INDEX`` (-100, Hugging Face's "no loss here"). Models without a ``config.vocab_size``
+are checked for empty and non-integer ids only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+TOKEN_KEYS = ("input_ids", "labels")
+
+
+def vocab_size_of(module: nn.Module) -> int | None:
+    """The model's vocabulary size from its Hugging Face config (the text part of a multimodal one)."""
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    size = getattr(config, "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
+def _range(t: torch.Tensor) -> tuple[int, int]:
+    low, high = torch.aminmax(t.detach())
+    return int(low), int(high)
+
+
+def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
+    """What is wrong with a micro-batch's token ids and labels, or None (dict batches only)."""
+    if not isinstance(batch, dict):
+        return None
+    for key in TOKEN_KEYS:
+        t = batch.get(key)
+        if not isinstance(t, torch.Tensor):
+            continue
+        if t.numel() == 0:
+            return (f"{key} is empty (shape {list(t.shape)}); a micro-batch needs at least one sequence of at least "
+                    "one token")
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            return f"{key} has dtype {str(t.dtype).removeprefix('torch.')}; token ids must be integers"
+        if vocab_size is None:
+            continue
+        values = torch.where(t == IGNORE_INDEX, 0, t) if key == "labels" else t
+        low, high = _range(values)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            allowed = f"[0, {vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if key == "labels" else "")
+            return (f"{key} holds {bad}, outside the model's vocabulary: token ids must be in {allowed}, where "
+                    f"{vocab_size} is the model config's vocab_size (a tokenizer larger than the model, or "
+                    "padding with -1?)")
+    return None
+
+
+def first_problem(batches: list, vocab_size: int | None) -> str | None:
+    """The first micro-batch's problem in ``batches``, named by its position, or None."""
+    for index, batch in enumerate(batches):
+        problem = batch_problem(batch, vocab_size)
+        if problem is not None:
+            return f"micro-batch {index}: {problem}" if len(batches) > 1 else problem
+    return None

@@ -1,0 +1,91 @@
+"""Token ids outside the vocabulary, negative ids and empty micro-batches stop with one message on
+every rank, at tp 1 and tp 2 alike, before the forward changes anything (issue 35)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed
+
+from parallel3d.batch_check import batch_problem, vocab_size_of
+from tests.tiny import ds_config
+from tests.tiny_tp import make_tp_model
+
+VOCAB = 127  # tests.tiny_tp's llama
+
+
+def _batch(**changes) -> dict:
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    batch.update(changes)
+    return batch
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test asserts on type and message
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def bad_batches(tp: int) -> dict:
+    import parallel3d
+
+    rank = torch.distributed.get_rank()
+    cfg = ds_config(2, 1, 2 // tp)
+    if tp > 1:
+        cfg["tensor_parallel"] = {"size": tp}
+    engine, _, _, _ = parallel3d.initialize(model=make_tp_model("llama"), config=cfg)
+    engine.train_batch(iter([_batch()]))
+    before = {k: v.clone() for k, v in engine.full_parameters().items()}
+    steps = engine.global_steps
+    high = _batch()
+    high["input_ids"][1, 5] = VOCAB
+    on_rank_1 = high if rank == 1 else _batch()  # only one rank holds the bad batch
+    negative_labels = _batch()
+    negative_labels["labels"][0, 0] = -1
+    ignored = _batch()
+    ignored["labels"][:, :3] = -100
+    out = {
+        "high_on_one_rank": _message(lambda: engine.train_batch(iter([on_rank_1]))),
+        "negative_ids": _message(lambda: engine.eval_batch(iter([_batch(input_ids=torch.full((2, 8), -1))]))),
+        "negative_labels": _message(lambda: engine.train_batch(iter([negative_labels]))),
+        "empty": _message(lambda: engine.train_batch(iter([_batch(input_ids=torch.zeros(0, 8, dtype=torch.long))]))),
+        "forward": _message(lambda: engine(**_batch(input_ids=torch.full((2, 8), VOCAB + 5)))),
+    }
+    after = engine.full_parameters()
+    out["unchanged"] = engine.global_steps == steps and all(torch.equal(before[k], after[k]) for k in before)
+    out["ignored_labels_train"] = isinstance(engine.train_batch(iter([ignored])), float)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_token_ids_outside_the_vocabulary_stop_every_rank_before_the_forward(dist, tmp_path, tp):
+    ranks = dist.run(2, bad_batches, tp, timeout=240)
+    for rank, out in enumerate(ranks):
+        assert out["high_on_one_rank"] == (
+            "ConfigError: train_batch on rank 1: input_ids holds 127, outside the model's vocabulary: token ids must be "
+            "in [0, 127), where 127 is the model config's vocab_size (a tokenizer larger than the model, or padding "
+            "with -1?)"), out["high_on_one_rank"]
+        assert out["negative_ids"].startswith("ConfigError: eval_batch on rank 0: input_ids holds -1, outside the "
+                                              "model's vocabulary: token ids must be in [0, 127), where"), out
+        assert out["negative_labels"].startswith(
+            "ConfigError: train_batch on rank 0: labels holds -1, outside the model's vocabulary: token ids must be "
+            "in [0, 127) or -100 (ignored), where"), out
+        assert out["empty"] == ("ConfigError: train_batch on rank 0: input_ids is empty (shape [0, 8]); a micro-batch "
+                                "needs at least one sequence of at least one token"), out
+        assert out["forward"].startswith("ConfigError: engine(...): input_ids holds 132, outside"), out  # each rank's own
+        assert out["unchanged"] and out["ignored_labels_train"], (rank, out)
+
+
+def test_batch_problem_without_a_process_group():
+    model = make_tp_model("llama")
+    assert vocab_size_of(model) == VOCAB and vocab_size_of(torch.nn.Linear(2, 2)) is None
+    assert batch_problem(_batch(), VOCAB) is None
+    assert batch_problem(_batch(labels=torch.full((2, 8), -100)), VOCAB) is None
+    assert batch_problem(_batch(input_ids=torch.zeros(2, 0, dtype=torch.long)), VOCAB).startswith(
+        "input_ids is empty (shape [2, 0])")
+    assert batch_problem(_batch(input_ids=torch.rand(2, 8)), VOCAB) == (
+        "input_ids has dtype float32; token ids must be integers")
+    assert batch_problem(_batch(input_ids=torch.full((2, 8), 500)), None) is None  # no vocab known: range unchecked
