@@ -33,6 +33,8 @@ from parallel3d.checkpoint import MANIFEST, check_tag, read_manifest
 from parallel3d.checkpoint_storage import read_chunk, read_metadata
 from parallel3d.errors import ConfigError
 from parallel3d.export_guard import check_output
+from parallel3d.export_report import describe_export
+from parallel3d.export_tokens import save_model_configs
 
 logger = logging.getLogger(__name__)
 
@@ -205,7 +207,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
                      "weight_map": {e.name: n for n, shard in zip(names, shards) for e in shard}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         config.dtype = DTYPES[dtype][0]
-        config.save_pretrained(tmp)
+        save_model_configs(config, tmp, tag_dir, tok)  # config.json, generation_config.json
         if tok is not None:
             for f in tok.iterdir():
                 if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES):
@@ -248,9 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        export_checkpoint(args.ckpt, args.out, dtype=args.dtype, tokenizer=args.tokenizer,
-                          max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+        out = export_checkpoint(args.ckpt, args.out, dtype=args.dtype, tokenizer=args.tokenizer,
+                                max_shard_size=args.max_shard_size, overwrite=args.overwrite)
     except ConfigError as exc:
         print(f"zero3d export: error: {exc}", file=sys.stderr)
         return 2
+    print(describe_export(out, resolve_checkpoint(args.ckpt), args.dtype))
     return 0
