@@ -8,6 +8,7 @@ import torch
 import torch.distributed
 
 from parallel3d.batch_check import batch_problem, vocab_size_of
+from tests.test_checkpoint import _error
 from tests.tiny import ds_config
 from tests.tiny_tp import make_tp_model
 
@@ -19,14 +20,6 @@ def _batch(**changes) -> dict:
     batch = {"input_ids": ids, "labels": ids.clone()}
     batch.update(changes)
     return batch
-
-
-def _message(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the test asserts on type and message
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def bad_batches(tp: int) -> dict:
@@ -48,11 +41,11 @@ def bad_batches(tp: int) -> dict:
     ignored = _batch()
     ignored["labels"][:, :3] = -100
     out = {
-        "high_on_one_rank": _message(lambda: engine.train_batch(iter([on_rank_1]))),
-        "negative_ids": _message(lambda: engine.eval_batch(iter([_batch(input_ids=torch.full((2, 8), -1))]))),
-        "negative_labels": _message(lambda: engine.train_batch(iter([negative_labels]))),
-        "empty": _message(lambda: engine.train_batch(iter([_batch(input_ids=torch.zeros(0, 8, dtype=torch.long))]))),
-        "forward": _message(lambda: engine(**_batch(input_ids=torch.full((2, 8), VOCAB + 5)))),
+        "high_on_one_rank": _error(lambda: engine.train_batch(iter([on_rank_1]))),
+        "negative_ids": _error(lambda: engine.eval_batch(iter([_batch(input_ids=torch.full((2, 8), -1))]))),
+        "negative_labels": _error(lambda: engine.train_batch(iter([negative_labels]))),
+        "empty": _error(lambda: engine.train_batch(iter([_batch(input_ids=torch.zeros(0, 8, dtype=torch.long))]))),
+        "forward": _error(lambda: engine(**_batch(input_ids=torch.full((2, 8), VOCAB + 5)))),
     }
     after = engine.full_parameters()
     out["unchanged"] = engine.global_steps == steps and all(torch.equal(before[k], after[k]) for k in before)
