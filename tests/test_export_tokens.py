@@ -44,8 +44,9 @@ class Forced:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory) -> tuple[Path, Path, str]:
-    """Train 2 steps from the pretrained directory (tokenizer trained by the job), export: (hf dir, run dir, stdout)."""
+def exported(tmp_path_factory) -> tuple[Path, Path, str, str]:
+    """Train 2 steps from the pretrained directory (tokenizer trained by the job), export:
+    (hf dir, run dir, export's stdout, the train log)."""
     tmp = tmp_path_factory.mktemp("export-tokens")
     job = tiny_job(tmp / "run", max_steps=2, save_interval=2, eval_interval=0, progress=False)
     _pretrained_dir(tmp / "pretrained", job["model"]["config"])
@@ -55,17 +56,18 @@ def exported(tmp_path_factory) -> tuple[Path, Path, str]:
     proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "train", str(tmp / "job.yaml"), "--nproc-per-node",
                            "1"], cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    train_log = proc.stderr
     out = tmp / "hf"
     proc = subprocess.run([sys.executable, "-m", "parallel3d.cli", "export", str(tmp / "run"), str(out)], cwd=tmp,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return out, tmp / "run", proc.stdout
+    return out, tmp / "run", proc.stdout, train_log
 
 
 def test_export_says_what_it_wrote(exported):
     from transformers import AutoModelForCausalLM
 
-    out, run, stdout = exported
+    out, run, stdout, _ = exported
     lines = stdout.splitlines()
     assert lines[0] == f"wrote {out} from {run / 'checkpoints' / 'global_step2'}:"
     listed = {line.split()[0]: line.split()[1:] for line in lines[1:] if line.startswith("  ")}
@@ -79,7 +81,7 @@ def test_export_says_what_it_wrote(exported):
 
 
 def test_exported_ids_are_the_trained_tokenizers(exported):
-    out, _, _ = exported
+    out, _, _, _ = exported
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(out)
@@ -94,7 +96,7 @@ def test_exported_ids_are_the_trained_tokenizers(exported):
 def test_generate_on_the_export_stops_at_the_tokenizers_end_of_text(exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessorList
 
-    out, _, _ = exported
+    out, _, _, _ = exported
     tok = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     prompt = tok("def f():", return_tensors="pt")["input_ids"]
@@ -102,6 +104,19 @@ def test_generate_on_the_export_stops_at_the_tokenizers_end_of_text(exported):
     got = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=6,
                          logits_processor=LogitsProcessorList([Forced(forced, prompt.shape[1])]))
     assert got[0, prompt.shape[1]:].tolist() == [2, 5, tok.eos_token_id]
+
+
+def test_train_log_says_where_the_weights_came_from(exported):
+    from safetensors import safe_open
+
+    out, run, _, train_log = exported
+    weights = run.parent / "pretrained" / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        count = len(list(f.keys()))
+    lines = [line for line in train_log.splitlines() if "weights read from" in line]
+    assert len(lines) == 1, train_log[-3000:]
+    assert lines[0].endswith(f"model: weights read from {weights.resolve()} (model.path: {count} tensors, "
+                             "0.14M values in 1 file)")
 
 
 def test_which_jobs_trained_their_tokenizer(tmp_path):

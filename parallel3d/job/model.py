@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import math
 from pathlib import Path
 
 import torch
@@ -118,6 +119,17 @@ def build_model(job: JobConfig, config, log: bool = True) -> torch.nn.Module:
         n = sum(p.numel() for p in model.parameters())
         logger.info("model: %s, %.2fM parameters", type(model).__name__, n / 1e6)
     return model
+
+
+def weights_note(path: str) -> str:
+    """The log line saying where the weights of a job's ``model.path`` were read from."""
+    from models.checkpoint_dir import scan_directory
+
+    listing, stored = scan_directory(path)
+    files = len({t.file for t in stored.values()})
+    numel = sum(math.prod(t.shape) for t in stored.values())
+    return (f"model: weights read from {Path(listing).resolve()} (model.path: {len(stored)} tensors, "
+            f"{numel / 1e6:.2f}M values in {files} file{'s' if files != 1 else ''})")
 
 
 def check_buildable(job: JobConfig, config) -> torch.nn.Module:

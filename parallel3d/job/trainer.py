@@ -22,7 +22,7 @@ import yaml
 import parallel3d
 from parallel3d.job.checkpoints import checkpoint_root, prune
 from parallel3d.job.metrics import Metrics, summary_text
-from parallel3d.job.model import build_model
+from parallel3d.job.model import build_model, weights_note
 from parallel3d.job.prepare import Prepared, describe
 from parallel3d.job.sampler import BlockSampler, TrainLoader, eval_batches
 from parallel3d.job.stop import JobStopped, StopSignals
@@ -93,6 +93,8 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
     seed_everything(cfg.seed)
     model = build_model(job, prep.hf_config)
     engine, _, _, _ = parallel3d.initialize(model=model, config=prep.engine_config, pretrained=job.model.path)
+    if rank == 0 and job.model.path is not None:
+        logger.info(weights_note(job.model.path))
     mesh = engine.mesh
     micro, gas = engine.config.train_micro_batch_size_per_gpu, engine.config.gradient_accumulation_steps
     sampler = BlockSampler(len(prep.blocks["train"]), micro, mesh.dp, mesh.local_rank("dp"), gas, cfg.seed)
