@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import math
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -63,6 +64,15 @@ def _to_int(value: Any) -> Any:
     return value
 
 
+def all_finite(value: Any) -> bool:
+    """No float in ``value`` (a number, or a list/tuple of them, nested) is inf or nan."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, (list, tuple)):
+        return all(all_finite(v) for v in value)
+    return True
+
+
 def _to_float(value: Any) -> Any:
     if isinstance(value, bool):
         raise rule("must be a number, not true/false")
@@ -79,7 +89,7 @@ PositiveFloat = Annotated[float, BeforeValidator(_to_float), Field(gt=0)]
 class Section(BaseModel):
     """Base of every config block: unknown keys are errors; DeepSpeed-only keys are checked."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, allow_inf_nan=False)
 
     ds_unimplemented: ClassVar[dict[str, Any]] = {}
     """DeepSpeed key -> its default (harmless) value, NOT_SET, or a predicate on the value."""
@@ -507,8 +517,8 @@ class CheckpointConfig(Section):
 class CommConfig(Section):
     """`comm`: how long a collective may wait for the other ranks (Zero3D's own section)."""
 
-    timeout_s: PositiveFloat = 300.0
-    """Seconds a collective or a pipeline transfer waits for the other ranks of its group. Then
+    timeout_s: Annotated[float, BeforeValidator(_to_float), Field(ge=0.001)] = 300.0
+    """Seconds (at least 0.001) a collective or a pipeline transfer waits for the other ranks of its group. Then
     the job stops with a message naming the group, the operation and the ranks that did not
     arrive. Set on every group Zero3D creates, and on the default group when Zero3D creates it
     or this key is given (torch's own defaults are 30 minutes for gloo, 10 for NCCL)."""
@@ -568,6 +578,9 @@ class OptimizerConfig(Section):
                               f"allowed: {', '.join(sorted(allowed))}")
             if key == "lr" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
                 raise problem(f"optimizer.params.lr: {show(value)} must be a number >= 0")
+            if not all_finite(value):
+                what = "finite numbers" if isinstance(value, (list, tuple)) else "a finite number"
+                raise problem(f"optimizer.params.{key}: {show(value)} must be {what} (not inf or nan)")
         return self
 
     def torch_optimizer_class_name(self) -> str:
@@ -605,8 +618,8 @@ def _lr_value(value: Any) -> Any:
     """A learning rate for every param group, or a list with one per group (as DeepSpeed reads it)."""
     values = value if isinstance(value, list) else [value]
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise rule("must be a number >= 0 or a list of them, one per param group")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise rule("must be a finite number >= 0 or a list of them, one per param group")
     return [float(v) for v in value] if isinstance(value, list) else float(value)
 
 
@@ -789,6 +802,8 @@ def describe_validation_error(err: ValidationError, root: type[BaseModel], prefi
         return f"{dotted}: config keys must be strings"
     if kind == "missing":
         return f"{dotted} is required"
+    if kind == "finite_number":
+        return f"{dotted}: {value} must be a finite number (not inf or nan)"
     if kind in _BOUNDS:
         op, name = _BOUNDS[kind]
         return f"{dotted}: {value} must be {op}{ctx.get(name)}"
