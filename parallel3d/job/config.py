@@ -138,7 +138,8 @@ class DataConfig(Section):
                           "data.builder/data.data_files, not both")
         if self.builder == "pydoc" and self.data_files is not None:
             raise problem('data.data_files: the "pydoc" builder is the bundled corpus and takes no files; '
-                          "set data.builder to text, json, csv, parquet or arrow")
+                          "set data.builder to text, json, csv, parquet or arrow, or remove data.builder to infer "
+                          "it from the files' extension")
         if self.builder not in (None, "pydoc") and self.data_files is None:
             raise problem(f'data.data_files is required with data.builder "{self.builder}" '
                           "(local files or globs; nothing is downloaded)")
@@ -301,6 +302,18 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+def _without_pydoc_for_files(data: dict, overrides: list[str]) -> dict:
+    """Drop ``data.builder: pydoc`` (the built-in default's corpus) when the overrides give files
+    or a saved dataset and no builder: ``data.data_files=x.jsonl`` then means those files, read by
+    the builder their extension names, not "the pydoc builder takes no files"."""
+    keys = {".".join(parse_override(text)[0]) for text in overrides}
+    section = data.get("data")
+    if (isinstance(section, dict) and section.get("builder") == "pydoc" and "data.builder" not in keys
+            and keys & {"data.data_files", "data.path"}):
+        data = {**data, "data": {k: v for k, v in section.items() if k != "builder"}}
+    return data
+
+
 def load_job_config(source: Union[str, Path, dict, None] = None, overrides: list[str] = ()) -> JobConfig:
     """Read, override and validate a job config; None means the built-in default."""
     if source is None:
@@ -311,7 +324,7 @@ def load_job_config(source: Union[str, Path, dict, None] = None, overrides: list
         data = copy.deepcopy(source)
     else:
         data = read_config_file(source)
-    data = apply_overrides(data, list(overrides))
+    data = apply_overrides(_without_pydoc_for_files(data, list(overrides)), list(overrides))
     try:
         return JobConfig.model_validate(data)
     except ValidationError as err:
