@@ -22,6 +22,7 @@ from parallel3d.job.checkpoints import check_resume_model, find_resume
 from parallel3d.job.config import JobConfig, engine_dict
 from parallel3d.job.data import iter_texts, load_documents, pack_documents
 from parallel3d.job.sampler import BlockSampler
+from parallel3d.job.schedule import resumed_schedule
 from parallel3d.meta_init import pretrained_source
 from parallel3d.job.tokenizer import builtin_tokenizer, has_tokenizer, local_tokenizer
 
@@ -109,10 +110,12 @@ def prepare(job: JobConfig, world_size: int) -> Prepared:
                           f"fewer than one evaluation batch (train_micro_batch_size_per_gpu {micro} x data-parallel "
                           f"size {dp}); raise data.validation_fraction or set it to 0")
     final_engine = engine_dict(job, total)
+    final_engine, schedule_note = resumed_schedule(job.engine, final_engine, resume_from, total)
     resolved = _resolve_engine(final_engine, world_size)
     _make_output_dir(Path(job.train.output_dir))
     info = {"parameters": None, "train_blocks": len(blocks["train"]),
-            "validation_blocks": len(val) if val is not None else 0, "steps_per_epoch": sampler.steps_per_epoch}
+            "validation_blocks": len(val) if val is not None else 0, "steps_per_epoch": sampler.steps_per_epoch,
+            "schedule_note": schedule_note}
     return Prepared(job, world_size, final_engine, resolved, hf_config, tokenizer, blocks, stats, total,
                     sampler.steps_per_epoch, resume_from, info)
 
