@@ -367,6 +367,11 @@ class Engine(DeepSpeedSurface):
         if pending is not None:
             pending.finish()
 
+    @property
+    def save_in_flight(self) -> bool:
+        """Whether a background save has started and not yet been published (and checked)."""
+        return self._pending_save is not None
+
     def _surface_finished_save(self) -> None:
         """Finish a background save whose thread has ended on every rank, raising its error now
         rather than at the next save. The ranks agree first (one one-element all-reduce per step,

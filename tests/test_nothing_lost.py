@@ -13,7 +13,7 @@ import yaml
 from parallel3d import cli
 from parallel3d.errors import ConfigError
 from parallel3d.export import export_checkpoint, main as export_main
-from tests.test_train_cli import tiny_job
+from tests.test_train_cli import _train_in_workers, cache_dir, tiny_job  # noqa: F401 - the fixture is used by name
 from tests.tiny import make_model
 
 
@@ -132,3 +132,34 @@ def test_export_refuses_a_shard_size_that_is_not_positive(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"^--max-shard-size must be a positive number of bytes, got 0$"):
         export_checkpoint(tmp_path, tmp_path / "out", max_shard_size=0)
     assert not (tmp_path / "out").exists()
+
+
+class _Engine:
+    save_in_flight = False
+
+
+def test_keep_last_prunes_only_once_a_background_save_is_published(tmp_path):
+    from parallel3d.job.checkpoints import Pruner
+
+    for step in (1, 2):
+        (tmp_path / f"global_step{step}").mkdir()
+    (tmp_path / "latest").write_text("global_step2")
+    engine, pruner = _Engine(), Pruner(tmp_path, 2, active=True)
+    engine.save_in_flight = True  # global_step3 is being written: nothing is deleted for it yet
+    pruner.saved(engine)
+    pruner.poll(engine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "global_step2", "latest"]
+    (tmp_path / "global_step3").mkdir()  # published
+    (tmp_path / "latest").write_text("global_step3")
+    engine.save_in_flight = False
+    pruner.poll(engine)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step2", "global_step3", "latest"]
+
+
+def test_async_save_keeps_exactly_keep_last(dist, tmp_path, cache_dir):
+    job = tiny_job(tmp_path / "run", max_steps=5, save_interval=1, keep_last=2, eval_interval=0, progress=False)
+    job["engine"]["checkpoint"] = {"async_save": True}
+    records = dist.run(2, _train_in_workers, job, str(cache_dir))[0]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [
+        "global_step4", "global_step5", "latest"]

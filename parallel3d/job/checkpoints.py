@@ -134,3 +134,27 @@ def prune(root: Path, keep_last: int) -> list[Path]:
             removed.append(path)
             logger.info("removed old checkpoint %s (train.keep_last %d)", path, keep_last)
     return removed
+
+
+class Pruner:
+    """keep-last-k once each new checkpoint is published (rank 0 deletes; every rank keeps count).
+
+    A background save (``checkpoint.async_save``) is published steps after ``save_checkpoint``
+    returns; pruning right away kept k published checkpoints plus the one in flight, k + 1 in
+    the end. `poll` prunes only when no save is in flight, so exactly k remain, and a save that
+    fails never costs an older checkpoint.
+    """
+
+    def __init__(self, root: Path, keep_last: int, active: bool) -> None:
+        self.root, self.keep_last, self.active = root, keep_last, active
+        self.owed = False
+
+    def saved(self, engine) -> None:
+        self.owed = True
+        self.poll(engine)
+
+    def poll(self, engine) -> None:
+        if self.owed and not engine.save_in_flight:
+            if self.active:
+                prune(self.root, self.keep_last)
+            self.owed = False

@@ -20,12 +20,11 @@ import torch.distributed as dist
 import yaml
 
 import parallel3d
-from parallel3d.job.checkpoints import checkpoint_root, prune
+from parallel3d.job.checkpoints import Pruner, checkpoint_root
 from parallel3d.job.metrics import Metrics, summary_text
 from parallel3d.job.model import build_model, weights_note
 from parallel3d.job.prepare import Prepared, describe
 from parallel3d.job.sampler import BlockSampler, TrainLoader, eval_batches
-from parallel3d.job.schedule import STATE_KEY, schedule_state
 from parallel3d.job.stop import JobStopped, StopSignals
 
 logger = logging.getLogger(__name__)
@@ -110,14 +109,13 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
         if rank == 0:
             logger.info("resumed from %s at step %d (epoch %d, micro-batch %d)", path, engine.global_steps,
                         sampler.epoch, sampler.position)
-            if prep.info.get("schedule_note"):
-                logger.info(prep.info["schedule_note"])
     start, total = engine.global_steps, prep.total_steps
     if cfg.progress and rank == 0:
         logging.getLogger("parallel3d.engine").setLevel(logging.WARNING)  # the bar shows the loss
     metrics = Metrics(out, rank == 0, total, start, cfg.progress)
     t_run = time.perf_counter()
     last_saved = start if prep.resume_from is not None else None
+    pruner = Pruner(root, cfg.keep_last, rank == 0)
     try:
         if start == 0 and val is not None:
             metrics.log({"step": 0, "val_loss": evaluate(engine, val, micro, cfg.eval_batches)})
@@ -126,6 +124,7 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
             t0 = time.perf_counter()
             loss = engine.train_batch(loader)
             dt = time.perf_counter() - t0
+            pruner.poll(engine)  # a background save published during this step
             tokens += prep.tokens_per_step
             record = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": prep.tokens_per_step / dt,
                       "s_per_step": dt, "tokens": tokens, "epoch": round(sampler.epochs_done, 4),
@@ -136,15 +135,15 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
             signum = _agreed_stop(engine, stop)
             if (cfg.save_interval and step % cfg.save_interval == 0) or (step == total and cfg.save_final) or (
                     signum and cfg.save_on_signal):
-                engine.save_checkpoint(str(root), client_state={"data": sampler.state_dict(), "tokens": tokens,
-                                                                 STATE_KEY: schedule_state(prep.engine_config)})
+                engine.save_checkpoint(str(root), client_state={"data": sampler.state_dict(), "tokens": tokens})
                 last_saved = step
-                if rank == 0:
-                    prune(root, cfg.keep_last)
+                pruner.saved(engine)
             if signum and step < total:
                 engine.wait_for_checkpoint()
+                pruner.poll(engine)
                 raise JobStopped(signum, step, str(root / f"global_step{last_saved}") if last_saved else None)
         engine.wait_for_checkpoint()  # a background save (checkpoint.async_save) is published before we end
+        pruner.poll(engine)
     finally:
         metrics.close()
     if start >= total and rank == 0:
