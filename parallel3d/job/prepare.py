@@ -22,6 +22,7 @@ from parallel3d.job.checkpoints import check_resume_model, find_resume
 from parallel3d.job.config import JobConfig, engine_dict
 from parallel3d.job.data import iter_texts, load_documents, pack_documents
 from parallel3d.job.sampler import BlockSampler
+from parallel3d.job.resume_batch import check_resume_batch
 from parallel3d.job.schedule import resumed_schedule
 from parallel3d.meta_init import pretrained_source
 from parallel3d.job.tokenizer import builtin_tokenizer, has_tokenizer, local_tokenizer
@@ -89,6 +90,7 @@ def prepare(job: JobConfig, world_size: int) -> Prepared:
     model_lib.check_dtype(job, resolved.precision)
     hf_config = model_lib.hf_config(job)
     resume_from = find_resume(job)
+    check_resume_batch(job.engine, resolved, resume_from)
     docs, identity = load_documents(job)
     tokenizer = _tokenizer(job, docs, identity)
     model_lib.fit_to_tokenizer(job, hf_config, tokenizer)
