@@ -43,8 +43,8 @@ from parallel3d.agreement import raise_on_every_rank
 from parallel3d.checkpoint_chunks import Chunk, piece_chunks
 from parallel3d.checkpoint_manifest import (OPTIMIZER_TYPE, SAVE_ID, check_fields, check_for_engine, check_pair,
                                             new_save_id)
-from parallel3d.checkpoint_storage import (DTYPES_BY_NAME, plan_load, read_metadata, read_planned, save_chunks,
-                                           write_json_atomically)
+from parallel3d.checkpoint_storage import (DTYPES_BY_NAME, disk_full_text, plan_load, read_metadata, read_planned,
+                                           save_chunks, write_json_atomically)
 from parallel3d.errors import ConfigError
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
@@ -362,12 +362,17 @@ def _write(root: Path, tag: str, chunks: list[Chunk], manifest: dict, config_jso
         write_json_atomically(tmp / MANIFEST, manifest)
         _publish(root, tmp, final, tag)
 
-    _on_rank0(prepare, f"cannot create {tmp}", group)
-    save_chunks(tmp, chunks, group, zip_crc32=zip_crc32, save_id=save_id)
-    _on_rank0(finish, f"cannot publish checkpoint {final}", group)
+    _on_rank0(prepare, f"cannot create {tmp}", root, group)
+    try:
+        save_chunks(tmp, chunks, group, zip_crc32=zip_crc32, save_id=save_id)
+        _on_rank0(finish, f"cannot publish checkpoint {final}", root, group)
+    except ConfigError:
+        if _rank() == 0:  # every rank has stopped writing (both steps end in a collective): free the space
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
-def _on_rank0(action, what: str, group: dist.ProcessGroup | None) -> None:
+def _on_rank0(action, what: str, where: Path, group: dist.ProcessGroup | None) -> None:
     """Run ``action`` on rank 0 and have every rank of ``group`` raise if it failed (instead of
     the others waiting at a barrier for a rank that has given up)."""
     outcome: list = [None]
@@ -375,7 +380,7 @@ def _on_rank0(action, what: str, group: dist.ProcessGroup | None) -> None:
         try:
             action()
         except OSError as exc:
-            outcome[0] = f"{what}: {exc}"
+            outcome[0] = f"{what}: {disk_full_text(exc, where) or exc}"
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0, group=group)
     if outcome[0] is not None:

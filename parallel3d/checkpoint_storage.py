@@ -21,10 +21,12 @@ Chunk data stay DCP's per-rank ``__R_0.distcp`` files of ``torch.save``d tensors
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import mmap
 import os
+import shutil
 import zlib
 from contextlib import contextmanager
 from collections.abc import Sequence
@@ -338,10 +340,36 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 def _first_failure(exc: CheckpointException, directory: Path, what: str) -> ConfigError:
     """The first failing rank's error, as a ConfigError (the same message on every rank)."""
-    error = next(iter(exc.failures.values()))[0]
+    rank, (error, _) = next(iter(exc.failures.items()))
     if isinstance(error, ConfigError):
         return type(error)(str(error))
-    return ConfigError(f"{what} checkpoint {directory} failed: {error!r}")
+    why = disk_full_text(error, directory) or repr(error)
+    return ConfigError(f"{what} checkpoint {directory} failed on rank {rank}: {why}")
+
+
+def _free_space(directory: Path) -> str:
+    for place in (directory.parent, *directory.parent.parents):  # the save dir: it outlives a failed .tmp
+        try:
+            return f"{shutil.disk_usage(place).free / 2**20:.1f} MiB free on the device of {place}"
+        except OSError:
+            continue
+    return "free space unknown"
+
+
+def disk_full_text(error: BaseException, directory: Path) -> str | None:
+    """"no space left on device ..." (with the device's free space) when the error or its cause
+    says ENOSPC (or EDQUOT), or torch's zip writer reports a short write ("unexpected pos"), which
+    is how a full disk shows through ``torch.save``; None for any other error."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if (isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT)) or (
+                "No space left on device" in str(seen)):
+            return f"no space left on device ({_free_space(directory)}): {error}"
+        if "unexpected pos" in str(seen):
+            return (f"a file write came up short, as when there is no space left on device "
+                    f"({_free_space(directory)}): {error}")
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def save_chunks(directory: Path, chunks: list[Chunk], group: dist.ProcessGroup | None,

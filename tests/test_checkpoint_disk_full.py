@@ -1,0 +1,75 @@
+"""A save that runs out of disk says so, names the device's free space, removes its partial
+`.<tag>.tmp` and leaves the earlier checkpoints and `latest` as they were (issue 35)."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed
+
+from tests.test_checkpoint import _error
+from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(root.rglob("*"))}
+
+
+def save_without_space(root: str, simulate: bool) -> dict:
+    import parallel3d
+    from parallel3d import checkpoint_storage
+
+    rank = torch.distributed.get_rank()
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=ds_config(2, 1, 2))
+    engine.train_batch(iter(rank_micro_batches(token_batches(1, 1, 2), rank)))
+    stream, write = checkpoint_storage._ChecksummingStream, checkpoint_storage._ChecksummingStream.write
+    if simulate and rank == 1:
+        def full(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        stream.write = full  # this worker process serves later tests: restored below
+    before = _snapshot(Path(root)) if rank == 0 else None
+    torch.distributed.barrier()
+    try:
+        message = _error(lambda: engine.save_checkpoint(root))
+    finally:
+        stream.write = write
+    torch.distributed.barrier()
+    return {"message": message, "unchanged": _snapshot(Path(root)) == before if rank == 0 else True}
+
+
+def _earlier_checkpoint(root: Path) -> None:
+    (root / "global_step0").mkdir(parents=True)
+    (root / "global_step0" / "checkpoint.json").write_text("{}")
+    (root / "latest").write_text("global_step0")
+
+
+def _check(results: list[dict], root: Path) -> None:
+    for r in results:
+        assert r["message"].startswith(f"ConfigError: saving checkpoint {root / '.global_step1.tmp'} failed on rank "), r
+        assert "no space left on device" in r["message"] and " MiB free on the device of " in r["message"], r
+        assert r["unchanged"], r  # the partial .global_step1.tmp is gone; global_step0 and latest as they were
+
+
+def test_a_full_disk_is_reported_and_the_partial_save_removed(dist, tmp_path):
+    _earlier_checkpoint(tmp_path)
+    _check(dist.run(2, save_without_space, str(tmp_path), True), tmp_path)
+
+
+def test_a_real_full_filesystem(dist, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(small)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        _earlier_checkpoint(small)
+        _check(dist.run(2, save_without_space, str(small), False), small)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
