@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d.errors import ConfigError
+from parallel3d.worker_errors import reported_by_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -89,15 +90,17 @@ def agree(error: ConfigError | None, description: dict[str, Any] | None,
     dist.all_gather_object(gathered, mine, group=group)
     failed = [rank for rank, (message, _) in enumerate(gathered) if message is not None]
     if error is not None:
-        raise error
+        rank0 = gathered[0][0] or f"rank {failed[0]} stopped: {gathered[failed[0]][0]}"  # what rank 0 raises
+        raise reported_by_rank0(error) if str(error) in rank0 else error
     if failed:
-        raise ConfigError(f"rank {failed[0]} stopped: {gathered[failed[0]][0]}")
+        raise reported_by_rank0(ConfigError(f"rank {failed[0]} stopped: {gathered[failed[0]][0]}"))
     if len({digest for _, digest in gathered}) == 1:
         return
     descriptions: list = [None] * len(gathered)
     dist.all_gather_object(descriptions, description, group=group)
-    raise ConfigError(f"the ranks were started with different settings: {differences(descriptions)}; every rank "
-                      "must get the same config, mesh and model (a per-rank config file or environment mix-up?)")
+    raise reported_by_rank0(ConfigError(
+        f"the ranks were started with different settings: {differences(descriptions)}; every rank must get the same "
+        "config, mesh and model (a per-rank config file or environment mix-up?)"))
 
 
 def raise_on_every_rank(error: ConfigError | None, device: torch.device,
@@ -117,4 +120,4 @@ def raise_on_every_rank(error: ConfigError | None, device: torch.device,
     errors: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, None if error is None else (type(error), str(error)), group=group)
     kind, message = next(e for e in errors if e is not None)
-    raise kind(message)
+    raise reported_by_rank0(kind(message))

@@ -37,6 +37,7 @@ from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
 from parallel3d.planner.auto import resolve_auto
 from parallel3d.watchdog import Watchdog, set_timeout
+from parallel3d.worker_errors import install as install_worker_errors
 from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -228,6 +229,7 @@ def initialize(
     ``config_params``, ``dist_init_required``, ``distributed_port``; parallel3d/ds_arguments.py).
     An ``optimizer`` or ``lr_scheduler`` passed here wins over the config's section, as there.
     """
+    install_worker_errors()  # under torchrun: a ConfigError/UsageError ends a worker with one line
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     refuse_deepspeed_partitioned(model)
