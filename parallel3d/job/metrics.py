@@ -87,13 +87,13 @@ class Metrics:
                     self.writer.add_scalar(key, value, step)
         if self.bar is not None:
             if "loss" in record:
-                self.bar.update(step - self.bar.n)
                 post = (f"loss {record['loss']:.4f} lr {record['lr']:.2e} {record['tokens_per_s']:,.0f} tok/s "
                         f"{record['s_per_step']:.2f} s/step mem {record['memory_mib']:.0f}MiB")
                 last_val = next((r["val_loss"] for r in reversed(self.records) if "val_loss" in r), None)
                 if last_val is not None:
                     post += f" val {last_val:.4f}"
-                self.bar.set_postfix_str(post, refresh=False)
+                self.bar.set_postfix_str(post, refresh=False)  # before the count moves: one frame, one step
+                self.bar.update(step - self.bar.n)
         elif "val_loss" in record:
             logger.info("step %d: val_loss %.4f", step, record["val_loss"])
 
