@@ -26,6 +26,7 @@ import io
 import json
 import mmap
 import os
+import pickle
 import shutil
 import zlib
 from contextlib import contextmanager
@@ -221,7 +222,16 @@ def read_chunk(directory: Path, md: Metadata, fqn: str, offsets: Sequence[int]) 
     if len(data) != info.length or checksum(data, info.algorithm) != info.checksum:
         raise CorruptCheckpointError(f"checkpoint file {path} is damaged: the chunk of {fqn} at {list(offsets)} "
                                      "does not match its checksum (truncated or altered)")
-    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
+        raise ConfigError(f"checkpoint file {path}: the chunk of {fqn} at {list(offsets)} is not a plain tensor "
+                          f"(the weights-only loader refused it: {str(exc).splitlines()[0]}); the checkpoint was "
+                          "altered or not written by zero3d, and nothing in it was run") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(f"checkpoint file {path}: the chunk of {fqn} at {list(offsets)} holds a "
+                          f"{type(tensor).__name__}, not a tensor; the checkpoint was altered or not written by zero3d")
+    return tensor
 
 
 class _Writer(FileSystemWriter):

@@ -1,5 +1,6 @@
-"""A save that runs out of disk says so, names the device's free space, removes its partial
-`.<tag>.tmp` and leaves the earlier checkpoints and `latest` as they were (issue 35)."""
+"""Checkpoint file faults (issue 35): a save that runs out of disk says so, names the device's free
+space, removes its partial `.<tag>.tmp` and leaves the earlier checkpoints and `latest` as they
+were; a pickle payload in a tensor file stops export with the loader's message."""
 
 from __future__ import annotations
 
@@ -73,3 +74,33 @@ def test_a_real_full_filesystem(dist, tmp_path):
         _check(dist.run(2, save_without_space, str(small), False), small)
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+
+def test_a_pickle_payload_in_a_tensor_file_gets_the_loaders_message(dist, tmp_path, capsys):
+    """A chunk replaced by a pickled object (its checksum made to match): export stops with one message."""
+    import io
+    import json
+
+    import xxhash
+
+    from parallel3d.export import main as export_main
+    from tests.test_checkpoint import NotAWeight
+    from tests.test_export import train_and_save
+
+    dist.run(2, train_and_save, "llama", 1, str(tmp_path / "ckpt"))
+    tag = tmp_path / "ckpt" / "global_step3"
+    payload = io.BytesIO()
+    torch.save({"payload": NotAWeight()}, payload)
+    (tag / "evil.distcp").write_bytes(payload.getvalue())
+    doc = json.loads((tag / "dcp.json").read_text())
+    name = next(n for n in doc["tensors"] if n.startswith("model/"))
+    chunk = doc["tensors"][name]["chunks"][0]
+    chunk.update(file="evil.distcp", offset=0, length=len(payload.getvalue()),
+                 xxh3_64=xxhash.xxh3_64_intdigest(payload.getvalue()))
+    (tag / "dcp.json").write_text(json.dumps(doc))
+    assert export_main([str(tag), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zero3d export: error: checkpoint file {tag / 'evil.distcp'}: the chunk of {name} at [0, 0] "
+                          "is not a plain tensor") and err.count("\n") == 1, err
+    assert "is not a plain tensor (the weights-only loader refused it: " in err and "nothing in it was run" in err
+    assert "Traceback" not in err and not (tmp_path / "hf").exists()
