@@ -36,6 +36,7 @@ from parallel3d.lr_schedules import build_lr_scheduler
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
 from parallel3d.planner.auto import resolve_auto
+from parallel3d.stage3_notice import persistence_notice
 from parallel3d.watchdog import Watchdog, set_timeout
 from parallel3d.worker_errors import install as install_worker_errors
 from zero import ZeroOptimizer
@@ -264,6 +265,8 @@ def initialize(
     tp_info = apply_tp(model, cfg.tensor_parallel, mesh)
     pipe = apply_pipeline(model, cfg.pipeline, mesh, tp_info)
     zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source)
+    if (notice := persistence_notice(zero_opt)) is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning(notice)
     register(zero_opt)
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
     client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
