@@ -33,6 +33,7 @@ from parallel3d.checkpoint import MANIFEST, check_tag, read_manifest
 from parallel3d.checkpoint_storage import read_chunk, read_metadata
 from parallel3d.errors import ConfigError
 from parallel3d.export_guard import check_output
+from parallel3d.remote_code import check_remote_code
 from parallel3d.export_report import describe_export
 from parallel3d.export_tokens import save_model_configs
 
@@ -162,7 +163,7 @@ def _model_order(config, names: list[str]) -> list[str]:
 
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32",
                       tokenizer: str | None = None, max_shard_size: int = 2 << 30,
-                      overwrite: bool = False) -> Path:
+                      overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     """Write ``out`` as a ``from_pretrained`` directory from the checkpoint ``ckpt``; returns ``out``.
 
     Written into a temporary sibling and renamed at the end, so a failed export leaves nothing
@@ -180,7 +181,10 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
                           "was the engine's model a transformers model?")
     check_output(tag_dir, out, overwrite)
     try:
-        config = AutoConfig.from_pretrained(tag_dir)
+        trust = check_remote_code(tag_dir, trust_remote_code, "--trust-remote-code")
+        config = AutoConfig.from_pretrained(tag_dir, trust_remote_code=trust)
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(f"{tag_dir / 'config.json'} is not a valid Hugging Face config: {exc}") from exc
     read_manifest(tag_dir)
@@ -244,14 +248,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
     p.add_argument("--tokenizer", help="tokenizer directory to copy (default: <run_dir>/tokenizer if present)")
     p.add_argument("--max-shard-size", type=_size, default=2 << 30, help="largest safetensors file (default 2GB)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a checkpoint whose config.json has auto_map run its own Python code (default: refuse it)")
     try:
         args = p.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
         out = export_checkpoint(args.ckpt, args.out, dtype=args.dtype, tokenizer=args.tokenizer,
-                                max_shard_size=args.max_shard_size, overwrite=args.overwrite)
+                                max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+                          trust_remote_code=args.trust_remote_code)
     except ConfigError as exc:
         print(f"zero3d export: error: {exc}", file=sys.stderr)
         return 2

@@ -51,6 +51,9 @@ class ModelConfig(Section):
     """"sdpa", "eager", "flash_attention_2", ... (passed to transformers)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Model dtype; "auto" follows the engine (bf16/fp16 sections). Any other value must agree with it."""
+    trust_remote_code: bool = False
+    """Let model.path run its own Python code (a config.json with auto_map); false refuses such a
+    directory (parallel3d/remote_code.py)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
@@ -92,6 +95,9 @@ class TokenizerConfig(Section):
     """Vocabulary size of the built-in BPE."""
     max_train_chars: PositiveInt = 50_000_000
     """The built-in BPE learns from at most this many characters of training text."""
+    trust_remote_code: bool = False
+    """Let the tokenizer directory (tokenizer.path, or model.path's tokenizer) run its own Python
+    code (a tokenizer_config.json with auto_map); false refuses such a directory."""
 
     @field_validator("vocab_size")
     @classmethod

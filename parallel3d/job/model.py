@@ -15,6 +15,7 @@ import torch
 
 from parallel3d.errors import ConfigError
 from parallel3d.job.config import JobConfig
+from parallel3d.remote_code import check_remote_code
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,9 @@ def hf_config(job: JobConfig):
     if m.path is not None:
         if not (Path(m.path) / "config.json").is_file():
             raise ConfigError(f'model.path: "{m.path}" is not a local model directory (no config.json)')
+        trust = check_remote_code(m.path, m.trust_remote_code, "model.trust_remote_code")
         try:
-            config = AutoConfig.from_pretrained(m.path, local_files_only=True)
+            config = AutoConfig.from_pretrained(m.path, local_files_only=True, trust_remote_code=trust)
         except (OSError, *_config_errors()) as exc:
             raise ConfigError(f'model.path: "{m.path}" has a config transformers cannot read: {_reason(exc)}') from None
     else:
@@ -110,7 +112,7 @@ def build_model(job: JobConfig, config, log: bool = True) -> torch.nn.Module:
     kwargs = {"attn_implementation": m.attn_implementation} if m.attn_implementation else {}
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=m.trust_remote_code, **kwargs)
     except ValueError as exc:
         if "attn_implementation" in str(exc):
             raise ConfigError(f'model.attn_implementation: "{m.attn_implementation}" is not supported here: {exc}') from None

@@ -65,9 +65,9 @@ def _resolve_engine(data: dict, world_size: int) -> Zero3DConfig:
 
 def _tokenizer(job: JobConfig, docs: dict, identity: dict):
     if job.tokenizer.path is not None:
-        return local_tokenizer(job.tokenizer.path)
+        return local_tokenizer(job.tokenizer.path, trust_remote_code=job.tokenizer.trust_remote_code)
     if job.model.path is not None and has_tokenizer(job.model.path):
-        return local_tokenizer(job.model.path, "model.path")
+        return local_tokenizer(job.model.path, "model.path", job.tokenizer.trust_remote_code)
     return builtin_tokenizer(iter_texts(docs["train"], docs["column"]), identity, job.tokenizer.vocab_size,
                              job.tokenizer.max_train_chars)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from parallel3d.errors import ConfigError
 from parallel3d.job.cache import cached_dir, key_of
+from parallel3d.remote_code import check_remote_code
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +59,15 @@ def builtin_tokenizer(texts: Iterable[str], corpus_identity: dict, vocab_size: i
     return PreTrainedTokenizerFast.from_pretrained(str(path))
 
 
-def local_tokenizer(path: str, key: str = "tokenizer.path"):
+def local_tokenizer(path: str, key: str = "tokenizer.path", trust_remote_code: bool = False):
     """A tokenizer from a local directory; ConfigError naming ``key`` if it is not one."""
     from transformers import AutoTokenizer
 
     if not Path(path).is_dir():
         raise ConfigError(f'{key}: "{path}" is not a directory')
+    trust = check_remote_code(path, trust_remote_code, "tokenizer.trust_remote_code")
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust)
     except (OSError, ValueError) as exc:
         raise ConfigError(f'{key}: "{path}" holds no tokenizer AutoTokenizer can load: {exc}') from None
     if tok.eos_token_id is None:

@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from parallel3d.errors import ConfigError
+from parallel3d.remote_code import check_remote_code
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zero3d plan", allow_abbrev=False, description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a Hugging Face model directory or config.json")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let a model directory whose config.json has auto_map run its own Python code (default: refuse it)")
     where = p.add_argument_group("devices")
     where.add_argument("--gpus", type=int, help="number of devices")
     where.add_argument("--gpus-per-node", type=int, help="devices per node (default 8, or the hostfile's slots)")
@@ -109,7 +112,7 @@ def hardware_from_args(args: argparse.Namespace):
     return hw
 
 
-def load_model(path: str):
+def load_model(path: str, trust_remote_code: bool = False):
     """A meta-device model from a model directory or config.json."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -117,13 +120,15 @@ def load_model(path: str):
     source = Path(path)
     if not source.exists():
         raise ConfigError(f"model {path!r}: no such file or directory (give a model directory or its config.json)")
+    directory = source.parent if source.is_file() else source
+    trust = check_remote_code(directory, trust_remote_code, "--trust-remote-code")
     try:
-        config = AutoConfig.from_pretrained(str(source.parent if source.is_file() else source))
+        config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"model {path!r}: cannot read a Hugging Face config there: {exc}") from None
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(config)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust)
         except ValueError as exc:
             raise ConfigError(f"model {path!r}: {type(config).__name__} is not a causal LM transformers knows: "
                               f"{exc}") from None
@@ -207,7 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _positive(value, flag)
         hw = hardware_from_args(args)
         choice = _choice(args)
-        model = load_model(args.model)
+        model = load_model(args.model, args.trust_remote_code)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
         planner = Planner(model, Workload(seq=args.seq_len, global_batch=args.global_batch, dtype=dtype))
         result = search(planner, hw, choice, top=max(args.top, 50 if args.png else args.top))
