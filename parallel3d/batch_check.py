@@ -11,10 +11,16 @@ micro-batch raises deep inside the model's reshape.
 no copy of the batch): ``input_ids`` must lie in ``[0, vocab_size)``; ``labels`` too, or be
 ``IGNORE_INDEX`` (-100, Hugging Face's "no loss here"). Models without a ``config.vocab_size``
 are checked for empty and non-integer ids only.
+
+A micro-batch given as a tuple or list (``engine(*batch)``: the model's positional arguments)
+is read by the names of the model forward's positional parameters (`positional_names`), so
+``(input_ids, attention_mask, ..., labels)`` is checked as the dict with those keys is.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,24 +41,53 @@ def vocab_size_of(module: nn.Module) -> int | None:
     return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
 
 
+def positional_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of ``module.forward``'s positional parameters, in order (up to a ``*args``)."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C forward: tuple batches go unchecked
+        return ()
+    names = []
+    for param in params:
+        if param.kind not in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(param.name)
+    return tuple(names)
+
+
+def call_arguments(args: Sequence, kwargs: dict, names: Sequence[str]) -> dict:
+    """``forward(*args, **kwargs)``'s arguments by name (positional ones named by ``names``)."""
+    return {**dict(zip(names, args)), **kwargs}
+
+
 def _range(t: torch.Tensor) -> tuple[int, int]:
     low, high = torch.aminmax(t.detach())
     return int(low), int(high)
 
 
-def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
-    """What is wrong with a micro-batch's token ids and labels, or None (dict batches only)."""
-    if not isinstance(batch, dict):
+def batch_problem(batch: Any, vocab_size: int | None, names: Sequence[str] = ()) -> str | None:
+    """What is wrong with a micro-batch's token ids and labels, or None.
+
+    ``batch`` is a dict of keyword arguments, or a tuple/list of positional ones named by
+    ``names`` (`positional_names` of the model); anything else is not checked.
+    """
+    if isinstance(batch, (tuple, list)):
+        where = {name: f"{name} (item {i} of the {type(batch).__name__})" for i, name in enumerate(names)}
+        batch = dict(zip(names, batch))
+    elif isinstance(batch, dict):
+        where = {}
+    else:
         return None
     for key in TOKEN_KEYS:
         t = batch.get(key)
+        label = where.get(key, key)
         if not isinstance(t, torch.Tensor):
             continue
         if t.numel() == 0:
-            return (f"{key} is empty (shape {list(t.shape)}); a micro-batch needs at least one sequence of at least "
+            return (f"{label} is empty (shape {list(t.shape)}); a micro-batch needs at least one sequence of at least "
                     "one token")
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            return f"{key} has dtype {str(t.dtype).removeprefix('torch.')}; token ids must be integers"
+            return f"{label} has dtype {str(t.dtype).removeprefix('torch.')}; token ids must be integers"
         if vocab_size is None:
             continue
         values = torch.where(t == IGNORE_INDEX, 0, t) if key == "labels" else t
@@ -60,16 +95,16 @@ def batch_problem(batch: Any, vocab_size: int | None) -> str | None:
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
             allowed = f"[0, {vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if key == "labels" else "")
-            return (f"{key} holds {bad}, outside the model's vocabulary: token ids must be in {allowed}, where "
+            return (f"{label} holds {bad}, outside the model's vocabulary: token ids must be in {allowed}, where "
                     f"{vocab_size} is the model config's vocab_size (a tokenizer larger than the model, or "
                     "padding with -1?)")
     return None
 
 
-def first_problem(batches: list, vocab_size: int | None) -> str | None:
+def first_problem(batches: list, vocab_size: int | None, names: Sequence[str] = ()) -> str | None:
     """The first micro-batch's problem in ``batches``, named by its position, or None."""
     for index, batch in enumerate(batches):
-        problem = batch_problem(batch, vocab_size)
+        problem = batch_problem(batch, vocab_size, names)
         if problem is not None:
             return f"micro-batch {index}: {problem}" if len(batches) > 1 else problem
     return None

@@ -21,7 +21,7 @@ from torch import nn
 
 from parallel3d import checkpoint
 from parallel3d.agreement import raise_on_every_rank
-from parallel3d.batch_check import first_problem, vocab_size_of
+from parallel3d.batch_check import call_arguments, first_problem, positional_names, vocab_size_of
 from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface
 from parallel3d.partial_load import KeptState, checkpoint_arguments
 from parallel3d.errors import ConfigError, UsageError
@@ -91,6 +91,7 @@ class Engine(DeepSpeedSurface):
         self._staging: checkpoint.StagingBuffer | None = None  # async saves' CPU copy, reused
         self.watchdog = watchdog
         self._vocab_size = vocab_size_of(module)  # token ids are checked against it (parallel3d/batch_check.py)
+        self._arg_names = positional_names(module)  # how a tuple micro-batch's items are named there
         self._batches_checked = False  # inside train_batch/eval_batch: forward need not check again
         if watchdog is not None:
             weakref.finalize(self, watchdog.close)  # the heartbeat thread ends with the engine
@@ -110,7 +111,8 @@ class Engine(DeepSpeedSurface):
     @_explained
     def forward(self, *args, **kwargs):
         self._per_micro_batch_call("forward (engine(...))")
-        if not self._batches_checked and (problem := first_problem([kwargs], self._vocab_size)) is not None:
+        if not self._batches_checked and (problem := first_problem(
+                [call_arguments(args, kwargs, self._arg_names)], self._vocab_size)) is not None:
             raise ConfigError(f"engine(...): {problem}")
         self.optimizer.gather_for_forward()
         if torch.is_grad_enabled():  # gradients may arrive from here on (see GradientReducer.start_backward)
@@ -243,7 +245,7 @@ class Engine(DeepSpeedSurface):
     def _check_batches(self, batches: list, what: str) -> None:
         """Raise one ConfigError on every rank if any rank's micro-batches hold token ids outside the
         vocabulary, or are empty (one all-reduce of a flag; the batches are checked where they are)."""
-        problem = first_problem(batches, self._vocab_size)
+        problem = first_problem(batches, self._vocab_size, self._arg_names)
         rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
         raise_on_every_rank(ConfigError(f"{what}{rank}: {problem}") if problem is not None else None, self.device)
 

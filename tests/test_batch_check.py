@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed
 
-from parallel3d.batch_check import batch_problem, vocab_size_of
+from parallel3d.batch_check import batch_problem, positional_names, vocab_size_of
 from tests.test_checkpoint import _error
 from tests.tiny import ds_config
 from tests.tiny_tp import make_tp_model
@@ -20,6 +20,11 @@ def _batch(**changes) -> dict:
     batch = {"input_ids": ids, "labels": ids.clone()}
     batch.update(changes)
     return batch
+
+
+def as_tuple(batch: dict) -> tuple:
+    """``batch`` as Llama's forward takes it positionally (labels is its sixth parameter)."""
+    return (batch["input_ids"], None, None, None, None, batch["labels"])
 
 
 def bad_batches(tp: int) -> dict:
@@ -46,10 +51,16 @@ def bad_batches(tp: int) -> dict:
         "negative_labels": _error(lambda: engine.train_batch(iter([negative_labels]))),
         "empty": _error(lambda: engine.train_batch(iter([_batch(input_ids=torch.zeros(0, 8, dtype=torch.long))]))),
         "forward": _error(lambda: engine(**_batch(input_ids=torch.full((2, 8), VOCAB + 5)))),
+        # a tuple is the forward's positional arguments: (input_ids, attention_mask, position_ids, cache,
+        # inputs_embeds, labels)
+        "tuple": _error(lambda: engine.train_batch(iter([as_tuple(high)]))),
+        "list_labels": _error(lambda: engine.eval_batch(iter([list(as_tuple(negative_labels))]))),
+        "forward_positional": _error(lambda: engine(torch.full((2, 8), VOCAB + 5))),
     }
     after = engine.full_parameters()
     out["unchanged"] = engine.global_steps == steps and all(torch.equal(before[k], after[k]) for k in before)
     out["ignored_labels_train"] = isinstance(engine.train_batch(iter([ignored])), float)
+    out["tuple_trains"] = isinstance(engine.train_batch(iter([as_tuple(ignored)])), float)
     return out
 
 
@@ -69,7 +80,14 @@ def test_token_ids_outside_the_vocabulary_stop_every_rank_before_the_forward(dis
         assert out["empty"] == ("ConfigError: train_batch on rank 0: input_ids is empty (shape [0, 8]); a micro-batch "
                                 "needs at least one sequence of at least one token"), out
         assert out["forward"].startswith("ConfigError: engine(...): input_ids holds 132, outside"), out  # each rank's own
-        assert out["unchanged"] and out["ignored_labels_train"], (rank, out)
+        assert out["tuple"] == (
+            "ConfigError: train_batch on rank 0: input_ids (item 0 of the tuple) holds 127, outside the model's "
+            "vocabulary: token ids must be in [0, 127), where 127 is the model config's vocab_size (a tokenizer "
+            "larger than the model, or padding with -1?)"), out["tuple"]  # every rank holds "high": rank 0 is named
+        assert out["list_labels"].startswith("ConfigError: eval_batch on rank 0: labels (item 5 of the list) holds -1, "
+                                             "outside the model's vocabulary: token ids must be in [0, 127) or -100"), out
+        assert out["forward_positional"].startswith("ConfigError: engine(...): input_ids holds 132, outside"), out
+        assert out["unchanged"] and out["ignored_labels_train"] and out["tuple_trains"], (rank, out)
 
 
 def test_batch_problem_without_a_process_group():
@@ -82,3 +100,16 @@ def test_batch_problem_without_a_process_group():
     assert batch_problem(_batch(input_ids=torch.rand(2, 8)), VOCAB) == (
         "input_ids has dtype float32; token ids must be integers")
     assert batch_problem(_batch(input_ids=torch.full((2, 8), 500)), None) is None  # no vocab known: range unchecked
+
+
+def test_tuple_batches_are_read_by_the_forwards_parameter_names():
+    names = positional_names(make_tp_model("llama"))
+    assert names[:6] == ("input_ids", "attention_mask", "position_ids", names[3], "inputs_embeds", "labels")
+    good, high = _batch(), _batch(input_ids=torch.full((2, 8), VOCAB))
+    assert batch_problem(as_tuple(good), VOCAB, names) is None
+    assert batch_problem(as_tuple(high), VOCAB, names).startswith("input_ids (item 0 of the tuple) holds 127, outside")
+    assert batch_problem([good["input_ids"], torch.rand(2, 8)], VOCAB, names) is None  # item 1 is the attention mask
+    assert batch_problem((good["input_ids"], None, None, None, None, torch.rand(2, 8)), VOCAB, names) == (
+        "labels (item 5 of the tuple) has dtype float32; token ids must be integers")
+    assert batch_problem(as_tuple(high), VOCAB, ()) is None  # a forward without named parameters: not read
+    assert positional_names(torch.nn.Linear(2, 2)) == ("input",)
