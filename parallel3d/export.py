@@ -142,13 +142,13 @@ def _find_tokenizer(tag_dir: Path, explicit: str | None) -> Path | None:
     return None
 
 
-def _model_order(config, names: list[str]) -> list[str]:
+def _model_order(config, names: list[str], trust_remote_code: bool = False) -> list[str]:
     """``names`` in the model's own parameter order; warns of parameters missing (frozen) or unknown."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - a custom model class: skip the check, not the export
         logger.warning("could not build %s on the meta device to check names: %s", config.model_type, exc)
         return sorted(names)
@@ -191,7 +191,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
     metadata = read_metadata(tag_dir)
     shapes = {fqn[len("model/") :]: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
               if fqn.startswith("model/")}
-    entries = [Entry(n, shapes[n]) for n in _model_order(config, list(shapes))]
+    entries = [Entry(n, shapes[n]) for n in _model_order(config, list(shapes), trust)]
     tok = _find_tokenizer(tag_dir, tokenizer)
 
     tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
@@ -211,7 +211,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
                      "weight_map": {e.name: n for n, shard in zip(names, shards) for e in shard}}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
         config.dtype = DTYPES[dtype][0]
-        save_model_configs(config, tmp, tag_dir, tok)  # config.json, generation_config.json
+        save_model_configs(config, tmp, tag_dir, tok, trust)  # config.json, generation_config.json
         if tok is not None:
             for f in tok.iterdir():
                 if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES):

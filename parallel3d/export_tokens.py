@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from parallel3d.remote_code import check_remote_code
+
 logger = logging.getLogger(__name__)
 
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -52,11 +54,13 @@ def trained_tokenizer(job: dict) -> bool:
     return not (model_path is not None and Path(model_path).is_dir() and has_tokenizer(model_path))
 
 
-def tokenizer_ids(tokenizer_dir: Path) -> dict[str, int]:
-    """bos/eos/pad ids of the tokenizer saved in ``tokenizer_dir`` (the ones it defines)."""
+def tokenizer_ids(tokenizer_dir: Path, trust_remote_code: bool = False) -> dict[str, int]:
+    """bos/eos/pad ids of the tokenizer saved in ``tokenizer_dir`` (the ones it defines); a directory
+    whose tokenizer names its own code is refused unless ``trust_remote_code`` (``--trust-remote-code``)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+    trust = check_remote_code(tokenizer_dir, trust_remote_code, "--trust-remote-code")
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True, trust_remote_code=trust)
     return {name: getattr(tok, name) for name in TOKEN_IDS if getattr(tok, name, None) is not None}
 
 
@@ -70,9 +74,11 @@ def _generation_config(config: Any, job: dict | None):
     return GenerationConfig.from_model_config(config)
 
 
-def save_model_configs(config: Any, out: Path, tag_dir: Path, tokenizer_dir: Path | None) -> dict[str, int]:
+def save_model_configs(config: Any, out: Path, tag_dir: Path, tokenizer_dir: Path | None,
+                       trust_remote_code: bool = False) -> dict[str, int]:
     """Write ``config.json`` and ``generation_config.json`` into ``out``; returns the ids taken from
-    the tokenizer (empty when the job did not train the tokenizer that is exported with the model)."""
+    the tokenizer (empty when the job did not train the tokenizer that is exported with the model).
+    ``trust_remote_code`` is export's ``--trust-remote-code``, passed to the tokenizer's loader."""
     found = run_job(tag_dir)
     run_dir, job = found if found is not None else (None, None)
     ids: dict[str, int] = {}
@@ -80,7 +86,7 @@ def save_model_configs(config: Any, out: Path, tag_dir: Path, tokenizer_dir: Pat
                      and tokenizer_dir.resolve() == (run_dir / "tokenizer").resolve())
     if job is not None and own_tokenizer and trained_tokenizer(job):
         explicit = (job.get("model") or {}).get("config") or {}
-        ids = {k: v for k, v in tokenizer_ids(tokenizer_dir).items() if k not in explicit}
+        ids = {k: v for k, v in tokenizer_ids(tokenizer_dir, trust_remote_code).items() if k not in explicit}
         changed = {k: (getattr(config, k, None), v) for k, v in ids.items() if getattr(config, k, None) != v}
         if changed:
             logger.info("special token ids from the tokenizer the job trained: %s",

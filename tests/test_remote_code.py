@@ -66,3 +66,37 @@ def test_plan_and_export_refuse_it_too(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"zero3d export: error: {tag} asks to run its own Python code") and err.count("\n") == 1
     assert not (path / "RAN").exists() and not (tag / "RAN").exists() and not (tmp_path / "out").exists()
+
+
+def test_export_passes_the_setting_to_the_tokenizer_and_model_it_loads(tmp_path, monkeypatch):
+    """export reads the job's trained tokenizer (its special token ids) and builds the model on meta
+    (its parameter order): both loads get --trust-remote-code, and the tokenizer's code is refused
+    without it."""
+    import yaml
+    from transformers import AutoModelForCausalLM
+
+    from parallel3d import export
+    from parallel3d.export_tokens import save_model_configs
+
+    run = tmp_path / "run"
+    tag = run / "checkpoints" / "global_step1"
+    tag.mkdir(parents=True)
+    (run / "job.yaml").write_text(yaml.safe_dump({"model": {"model_type": "llama"}, "tokenizer": {"vocab_size": 512}}))
+    tokenizer = code_dir(run / "tokenizer", "tokenizer_config.json")
+    config = make_model("llama").config
+    assert _message(save_model_configs, config, tmp_path / "out", tag, tokenizer) == (
+        f"{tokenizer} asks to run its own Python code (tokenizer_config.json has auto_map: custom.CustomConfig, "
+        "custom.CustomModel); Zero3D runs such code only with --trust-remote-code set to true: set it if you trust "
+        "the code in that directory")
+    assert not (tokenizer / "RAN").exists()
+
+    seen = []
+
+    def from_config(cfg, **kwargs):
+        seen.append(kwargs.get("trust_remote_code"))
+        raise ValueError("not built here")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", from_config)
+    for trust in (False, True):
+        assert export._model_order(config, ["b", "a"], trust) == ["a", "b"]
+    assert seen == [False, True]
