@@ -54,16 +54,16 @@ def _latest_tag(latest: Path) -> str:
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """The tag directory for a tag dir, a ``latest`` pointer file, a ``checkpoints/`` save dir
     (its newest tag) or a run dir containing ``checkpoints/``."""
-    p = Path(path)
+    p, named_by = Path(path), None
     if p.is_file() and p.name == "latest":
-        p = p.parent / _latest_tag(p)
+        p, named_by = p.parent / _latest_tag(p), p
     elif p.is_dir() and not (p / MANIFEST).is_file():
         if (p / "checkpoints" / "latest").is_file():
             p = p / "checkpoints"
         if (p / "latest").is_file():
-            p = p / _latest_tag(p / "latest")
+            p, named_by = p / _latest_tag(p / "latest"), p / "latest"
     if not p.exists():
-        raise ConfigError(f"checkpoint {p} does not exist" + (f" ({path} points to it)" if str(p) != str(path) else ""))
+        raise ConfigError(f"checkpoint {p} does not exist" + (f" ({named_by} names it)" if named_by else ""))
     if not p.is_dir():
         raise ConfigError(f"{p} is not a zero3d checkpoint: expected a checkpoint directory (written by "
                           "engine.save_checkpoint), a 'latest' file or a checkpoints/ directory")

@@ -183,7 +183,8 @@ def test_resume_modes_and_unreadable_checkpoint(tmp_path):
     for rank in range(2):
         (ckpt / f"rank{rank}.pt").unlink()
     assert error_of(checkpoints.find_resume, cfg) == (
-        f"train.resume: {ckpt} is not a complete zero3d checkpoint: it has no checkpoint.json")
+        f"train.resume: {ckpt} is not a complete zero3d checkpoint: it has no checkpoint.json; "
+        f"{tmp_path / 'checkpoints'} holds no other complete checkpoint to resume from")
     fresh = load_job_config(job(train={"output_dir": str(tmp_path)}))
     assert "already holds checkpoints (latest: global_step3); set train.resume=auto" in error_of(
         checkpoints.find_resume, fresh)

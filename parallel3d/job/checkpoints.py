@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint import MANIFEST, read_manifest
+from parallel3d.checkpoint import MANIFEST
 from parallel3d.checkpoint_storage import METADATA_FILE, read_metadata
 from parallel3d.errors import ConfigError
 from parallel3d.export import resolve_checkpoint
 from parallel3d.job.config import JobConfig
+from parallel3d.job.resume_check import check_complete, fallback_hint, named_tag
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +86,9 @@ def find_resume(job: JobConfig) -> Path | None:
     """The checkpoint to resume from per train.resume (None: start fresh), checked to be complete.
 
     Any layout and world size may resume it (checkpoints are mesh-free); whether it holds
-    this job's model is :func:`check_resume_model`'s question. A fresh start is refused where
+    this job's model is :func:`check_resume_model`'s question. A ``latest`` that is damaged or
+    names a checkpoint that is missing or incomplete stops here, naming the newest complete
+    checkpoint to resume from instead (`parallel3d.job.resume_check`). A fresh start is refused where
     it would replace an earlier run's checkpoints or metrics (`check_fresh_start`).
     """
     root = checkpoint_root(job)
@@ -103,10 +106,10 @@ def find_resume(job: JobConfig) -> Path | None:
         return None
     try:
         path = resolve_checkpoint(root)
-        read_manifest(path)
-        read_metadata(path)
+        check_complete(path)
     except ConfigError as exc:
-        raise ConfigError(f"train.resume: {exc}") from None
+        hint = fallback_hint(root, named_tag(root), stored_checkpoints(root))
+        raise ConfigError(f"train.resume: {exc}{hint}") from None
     return path
 
 

@@ -23,6 +23,7 @@ from parallel3d.job.prepare import Prepared, prepare
 from parallel3d.job.stop import JobStopped
 from parallel3d.lifeline import die_with_agent, exit_now
 from parallel3d.watchdog import backend_reason, is_collective_failure
+from parallel3d.worker_errors import REPORTED_BY_RANK0
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,9 @@ def run_job(job: JobConfig) -> dict:
     its latest checkpoint, whatever ``train.resume`` says: the checkpoints are this run's own.
     """
     from parallel3d.config import Zero3DConfig
+    from parallel3d.job.checkpoints import stored_checkpoints
     from parallel3d.job.config import engine_dict
+    from parallel3d.job.resume_check import with_fallback
     from parallel3d.job.trainer import train
     from parallel3d.mesh import default_device, ensure_process_group
 
@@ -95,7 +98,16 @@ def run_job(job: JobConfig) -> dict:
             job = job.model_copy(update={"train": job.train.model_copy(update={"resume": "auto"})})
     ensure_process_group(default_device(), Zero3DConfig.from_dict(engine_dict(job)).comm.timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    return train(prepare_all_ranks(job, world))
+    prep = prepare_all_ranks(job, world)
+    try:
+        return train(prep)
+    except ConfigError as exc:  # a damaged resume checkpoint: name the one to resume from instead
+        if prep.resume_from is None or (dist.is_initialized() and dist.get_rank() != 0):
+            raise
+        hinted = with_fallback(exc, prep.resume_from, stored_checkpoints(prep.resume_from.parent))
+        if hinted is exc:
+            raise
+        raise hinted from None
 
 
 def split_args(argv: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -131,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ReportedElsewhere:
         return 2
     except ConfigError as exc:
+        if rank != 0 and getattr(exc, REPORTED_BY_RANK0, False):  # every rank raised it: rank 0 says it once
+            return 2
         print(f"zero3d train: error: {exc}", file=sys.stderr)
         return 2
     except (JobStopped, KeyboardInterrupt) as exc:
