@@ -164,7 +164,7 @@ def row(prediction, hw, tokens: int) -> dict:
 
 
 def format_table(rows: list[dict], hw, considered: int) -> str:
-    head = (f"{'#':>3}  {'layout':<44} {'peak GiB':>8} {'states':>7} {'step s':>8} {'bubble+pp':>9} "
+    head = (f"{'#':>3}  {'layout':<44} {'peak GiB':>8} {'states':>7} {'step s':>8} {'fwd+bwd s':>9} "
             f"{'dp comm':>8} {'tokens/s':>10} {'TFLOP/s':>8}")
     lines = [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
@@ -197,16 +197,28 @@ def draw(predictions, hw, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def quiet_transformers() -> None:
+    """Keep transformers' warnings (deprecations, use_cache notes on the profiled model) out of the output."""
+    import warnings
+
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from parallel3d.planner.predict import Planner, Workload
     from parallel3d.planner.search import search
+    from parallel3d.planner.report import LEGEND, header, layout_config, snippet
 
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
+    quiet_transformers()  # its deprecation and use_cache notices are about the profile's model, not the plan
     try:
         for value, flag in ((args.seq_len, "--seq-len"), (args.global_batch, "--global-batch")):
             _positive(value, flag)
@@ -228,7 +240,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     tokens = args.global_batch * args.seq_len
     rows = [row(p, hw, tokens) for p in best[: args.top]]
-    print(json.dumps(rows, indent=1) if args.json else format_table(rows, hw, considered))
+    for r, p in zip(rows, best):
+        r["config"] = layout_config(p.layout, args.global_batch, args.precision)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print("\n\n".join([header(hw, args.precision, args.seq_len, args.global_batch),
+                            format_table(rows, hw, considered), LEGEND,
+                            snippet(best[0].layout, args.global_batch, args.precision)]))
     if args.png:
         draw(best, hw, args.png)
         print(f"wrote {args.png}")
