@@ -27,6 +27,7 @@ import json
 import mmap
 import os
 import pickle
+import re
 import shutil
 import zlib
 from contextlib import contextmanager
@@ -212,6 +213,17 @@ def read_metadata(directory: Path) -> Metadata:
     return metadata_from_json(doc, path)
 
 
+def loader_refusal(exc: BaseException) -> str:
+    """The weights-only loader's reason for refusing a pickle, on one line without terminal codes
+    (such as "Unsupported global: GLOBAL io.open was not an allowed global by default")."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    for line in text.splitlines():
+        if "WeightsUnpickler error:" in line and (reason := line.split("WeightsUnpickler error:", 1)[1].strip()):
+            return reason.split(". Please", 1)[0].rstrip(".")
+    paragraphs = [p.strip() for p in text.split("\n\n") if p.strip() and not p.strip().startswith("Check the doc")]
+    return (paragraphs[-1].splitlines()[0] if paragraphs else type(exc).__name__).rstrip(".")
+
+
 def read_chunk(directory: Path, md: Metadata, fqn: str, offsets: Sequence[int]) -> torch.Tensor:
     """One stored chunk, checksum verified (for readers outside DCP: export)."""
     info = md.storage_data[MetadataIndex(fqn, torch.Size(offsets))]
@@ -226,7 +238,7 @@ def read_chunk(directory: Path, md: Metadata, fqn: str, offsets: Sequence[int]) 
         tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
         raise ConfigError(f"checkpoint file {path}: the chunk of {fqn} at {list(offsets)} is not a plain tensor "
-                          f"(the weights-only loader refused it: {str(exc).splitlines()[0]}); the checkpoint was "
+                          f"(the weights-only loader refused it: {loader_refusal(exc)}); the checkpoint was "
                           "altered or not written by zero3d, and nothing in it was run") from None
     if not isinstance(tensor, torch.Tensor):
         raise ConfigError(f"checkpoint file {path}: the chunk of {fqn} at {list(offsets)} holds a "
@@ -435,5 +447,9 @@ def read_planned(load: PlannedLoad) -> None:
         load.reader.read_data(load.plan, load.planner).wait()
     except ConfigError:
         raise
+    except pickle.UnpicklingError as exc:  # a chunk holds pickled objects (its checksum matched)
+        raise ConfigError(f"checkpoint {load.reader.path}: a chunk is not a plain tensor (the weights-only loader "
+                          f"refused it: {loader_refusal(exc)}); the checkpoint was altered or not written by zero3d, "
+                          "and nothing in it was run") from None
     except Exception as exc:  # noqa: BLE001 - an I/O or format error, reported on every rank by the caller
         raise ConfigError(f"loading checkpoint {load.reader.path} failed: {exc!r}") from None

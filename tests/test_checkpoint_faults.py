@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed
 
-from tests.test_checkpoint import _error
+from tests.test_checkpoint import NotAWeight, _error
 from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
 
 
@@ -84,7 +84,6 @@ def test_a_pickle_payload_in_a_tensor_file_gets_the_loaders_message(dist, tmp_pa
     import xxhash
 
     from parallel3d.export import main as export_main
-    from tests.test_checkpoint import NotAWeight
     from tests.test_export import train_and_save
 
     dist.run(2, train_and_save, "llama", 1, str(tmp_path / "ckpt"))
@@ -102,5 +101,40 @@ def test_a_pickle_payload_in_a_tensor_file_gets_the_loaders_message(dist, tmp_pa
     err = capsys.readouterr().err
     assert err.startswith(f"zero3d export: error: checkpoint file {tag / 'evil.distcp'}: the chunk of {name} at [0, 0] "
                           "is not a plain tensor") and err.count("\n") == 1, err
-    assert "is not a plain tensor (the weights-only loader refused it: " in err and "nothing in it was run" in err
+    assert ("is not a plain tensor (the weights-only loader refused it: Trying to load unsupported GLOBAL posix.getpid "
+            "whose module posix is blocked)") in err and "nothing in it was run" in err
     assert "Traceback" not in err and not (tmp_path / "hf").exists()
+    for message in dist.run(2, load_payload, str(tmp_path / "ckpt")):  # the engine's loader says the same
+        assert message.startswith(f"ConfigError: checkpoint {tag}: a chunk is not a plain tensor (the weights-only "
+                                  "loader refused it: Trying to load unsupported GLOBAL posix.getpid whose module "
+                                  "posix is blocked)"), message
+        assert message.endswith("nothing in it was run") and "\n" not in message and "\x1b" not in message, message
+
+
+def load_payload(save_dir: str) -> str:
+    import parallel3d
+
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=ds_config(1, 1, 2))
+    return _error(lambda: engine.load_checkpoint(save_dir))
+
+
+class _Opens:
+    def __reduce__(self):
+        return (open, ("/nonexistent/zero3d-RAN", "w"))
+
+
+@pytest.mark.parametrize("payload,reason", [
+    (_Opens(), "Unsupported global: GLOBAL io.open was not an allowed global by default"),
+    (NotAWeight(), "Trying to load unsupported GLOBAL posix.getpid whose module posix is blocked")])
+def test_the_loaders_refusal_in_one_line(payload, reason):
+    import io
+    import pickle
+
+    from parallel3d.checkpoint_storage import loader_refusal
+
+    data = io.BytesIO()
+    torch.save({"payload": payload}, data)
+    data.seek(0)
+    with pytest.raises(pickle.UnpicklingError) as info:
+        torch.load(data, weights_only=True)
+    assert loader_refusal(info.value) == reason
