@@ -39,6 +39,7 @@ from parallel3d.pipeline.schedules import schedule_table
 from parallel3d.planner.inventory import RankParams
 from parallel3d.planner.profile import PassProfile
 from parallel3d.planner.states import ZeroSetup, full_gradients, model_state_bytes, padded, units
+from parallel3d.planner.walk import best_pass
 from zero.grads import GradientReducer
 from zero.sizing import HOST_CATEGORIES, device_bytes, shard_pieces
 
@@ -128,10 +129,15 @@ def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_b
     held, in_block = gathered_bytes
     best = RankMemory(static + step_bytes + (held if pipelined else 0), states, held if pipelined else 0, 0, 0,
                       step_bytes, "step")
-    live, pending, waiting_send = 0, 0, 0
-    split = any(x.kind == Kind.W for x in table)  # zb_h1: activations live until the weight pass
-
     no_grads = states.get("gradients", 0)  # until the first backward pass of the step
+    if len(table) >= FAST_WALK_MIN:  # the same walk as array arithmetic (parallel3d/planner/walk.py)
+        found = best_pass(table, chunk, hidden_bytes, staging_bytes, full_grads=full_grads, base=static,
+                          no_grads=no_grads, held=held, in_block=in_block)
+        if found is not None and found[0] > best.peak:
+            best = RankMemory(found[0], states, found[1], found[2], found[3], 0, found[4])
+        return best
+    live, pending, waiting_send = 0, 0, 0
+    split = has_weight_passes(table)  # zb_h1: activations live until the weight pass
 
     def consider(extra_act: int, buffers: int, block: bool, where: str) -> None:
         nonlocal best
@@ -182,23 +188,49 @@ def rank_peak(states: dict[str, int], gathered_bytes: tuple[int, int], staging_b
     return best
 
 
+FAST_WALK_MIN = 24
+"""Tables of at least this many actions are walked by `walk.best_pass` (numpy), shorter ones here."""
+
 EXACT_P2P_PASSES = 4096
 """Tables with more passes than this are walked without their sends and receives (placing them
 simulates the whole table); the walk then leaves out posted receive buffers and input gradients
 waiting for their send, one or two ``[micro_batch, seq, hidden]`` tensors at a time."""
 
 
+class RankTable(list):
+    """A rank's actions, knowing whether it has weight passes (ZB-H1) without a scan per walk."""
+
+    def __init__(self, actions) -> None:
+        super().__init__(actions)
+        self.has_weight_passes = any(x.kind == Kind.W for x in self)
+
+
+def has_weight_passes(table: list) -> bool:
+    known = getattr(table, "has_weight_passes", None)
+    return known if known is not None else any(x.kind == Kind.W for x in table)
+
+
 def pipeline_table(schedule: str, pp: int, microbatches: int, virtual: int, rank: int) -> list:
-    """The rank's actions: the schedule's table under pipeline stages, else F/B per micro-batch."""
+    """The rank's actions: the schedule's table under pipeline stages, else F/B per micro-batch.
+
+    Without pipeline stages the walk of `rank_peak` is the same for every micro-batch after the
+    first (nothing is alive between them, and the gradients exist from the first backward on),
+    and a later equal total never replaces an earlier one, so two micro-batches give its result.
+    """
     if pp == 1:
-        return [a for i in range(microbatches) for a in (Action(Kind.F, i), Action(Kind.B, i))]
+        return _single(min(microbatches, 2))
     return _table(schedule, pp, microbatches, virtual)[rank]
 
 
-@lru_cache(maxsize=64)
-def _table(schedule: str, pp: int, microbatches: int, virtual: int) -> list:
+@lru_cache(maxsize=4)
+def _single(microbatches: int) -> RankTable:
+    return RankTable(a for i in range(microbatches) for a in (Action(Kind.F, i), Action(Kind.B, i)))
+
+
+@lru_cache(maxsize=512)
+def _table(schedule: str, pp: int, microbatches: int, virtual: int) -> list[RankTable]:
     exact = 2 * pp * microbatches * virtual <= EXACT_P2P_PASSES
-    return schedule_table(schedule, pp, microbatches, virtual, communication=exact)
+    return [RankTable(t) for t in schedule_table(schedule, pp, microbatches, virtual, communication=exact)]
 
 
 def predict_rank(params: RankParams, zero: ZeroSetup, *, table: list, chunk: ChunkProfile, hidden_bytes: int,

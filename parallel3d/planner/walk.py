@@ -1,0 +1,108 @@
+"""`memory.rank_peak`'s walk of a long schedule table, as array arithmetic.
+
+The walk keeps three running sums (activations alive, posted receive buffers, input gradients
+waiting for their send) and one switch (the gradient buffers exist from the first backward on),
+and takes the largest total at each compute pass. Each sum is a prefix sum of what every action
+adds, so the totals of all passes come out of a few numpy operations, and the first pass with
+the largest total is ``argmax``'s. A plan prices thousands of layouts whose pipeline tables have
+hundreds to thousands of actions; walking them one action at a time in Python took most of a
+7B Llama's search. The result is the Python walk's exactly (integers throughout, ties to the
+earliest pass); tests/test_planner_walk.py compares the two on every schedule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from parallel3d.pipeline.actions import Kind
+
+_CODES = {Kind.F: 0, Kind.B: 1, Kind.W: 2, Kind.RECV_F: 3, Kind.RECV_B: 3, Kind.SEND_B: 4, Kind.SEND_F: 5}
+_LABEL = {0: "F", 1: "B", 2: "W"}
+
+
+@dataclass(frozen=True)
+class TableArrays:
+    """A rank's table as arrays: action codes (``_CODES``), chunks and micro-batches."""
+
+    code: np.ndarray
+    chunk: np.ndarray
+    microbatch: np.ndarray
+    split: bool
+
+
+def table_arrays(table: list) -> TableArrays:
+    """The arrays of ``table``, kept on it when it can hold them (`memory.RankTable`)."""
+    known = getattr(table, "arrays", None)
+    if known is not None:
+        return known
+    arrays = TableArrays(np.fromiter((_CODES[a.kind] for a in table), np.int8, len(table)),
+                         np.fromiter((a.chunk for a in table), np.int64, len(table)),
+                         np.fromiter((a.microbatch for a in table), np.int64, len(table)),
+                         any(a.kind == Kind.W for a in table))
+    try:
+        table.arrays = arrays
+    except AttributeError:  # a plain list
+        pass
+    return arrays
+
+
+def _per_chunk(chunk: Callable, ids: np.ndarray, split: bool, staging_bytes: int) -> dict[str, np.ndarray]:
+    """What the walk reads of each chunk's profile, indexed by chunk id."""
+    size = int(ids.max()) + 1 if len(ids) else 0
+    names = ("at_rest", "forward_peak", "forward_in", "backward_in", "during_b", "held_w", "during_w",
+             "recv_in", "grad_in", "sends")
+    out = {name: np.zeros(size, dtype=np.int64) for name in names}
+    for c in ids.tolist():
+        p = chunk(c)
+        out["at_rest"][c], out["forward_peak"][c] = p.at_rest, p.forward_peak
+        out["forward_in"][c], out["backward_in"][c] = bool(p.forward_peak_in_block), bool(p.backward_peak_in_block)
+        out["recv_in"][c] = out["sends"][c] = p.kind in ("middle", "last")
+        out["grad_in"][c] = p.kind in ("first", "middle")
+        if split:
+            out["during_b"][c], out["held_w"][c] = p.input_grad_peak, p.held_for_weights
+            out["during_w"][c] = max(p.weight_grad_peak, p.after_first_grad + staging_bytes)
+        else:
+            out["during_b"][c] = max(p.backward_peak, p.after_first_grad + staging_bytes)
+    return out
+
+
+def best_pass(table: list, chunk: Callable, hidden_bytes: int, staging_bytes: int, *, full_grads: bool,
+              base: int, no_grads: int, held: int, in_block: int) -> tuple[int, int, int, int, str] | None:
+    """The first compute pass with the largest total: (total, gathered, activations, buffers, where),
+    or None for a table without compute passes. ``base`` is the static bytes plus nothing else;
+    ``no_grads`` the gradient bytes not yet allocated before the first backward."""
+    t = table_arrays(table)
+    code, c = t.code, t.chunk
+    is_f, is_b, is_w = code == 0, code == 1, code == 2
+    compute = is_f | is_b | is_w
+    if not compute.any():
+        return None
+    v = _per_chunk(chunk, np.unique(c[compute]), t.split, staging_bytes)
+    h = hidden_bytes
+    cc = np.where(compute, c, 0)
+    pending = np.cumsum(h * (code == 3) - h * (is_f & (v["recv_in"][cc] == 1)) - h * (is_b & (v["grad_in"][cc] == 1)))
+    sends = -h * (code == 4) + h * (is_b & (v["sends"][cc] == 1))
+    waiting = np.cumsum(sends) - sends
+    at_rest, held_w = v["at_rest"][cc], v["held_w"][cc]
+    live_delta = np.where(is_f, at_rest, 0) + np.where(is_b, (held_w - at_rest) if t.split else -at_rest, 0) \
+        - np.where(is_w, held_w, 0)
+    live = np.cumsum(live_delta) - live_delta
+    extra = np.where(is_f, live + v["forward_peak"][cc], 0) + np.where(is_b, live - at_rest + v["during_b"][cc], 0) \
+        + np.where(is_w, live - held_w + v["during_w"][cc], 0)
+    block = np.where(is_f, v["forward_in"][cc], v["backward_in"][cc]) == 1
+    n = len(code)
+    index = np.arange(n)
+    reset_before = (is_b & full_grads & (not t.split)) | (is_w & full_grads)
+    reset_after = (is_b & (not t.split)) | is_w
+    first_before = int(index[reset_before][0]) if reset_before.any() else n
+    first_after = int(index[reset_after][0]) if reset_after.any() else n
+    before = (index < first_before) & (index <= first_after)
+    buffers = pending + waiting
+    total = base - no_grads * before + held + in_block * block + extra + buffers
+    total = np.where(compute, total, np.iinfo(np.int64).min)
+    i = int(np.argmax(total))
+    label = f"{_LABEL[int(code[i])]}{int(t.microbatch[i])}.{int(c[i])}"
+    return int(total[i]), held + (in_block if block[i] else 0), int(extra[i]), int(buffers[i]), label
