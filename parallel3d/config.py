@@ -43,8 +43,6 @@ IGNORED_KEYS: dict[str, str] = {
     "dump_state": "only prints the engine's state after initialization",
     "log_level": "only sets DeepSpeed's logger level",
     "timers": "only configures DeepSpeed's throughput timer logging",
-    "zero_allow_untested_optimizer": "only permits optimizers DeepSpeed has not tested with ZeRO; "
-                                     "Zero3D runs any torch.optim optimizer",
     "zero_force_ds_cpu_optimizer": "only makes DeepSpeed insist on its own CPU Adam under offload_optimizer; "
                                    "Zero3D steps any torch.optim optimizer on the offloaded shards",
 }
@@ -89,6 +87,10 @@ class Zero3DConfig(Section):
     """Log progress every this many optimizer steps."""
     dataloader_drop_last: bool = False
     """The dataloader `initialize` builds from `training_data` drops a last incomplete micro-batch."""
+    zero_allow_untested_optimizer: bool = False
+    """Let an optimizer not known to update elementwise step on sharded parameters (ZeRO stage >= 1
+    or tensor parallelism), where a per-tensor update is computed on pieces
+    (``parallel3d/optimizer_check.py``); DeepSpeed's key and default."""
     gradient_clipping: NonNegFloat = 1.0
     """Clip the global gradient norm to this value; 0 turns clipping off (DeepSpeed default 1.0)."""
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"

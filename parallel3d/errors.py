@@ -19,3 +19,9 @@ class UsageError(RuntimeError):
 class CollectiveError(RuntimeError):
     """A collective that timed out or lost a peer, explained: which operation on which group,
     and which ranks did not arrive (parallel3d/watchdog.py)."""
+
+
+class UntestedOptimizerError(ConfigError, AssertionError):
+    """An optimizer whose update is not known to be elementwise, on sharded parameters, without
+    ``zero_allow_untested_optimizer``. Also an AssertionError, the type DeepSpeed raises for the
+    same refusal, so code written for DeepSpeed that catches it keeps working."""

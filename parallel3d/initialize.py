@@ -33,6 +33,7 @@ from parallel3d.errors import ConfigError, UsageError
 from parallel3d.gathered import register
 from parallel3d.lifeline import install_exit_guard
 from parallel3d.lr_schedules import build_lr_scheduler
+from parallel3d.optimizer_check import check_sharded_optimizer
 from parallel3d.mesh import build_mesh, default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
 from parallel3d.planner.auto import resolve_auto
@@ -123,11 +124,12 @@ def _rebind_optimizer(optimizer: torch.optim.Optimizer, inner_groups: list[dict]
     return optimizer
 
 
-def _check_optimizer_options(factory: Callable, groups: list[dict]) -> None:
-    """Build the optimizer once over stand-in params, so bad options stop before any collective."""
+def _check_optimizer_options(factory: Callable, groups: list[dict]) -> type:
+    """Build the optimizer once over stand-in params, so bad options stop before any collective;
+    its type."""
     stand_ins = [dict(g, params=[torch.zeros(1, requires_grad=True)]) for g in groups]
     try:
-        factory(stand_ins)
+        return type(factory(stand_ins))
     except (ValueError, TypeError, KeyError) as exc:
         raise ConfigError(f"optimizer options are invalid: {exc}") from None
 
@@ -176,8 +178,13 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
     names = {p: n for n, p in model.named_parameters()}
     named_groups = [dict(g, params=[names[p] for p in g["params"]]) for g in groups]
     factory = _optimizer_factory(cfg, optimizer, groups)
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        _check_optimizer_options(factory, groups)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        optimizer_type: type = type(optimizer)
+    else:
+        optimizer_type = _check_optimizer_options(factory, groups)
+    if optimizer_type is not ForwardOnly:
+        check_sharded_optimizer(optimizer_type, cfg.zero_optimization.stage, cfg.tensor_parallel.size,
+                                cfg.zero_allow_untested_optimizer)
     if lr_scheduler is not None and cfg.scheduler is not None:
         logger.info("initialize() got an lr_scheduler and the config a 'scheduler' section: using the one passed "
                     "(as DeepSpeed does)")

@@ -16,7 +16,8 @@ DeepSpeed's test harness starts its ranks through a ``forkserver``. The plugin p
 itself there, so every rank starts with torch, DeepSpeed (and Zero3D) imported and the shim
 installed. It also stubs DeepSpeed's CPU shared-memory all-reduce op, which DeepSpeed would
 otherwise JIT-compile with ninja in every fresh rank (tests/ds_oracle.py says why it is not
-needed).
+needed), and makes a rank's ``pytest.fail``-type outcome fail the test instead of hanging the
+harness's pool (``ds_pool_guard``).
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ def _recording(initialize):
 def _install() -> None:
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401
+    import ds_pool_guard
+
+    ds_pool_guard.install()  # a failed outcome in a rank fails the test instead of hanging it
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     if ENGINE == "zero3d":

@@ -60,3 +60,28 @@ def test_a_failure_in_any_phase_is_the_tests_failure(runner, tmp_path):
         "t2": {"outcome": "skipped", "reason": "no GPU"},
         "t3": {"outcome": "passed", "reason": ""},
     }
+
+
+def _fail_like_pytest(x: int) -> int:
+    if x == 2:
+        pytest.fail("DID NOT RAISE <class 'AssertionError'>")
+    return x
+
+
+def test_a_pytest_outcome_in_a_pool_rank_fails_at_once_instead_of_hanging(tmp_path):
+    """DeepSpeed's harness re-raises a rank's pytest.fail in a pool worker, which killed the worker
+    and left the test waiting 660 s (the untested-optimizer tests under the shim)."""
+    import multiprocessing
+    import sys
+    import time
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import ds_pool_guard
+
+    ds_pool_guard.install()
+    with multiprocessing.get_context("spawn").Pool(2, initializer=ds_pool_guard.install) as pool:
+        start = time.monotonic()
+        result = pool.starmap_async(_fail_like_pytest, [(1,), (2,)])
+        with pytest.raises(RuntimeError, match="Failed: DID NOT RAISE"):
+            result.get(60)
+        assert time.monotonic() - start < 30
