@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from parallel3d.checkpoint_chunks import Chunk
 from parallel3d.errors import ConfigError
+from parallel3d.worker_errors import reported_by_rank0
 
 METADATA_FILE = "dcp.json"
 FORMAT = "zero3d-dcp-json/2"
@@ -361,12 +362,13 @@ class _LoadPlanner(DefaultLoadPlanner):
 
 
 def _first_failure(exc: CheckpointException, directory: Path, what: str) -> ConfigError:
-    """The first failing rank's error, as a ConfigError (the same message on every rank)."""
+    """The first failing rank's error, as a ConfigError (DCP raises it on every rank: marked as
+    the one rank 0 prints, so a worker prints it once)."""
     rank, (error, _) = next(iter(exc.failures.items()))
     if isinstance(error, ConfigError):
-        return type(error)(str(error))
+        return reported_by_rank0(type(error)(str(error)))
     why = disk_full_text(error, directory) or repr(error)
-    return ConfigError(f"{what} checkpoint {directory} failed on rank {rank}: {why}")
+    return reported_by_rank0(ConfigError(f"{what} checkpoint {directory} failed on rank {rank}: {why}"))
 
 
 def _free_space(directory: Path) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed
 
+from parallel3d.worker_errors import REPORTED_BY_RANK0
 from tests.test_checkpoint import NotAWeight, _error
 from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
 
@@ -37,12 +38,22 @@ def save_without_space(root: str, simulate: bool) -> dict:
         stream.write = full  # this worker process serves later tests: restored below
     before = _snapshot(Path(root)) if rank == 0 else None
     torch.distributed.barrier()
+    marked = []
+
+    def save() -> None:
+        try:
+            engine.save_checkpoint(root)
+        except Exception as exc:
+            marked.append(getattr(exc, REPORTED_BY_RANK0, False))
+            raise
+
     try:
-        message = _error(lambda: engine.save_checkpoint(root))
+        message = _error(save)
     finally:
         stream.write = write
     torch.distributed.barrier()
-    return {"message": message, "unchanged": _snapshot(Path(root)) == before if rank == 0 else True}
+    return {"message": message, "unchanged": _snapshot(Path(root)) == before if rank == 0 else True,
+            "printed_by_rank_0_only": marked == [True]}
 
 
 def _earlier_checkpoint(root: Path) -> None:
@@ -56,6 +67,7 @@ def _check(results: list[dict], root: Path) -> None:
         assert r["message"].startswith(f"ConfigError: saving checkpoint {root / '.global_step1.tmp'} failed on rank "), r
         assert "no space left on device" in r["message"] and " MiB free on the device of " in r["message"], r
         assert r["unchanged"], r  # the partial .global_step1.tmp is gone; global_step0 and latest as they were
+        assert r["printed_by_rank_0_only"], r  # every rank raises it: a worker's entry point prints it on rank 0
 
 
 def test_a_full_disk_is_reported_and_the_partial_save_removed(dist, tmp_path):
