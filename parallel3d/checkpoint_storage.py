@@ -70,7 +70,7 @@ DTYPES_BY_NAME = {str(t).removeprefix("torch."): t for t in (
 
 
 class CorruptCheckpointError(ConfigError):
-    """A stored chunk's bytes do not match the checksum written with it."""
+    """A stored chunk's bytes do not match the checksum written with it, or cannot be read as a tensor."""
 
 
 @dataclasses.dataclass
@@ -450,8 +450,8 @@ def read_planned(load: PlannedLoad) -> None:
     except ConfigError:
         raise
     except pickle.UnpicklingError as exc:  # a chunk holds pickled objects (its checksum matched)
-        raise ConfigError(f"checkpoint {load.reader.path}: a chunk is not a plain tensor (the weights-only loader "
+        raise CorruptCheckpointError(f"checkpoint {load.reader.path}: a chunk is not a plain tensor (the weights-only loader "
                           f"refused it: {loader_refusal(exc)}); the checkpoint was altered or not written by zero3d, "
                           "and nothing in it was run") from None
     except Exception as exc:  # noqa: BLE001 - an I/O or format error, reported on every rank by the caller
-        raise ConfigError(f"loading checkpoint {load.reader.path} failed: {exc!r}") from None
+        raise CorruptCheckpointError(f"loading checkpoint {load.reader.path} failed: {exc!r}") from None

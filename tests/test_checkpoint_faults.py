@@ -117,7 +117,7 @@ def test_a_pickle_payload_in_a_tensor_file_gets_the_loaders_message(dist, tmp_pa
             "whose module posix is blocked)") in err and "nothing in it was run" in err
     assert "Traceback" not in err and not (tmp_path / "hf").exists()
     for message in dist.run(2, load_payload, str(tmp_path / "ckpt")):  # the engine's loader says the same
-        assert message.startswith(f"ConfigError: checkpoint {tag}: a chunk is not a plain tensor (the weights-only "
+        assert message.startswith(f"CorruptCheckpointError: checkpoint {tag}: a chunk is not a plain tensor (the weights-only "
                                   "loader refused it: Trying to load unsupported GLOBAL posix.getpid whose module "
                                   "posix is blocked)"), message
         assert message.endswith("nothing in it was run") and "\n" not in message and "\x1b" not in message, message

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from parallel3d.checkpoint_storage import CorruptCheckpointError
 from parallel3d.errors import ConfigError
 from parallel3d.job import checkpoints
 from parallel3d.job.config import load_job_config
@@ -128,12 +129,15 @@ def test_a_checkpoint_damaged_inside_a_tensor_file_gets_the_hint_from_rank_0(dis
     assert after == before
 
 
-def test_only_errors_about_the_resumed_checkpoint_get_the_hint(tmp_path):
+def test_only_damage_of_the_resumed_checkpoint_gets_the_hint(tmp_path):
     resumed = tmp_path / "checkpoints" / "global_step6"
-    other = ConfigError(f"saving checkpoint {tmp_path}/checkpoints/.global_step60.tmp failed")
+    other = CorruptCheckpointError(f"saving checkpoint {tmp_path}/checkpoints/.global_step60.tmp failed")
     assert with_fallback(other, resumed, []) is other
-    assert with_fallback(ConfigError(f"x {resumed}0/y"), resumed, []).args == (f"x {resumed}0/y",)
-    marked = with_fallback(reported_by_rank0(ConfigError(f"checkpoint file {resumed}/a is damaged")), resumed, [])
+    unfit = ConfigError(f"checkpoint {resumed} holds the state of a AdamW optimizer and this engine's optimizer is SGD")
+    assert with_fallback(unfit, resumed, ["global_step3"]) is unfit  # global_step3 is no better
+    assert with_fallback(CorruptCheckpointError(f"x {resumed}0/y"), resumed, []).args == (f"x {resumed}0/y",)
+    damaged = reported_by_rank0(CorruptCheckpointError(f"checkpoint file {resumed}/a is damaged"))
+    marked = with_fallback(damaged, resumed, [])
     assert str(marked).endswith(f"; {tmp_path / 'checkpoints'} holds no other complete checkpoint to resume from")
     assert getattr(marked, REPORTED_BY_RANK0, False)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from parallel3d.checkpoint import read_manifest
 from parallel3d.checkpoint_manifest import check_pair
-from parallel3d.checkpoint_storage import METADATA_FILE, read_metadata
+from parallel3d.checkpoint_storage import METADATA_FILE, CorruptCheckpointError, read_metadata
 from parallel3d.errors import ConfigError
 from parallel3d.worker_errors import REPORTED_BY_RANK0
 
@@ -83,8 +83,11 @@ def names_checkpoint(message: str, path: Path) -> bool:
 
 
 def with_fallback(error: ConfigError, resumed: Path | None, candidates: list[str]) -> ConfigError:
-    """``error`` with the fallback hint added when it is about ``resumed`` (a load that failed), else itself."""
-    if resumed is None or not names_checkpoint(str(error), resumed):
+    """``error`` with the fallback hint added when it says that ``resumed`` is damaged (a chunk's
+    checksum, a chunk that is no tensor), else itself: a checkpoint of another model or optimizer
+    is no better at an earlier step."""
+    if (resumed is None or not isinstance(error, CorruptCheckpointError)
+            or not names_checkpoint(str(error), resumed)):
         return error
     out = type(error)(f"{error}{fallback_hint(resumed.parent, resumed.name, candidates)}")
     if getattr(error, REPORTED_BY_RANK0, False):
