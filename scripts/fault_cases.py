@@ -152,6 +152,15 @@ def pickle_export(ws: Workspace, r: Result) -> None:
         r.as_expected = False
 
 
+@case("checkpoint", "resume an AdamW checkpoint with engine.optimizer.type=SGD",
+      "refused before any state changes, naming both optimizers")
+def other_optimizer(ws: Workspace, r: Result) -> None:
+    where, config, run = ws.copy_run("other-optimizer")
+    before = snapshot(where)
+    proc = ws.train(where, config, *RESUME, "engine.optimizer.type=SGD")
+    judge(r, proc, where, before, rc=2, says=["error:", "AdamW", "SGD"], may_change=("run/job.yaml",))
+
+
 # -- commands that would replace what an earlier run wrote -----------------------------------
 
 def _fresh_start(ws: Workspace, r: Result, slug: str, resume: str, drop_latest: bool, says: list[str]) -> None:
@@ -245,7 +254,33 @@ def export_overwrite_export(ws: Workspace, r: Result) -> None:
             prepare=first, may_change=("hf/*",))
 
 
+@case("export", "export --max-shard-size 0", "refused; no OUT")
+def export_shard_zero(ws: Workspace, r: Result) -> None:
+    _export(ws, r, "export-shard-zero", lambda where, run: where / "hf", "--max-shard-size", "0",
+            says=["error:", "--max-shard-size"])
+
+
 # -- bad inputs ------------------------------------------------------------------------------
+
+@case("input", "model.path whose config.json has auto_map (remote code)",
+      "refused unless model.trust_remote_code; its code never runs")
+def remote_code(ws: Workspace, r: Result) -> None:
+    from tests.tiny import make_model
+
+    where = ws.case_dir("remote-code")
+    model = where / "model"
+    model.mkdir()
+    make_model("llama").config.to_json_file(model / "config.json")
+    doc = json.loads((model / "config.json").read_text())
+    doc["auto_map"] = {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}
+    (model / "config.json").write_text(json.dumps(doc))
+    (model / "custom.py").write_text(f"open({str(where / 'RAN')!r}, 'w').write('ran')\n")
+    config = ws.write_job(where / "run", where / "job.yaml")
+    before = snapshot(where)
+    proc = ws.train(where, config, f"model.path={model}", "model.model_type=null", "model.config={}")
+    judge(r, proc, where, before, rc=2, says=["error:", "auto_map", "model.trust_remote_code"],
+          extra_lost=["its code ran"] if (where / "RAN").exists() else [])
+
 
 @case("input", "lr: inf (zero3d train override)", "refused before workers start")
 def lr_inf_cli(ws: Workspace, r: Result) -> None:
