@@ -265,21 +265,15 @@ def export_shard_zero(ws: Workspace, r: Result) -> None:
 @case("input", "model.path whose config.json has auto_map (remote code)",
       "refused unless model.trust_remote_code; its code never runs")
 def remote_code(ws: Workspace, r: Result) -> None:
-    from tests.tiny import make_model
+    from tests.test_remote_code import code_dir  # its custom.py leaves model/RAN when run
 
     where = ws.case_dir("remote-code")
-    model = where / "model"
-    model.mkdir()
-    make_model("llama").config.to_json_file(model / "config.json")
-    doc = json.loads((model / "config.json").read_text())
-    doc["auto_map"] = {"AutoConfig": "custom.CustomConfig", "AutoModelForCausalLM": "custom.CustomModel"}
-    (model / "config.json").write_text(json.dumps(doc))
-    (model / "custom.py").write_text(f"open({str(where / 'RAN')!r}, 'w').write('ran')\n")
+    model = code_dir(where / "model")
     config = ws.write_job(where / "run", where / "job.yaml")
     before = snapshot(where)
     proc = ws.train(where, config, f"model.path={model}", "model.model_type=null", "model.config={}")
     judge(r, proc, where, before, rc=2, says=["error:", "auto_map", "model.trust_remote_code"],
-          extra_lost=["its code ran"] if (where / "RAN").exists() else [])
+          extra_lost=["its code ran"] if (model / "RAN").exists() else [])
 
 
 @case("input", "lr: inf (zero3d train override)", "refused before workers start")
