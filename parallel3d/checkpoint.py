@@ -542,9 +542,8 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     zero.publish_params()
     if engine.lr_scheduler is not None and values["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(values["lr_scheduler"])
-    engine.global_steps = int(manifest["global_steps"])
-    engine.global_samples = int(manifest["global_samples"])
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
+    engine.load_train_state({"global_steps": manifest["global_steps"], "global_samples": manifest["global_samples"],
+                             "micro_steps": int(manifest["global_steps"]) * engine.gradient_accumulation_steps})
     rngs, mesh = values["rng"], engine.mesh
     written = manifest["written_by"]
     if [written["pp"], written["dp"], written["tp"]] == [mesh.pp, mesh.dp, mesh.tp] and len(rngs) == mesh.world_size:

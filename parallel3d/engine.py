@@ -28,6 +28,7 @@ from parallel3d.errors import ConfigError, UsageError
 from parallel3d.mesh import Mesh3D
 from parallel3d.pipeline.stage import PipelineModel
 from parallel3d.step_loops import MicroBatchLoop, PipelineLoop
+from parallel3d.train_state import TrainState
 from parallel3d.watchdog import Watchdog
 from zero import ZeroOptimizer
 
@@ -77,11 +78,8 @@ class Engine(DeepSpeedSurface):
         self.lr_scheduler = lr_scheduler
         self.tp_info = tp_info
         self.gradient_accumulation_steps = CallableInt(config.gradient_accumulation_steps)  # also DeepSpeed's getter
-        self.global_steps = 0
-        self.micro_steps = 0
-        self.global_samples = 0
+        self.train_state = TrainState()  # the counters: written here only (parallel3d/train_state.py)
         self.device = mesh.device
-        self._step_applied = False  # whether the last optimizer step updated the parameters
         self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
         self._in_no_sync = False  # inside no_sync(): backward accumulates, reduces nothing
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
@@ -202,13 +200,28 @@ class Engine(DeepSpeedSurface):
                              "engine(batch) -> engine.backward(loss) -> engine.step()")
         self._backward_pending = False
         if self.is_gradient_accumulation_boundary():
-            stepped = self._step_applied = self.optimizer.step()
-            if stepped and self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-            self.global_steps += 1
-            self.global_samples += self.config.train_batch_size
+            self._end_window(self.optimizer.step())
             self._surface_finished_save()
-        self.micro_steps += 1
+        self.train_state.micro_steps += 1
+
+    def _end_window(self, stepped: bool) -> None:
+        """An optimizer step ended a window: the LR schedule moves if it was applied; the counters."""
+        if stepped and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.train_state.end_window(stepped, self.config.train_batch_size)
+
+    def load_train_state(self, state: dict[str, int]) -> None:
+        """Set the counters from a saved ``TrainState.state_dict()`` (a checkpoint's, or the
+        engine's own before a partial load)."""
+        self.train_state.load_state_dict(state)
+
+    # DeepSpeed's counter attributes, read from (and, as DeepSpeed's are plain attributes, written to) the state
+    global_steps = property(lambda self: self.train_state.global_steps,
+                            lambda self, value: setattr(self.train_state, "global_steps", int(value)))
+    micro_steps = property(lambda self: self.train_state.micro_steps,
+                           lambda self, value: setattr(self.train_state, "micro_steps", int(value)))
+    global_samples = property(lambda self: self.train_state.global_samples,
+                              lambda self, value: setattr(self.train_state, "global_samples", int(value)))
 
     @_explained
     def train_batch(self, data_iter: Iterator) -> float:
@@ -221,7 +234,11 @@ class Engine(DeepSpeedSurface):
         batches = [self._next_micro_batch(data_iter, i) for i in range(self.gradient_accumulation_steps)]
         self._check_batches(batches, "train_batch")
         with self._checked():
-            value = self._dp_mean(self.loop.train([self._to_device(b) for b in batches]))
+            outcome = self.loop.train([self._to_device(b) for b in batches])
+        if outcome.stepped is not None:  # the loop stepped the optimizer itself: count its window here
+            self._end_window(outcome.stepped)
+            self.train_state.micro_steps += outcome.micro_batches
+        value = self._dp_mean(outcome.loss)
         self._surface_finished_save()
         if self.global_steps % self.config.steps_per_print == 0 and self._is_rank0():
             logger.info("step %d loss %.6f lr %s", self.global_steps, value, self.get_lr())

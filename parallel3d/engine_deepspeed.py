@@ -24,6 +24,7 @@ import torch.distributed as dist
 from parallel3d.errors import ConfigError
 
 if TYPE_CHECKING:
+    from parallel3d.train_state import TrainState
     from parallel3d.config import Zero3DConfig
     from parallel3d.config_sections import OffloadOptimizerConfig, OffloadParamConfig
     from parallel3d.mesh import Mesh3D
@@ -49,7 +50,7 @@ class DeepSpeedSurface:
     mesh: Mesh3D
     module: torch.nn.Module
     client_optimizer: torch.optim.Optimizer | None
-    _step_applied: bool
+    train_state: TrainState
 
     # -- attribute forwarding ------------------------------------------------------------
 
@@ -86,7 +87,7 @@ class DeepSpeedSurface:
 
     def was_step_applied(self) -> bool:
         """Whether the last optimizer step updated the parameters (False after an fp16 overflow)."""
-        return self._step_applied
+        return self.train_state.step_applied
 
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last optimizer step (before clipping), or None before the first one."""

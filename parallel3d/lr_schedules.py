@@ -1,6 +1,7 @@
 """DeepSpeed-compatible learning-rate schedules: WarmupLR, WarmupDecayLR, WarmupCosineLR.
 
-(OneCycle and LRRangeTest are in parallel3d/lr_cycles.py; ``build_lr_scheduler`` builds all five.)
+(OneCycle and LRRangeTest are in parallel3d/lr_cycles.py; ``parallel3d.lr_build`` builds all five
+from a config section.)
 
 The numbers, keyword names, defaults and checkpoint format (``{"last_batch_iteration": n}``)
 match ``deepspeed.runtime.lr_schedules`` so that a DeepSpeed JSON ``"scheduler"`` section and a
@@ -25,13 +26,12 @@ so that log(n) is not 0), for ``0 <= it < n``::
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any, Sequence, Union
 
 from parallel3d.errors import ConfigError
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_lr_scheduler", "LR_SCHEDULES"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -229,39 +229,3 @@ class WarmupCosineLR(_WarmupSchedule):
             return [0.0 for _ in self.org_lrs]
         ratio = self.get_lr_ratio()
         return [lr0 * ratio for lr0 in self.org_lrs]
-
-
-LR_SCHEDULES: dict[str, type] = {
-    "WarmupLR": WarmupLR,
-    "WarmupDecayLR": WarmupDecayLR,
-    "WarmupCosineLR": WarmupCosineLR,
-}
-
-
-def all_schedules() -> dict[str, type]:
-    """Every schedule by its DeepSpeed name: the warmups here and the cycles of parallel3d/lr_cycles.py."""
-    from parallel3d.lr_cycles import LRRangeTest, OneCycle
-
-    return {**LR_SCHEDULES, "OneCycle": OneCycle, "LRRangeTest": LRRangeTest}
-
-
-def build_lr_scheduler(optimizer: Any, type: str, params: dict | None) -> ScheduleBase:
-    """Build a schedule from a DeepSpeed ``"scheduler": {"type": ..., "params": {...}}`` section."""
-    schedules = all_schedules()
-    if type not in schedules:
-        raise ConfigError(f"scheduler.type={type!r} is invalid: it must be one of "
-                          f"{', '.join(schedules)}")
-    params = {} if params is None else params
-    if not isinstance(params, dict):
-        raise ConfigError(f"scheduler.params={params!r} is invalid: it must be a dict")
-    cls = schedules[type]
-    sig = list(inspect.signature(cls).parameters.values())[1:]  # drop optimizer
-    allowed = [p.name for p in sig]
-    for key in params:
-        if key not in allowed:
-            raise ConfigError(f"scheduler.params.{key}={params[key]!r} is invalid: {type} accepts "
-                              f"only {', '.join(allowed)}")
-    for p in sig:
-        if p.default is inspect.Parameter.empty and p.name not in params:
-            raise ConfigError(f"scheduler.params.{p.name} is missing: {type} requires it")
-    return cls(optimizer, **params)

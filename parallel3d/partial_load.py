@@ -42,7 +42,7 @@ class KeptState:
         self.engine = engine
         scheduler_object = engine.lr_scheduler if scheduler else None
         self.scheduler = copy.deepcopy(scheduler_object.state_dict()) if scheduler_object is not None else None
-        self.counters = (engine.global_steps, engine.global_samples, engine.micro_steps) if training else None
+        self.counters = engine.train_state.state_dict() if training else None
         self.rng = _rng_states() if training else None
 
     def restore(self) -> None:
@@ -50,7 +50,7 @@ class KeptState:
         if self.scheduler is not None:
             engine.lr_scheduler.load_state_dict(self.scheduler)
         if self.counters is not None:
-            engine.global_steps, engine.global_samples, engine.micro_steps = self.counters
+            engine.load_train_state(self.counters)
             _set_rng_states(self.rng)
 
 

@@ -33,6 +33,7 @@ import torch
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.executor import BackwardPass, PipelineExecutor
 from parallel3d.pipeline.stage import PipelineModel, sum_tied_grads
+from parallel3d.train_state import WindowOutcome
 
 if TYPE_CHECKING:
     from parallel3d.engine import Engine
@@ -61,15 +62,16 @@ class MicroBatchLoop:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    def train(self, batches: list) -> torch.Tensor:
-        """Forward, backward and step each micro-batch; the window's mean loss on this rank."""
+    def train(self, batches: list) -> WindowOutcome:
+        """Forward, backward and step each micro-batch (``engine.step()`` counts them); the
+        window's mean loss on this rank."""
         engine, losses = self.engine, []
         for batch in batches:
             loss = loss_of(engine(**batch) if isinstance(batch, dict) else engine(*batch))
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach().float())
-        return torch.stack(losses).mean()
+        return WindowOutcome(torch.stack(losses).mean())
 
     def evaluate(self, batches: list) -> torch.Tensor:
         """Forward only; the mean loss of ``batches`` on this rank."""
@@ -127,22 +129,18 @@ class PipelineLoop:
             raise ConfigError("under pipeline parallelism each micro-batch must be a dict with input_ids and labels")
         return batches
 
-    def train(self, batches: list) -> torch.Tensor:
-        """One optimizer step over the window's micro-batches; the mean loss (same on every pp rank)."""
-        engine, zero = self.engine, self.engine.optimizer
+    def train(self, batches: list) -> WindowOutcome:
+        """One optimizer step over the window's micro-batches: the mean loss (same on every pp
+        rank) and whether the step was applied; the engine counts the window."""
+        zero = self.engine.optimizer
         batches = self._dicts(batches)
         zero.begin_window()
         loss = self.executor.run(batches, loss_scale=zero.loss_scale)
         sum_tied_grads(self.pipe, self.executor.group, grads=zero.tied_gradients([t.param for t in self.pipe.tied]))
         zero.finish_window()
-        stepped = engine._step_applied = zero.step()
+        stepped = zero.step()
         zero.end_window()
-        if stepped and engine.lr_scheduler is not None:
-            engine.lr_scheduler.step()
-        engine.global_steps += 1
-        engine.micro_steps += len(batches)
-        engine.global_samples += engine.config.train_batch_size
-        return loss
+        return WindowOutcome(loss, stepped=stepped, micro_batches=len(batches))
 
     def evaluate(self, batches: list) -> torch.Tensor:
         """Forward only through the stages (GPipe order); the mean loss on every pp rank."""

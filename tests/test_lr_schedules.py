@@ -11,8 +11,8 @@ from deepspeed.runtime import lr_schedules as ds
 
 from parallel3d.errors import ConfigError
 from parallel3d.lr_cycles import LRRangeTest, OneCycle
-from parallel3d.lr_schedules import (WarmupCosineLR, WarmupDecayLR, WarmupLR,
-                                     build_lr_scheduler)
+from parallel3d.lr_build import build_lr_scheduler
+from parallel3d.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 STEPS = 50
 

@@ -47,7 +47,7 @@ def _saved(resume_from: Path) -> tuple[dict | None, int | None]:
 def lr_at(engine_config: dict, iteration: int) -> float:
     """The first param group's LR of the config's schedule after ``iteration`` (a scheduler's
     ``last_batch_iteration``), computed on a stand-in optimizer."""
-    from parallel3d.lr_schedules import build_lr_scheduler
+    from parallel3d.lr_build import build_lr_scheduler
 
     lr = float(((engine_config.get("optimizer") or {}).get("params") or {}).get("lr", 1e-3))
     stand_in = SimpleNamespace(param_groups=[{"lr": lr}])
