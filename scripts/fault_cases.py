@@ -328,6 +328,17 @@ def _job_processes(mark: str) -> list[int]:
     return list(job_processes(mark))
 
 
+def _kill_all(mark: str) -> list[int]:
+    """SIGKILL every live process of the job marked ``mark`` (some may end meanwhile); returns their pids."""
+    pids = _job_processes(mark)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
 def _wait_for(condition: Callable[[], bool], proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -365,9 +376,7 @@ def _signal_case(ws: Workspace, r: Result, slug: str, role: str, sig: signal.Sig
             os.kill(target, sig)
             code = launcher.wait(60)
         finally:
-            left = _job_processes(mark)
-            for pid in left:
-                os.kill(pid, signal.SIGKILL)
+            left = _kill_all(mark)
             if launcher.poll() is None:
                 launcher.kill()
                 launcher.wait(10)
@@ -419,12 +428,10 @@ def _kill_during_save(ws: Workspace, r: Result, delay: float) -> None:
                 raise RuntimeError("the saving job ended early")
             saved += line.startswith("saved")
         time.sleep(delay)
-        for pid in _job_processes(mark):
-            os.kill(pid, signal.SIGKILL)
+        _kill_all(mark)
         job.wait(30)
     finally:
-        for pid in _job_processes(mark):
-            os.kill(pid, signal.SIGKILL)
+        _kill_all(mark)
     tag = (ckpts / "latest").read_text()
     broken = [f"{p.name}: {why}" for p in sorted(ckpts.iterdir())
               if p.is_dir() and not p.name.startswith(".") and (why := complete_checkpoint(p)) is not None]
