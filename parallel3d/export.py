@@ -47,7 +47,7 @@ def _latest_tag(latest: Path) -> str:
     tag = latest.read_text(errors="replace").strip()
     if not tag:
         raise ConfigError(f"{latest} is empty; it should name the newest checkpoint directory beside it (such as "
-                          "global_step12): write that name into it, or delete it to start fresh")
+                          "global_step12): write that name into it")
     return check_tag(tag)
 
 

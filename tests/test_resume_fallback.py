@@ -55,6 +55,8 @@ def _damage(root: Path, case: str) -> None:
     step6 = root / "global_step6"
     if case == "garbage latest":
         (root / "latest").write_bytes(b"\x00\xffglobal")
+    elif case == "empty latest":
+        (root / "latest").write_text("")
     elif case == "latest names a missing tag":
         (root / "latest").write_text("global_step9")
     elif case == "truncated file":
@@ -68,6 +70,8 @@ def _damage(root: Path, case: str) -> None:
 
 CASES = {
     "garbage latest": "train.resume: checkpoint tag '\\x00\ufffdglobal' is not allowed",
+    "empty latest": "train.resume: {root}/latest is empty; it should name the newest checkpoint directory beside it "
+                    "(such as global_step12): write that name into it; the newest",  # not "or delete it"
     "latest names a missing tag": "train.resume: checkpoint {root}/global_step9 does not exist ({root}/latest names it)",
     "truncated file": "train.resume: checkpoint file {root}/global_step6/__1_0.distcp is damaged (truncated): 1000 "
                       "bytes, its chunks need ",
@@ -86,8 +90,8 @@ def test_the_resume_error_names_the_previous_complete_checkpoint(earlier, tmp_pa
     assert message.startswith(CASES[case].format(root=root)), message
     hint = f"; the newest complete checkpoint there is global_step3: to resume from it, write global_step3 into {root}/latest"
     moved = f" (move {root}/global_step6 aside first to keep it: the run saves over it at step 6)"
-    expected_hint = hint + ("" if case in ("garbage latest", "latest names a missing tag") else moved)
-    if case in ("garbage latest", "latest names a missing tag"):
+    expected_hint = hint + ("" if case in ("garbage latest", "empty latest", "latest names a missing tag") else moved)
+    if case in ("garbage latest", "empty latest", "latest names a missing tag"):
         expected_hint = expected_hint.replace("global_step3", "global_step6")
     assert message.endswith(expected_hint), message
     assert message.count("\n") == 0 and snapshot(run) == before
