@@ -25,12 +25,12 @@ from models.forward_source import (
     SourceError, assigned_name, calls_of, compile_function, free_names, loads, method_source, parse_statement, stores,
 )
 
-__all__ = ["ExtraLossTerms", "extra_loss_terms"]
+__all__ = ["ExtraLossTerms", "adds_to_loss", "extra_loss_terms"]
 
 _TOKEN_LOSS, _AUX = "loss", "aux_loss"
 
 
-def _adds_to_loss(node: ast.AST) -> bool:
+def adds_to_loss(node: ast.AST) -> bool:
     """``loss += ...`` or ``loss = loss + ...``."""
     if isinstance(node, ast.AugAssign):
         return isinstance(node.target, ast.Name) and node.target.id == _TOKEN_LOSS and isinstance(node.op, ast.Add)
@@ -42,7 +42,7 @@ def _adds_to_loss(node: ast.AST) -> bool:
 def _sets_loss(node: ast.AST) -> bool:
     """A binding of the loss that is neither an addition to it nor ``loss = None`` (``loss *= ...``
     and the like are ``_scales_loss``)."""
-    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or _TOKEN_LOSS not in stores(node) or _adds_to_loss(node):
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or _TOKEN_LOSS not in stores(node) or adds_to_loss(node):
         return False
     return not (isinstance(node.value, ast.Constant) and node.value.value is None)
 
@@ -55,7 +55,7 @@ def _scales_loss(node: ast.AST) -> bool:
 
 def _involved(node: ast.AST) -> bool:
     """Whether ``node`` adds to the loss, changes it otherwise, or reads or binds the auxiliary loss."""
-    return (any(_adds_to_loss(n) or _scales_loss(n) for n in ast.walk(node))
+    return (any(adds_to_loss(n) or _scales_loss(n) for n in ast.walk(node))
             or _AUX in loads(node) | stores(node))
 
 
@@ -64,7 +64,7 @@ def _kind(stmt: ast.stmt) -> str:
     loss), ``"mixed"`` (both in one statement, or a change of the loss other than an addition,
     which the token loss computed elsewhere would miss) or ``"other"``."""
     nodes = list(ast.walk(stmt))
-    term = any(_adds_to_loss(n) for n in nodes) or _AUX in loads(stmt) | stores(stmt)
+    term = any(adds_to_loss(n) for n in nodes) or _AUX in loads(stmt) | stores(stmt)
     token = any(_sets_loss(n) for n in nodes)
     if any(_scales_loss(n) for n in nodes) or (term and token):
         return "mixed"

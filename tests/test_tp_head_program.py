@@ -33,12 +33,16 @@ REFUSED = {
     "hidden_in_place": ("hidden_states.mul_(2.0)\n" + HEAD, "changes the base model's output in place"),
     "output_in_place": ("outputs.last_hidden_state.mul_(2.0)\n" + HEAD, "changes the base model's output in place"),
     "changed_labels": (HEAD + "\nlabels = labels.masked_fill(labels == 3, -100)", "changes the labels"),
+    "renamed_logits": ("lm_logits = self.lm_head(hidden_states)\nlm_logits = self.logit_norm(lm_logits)\n"
+                       "logits = lm_logits", "self.logit_norm(lm_logits)"),  # Falcon's name for them
     "cast_to_a_local": (HEAD + "\nlogits = logits.to(hidden_states.dtype)", "converts to a value"),
 }
 REFUSED_LOSS = {
     "transform_in_loss": "loss = self.loss_function(torch.tanh(logits), labels, self.config.vocab_size, **kwargs)",
     "scaled_loss": "loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs) * 2.0",
     "own_loss": "loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())",
+    "rescaled_after": "loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)\n"
+                      "loss = loss * 2.0",
     "other_labels": "loss = self.loss_function(logits, labels + 1, self.config.vocab_size, **kwargs)",
 }
 
@@ -63,7 +67,7 @@ def test_what_the_forward_does_with_the_logits_is_refused_by_name(case):
 def test_a_loss_other_than_the_causal_lm_loss_is_refused(case):
     with pytest.raises(ConfigError, match="loss") as caught:
         prepare_tensor_parallel(_model(variant(f"Loss_{case}", HEAD, REFUSED_LOSS[case])), 2)
-    assert REFUSED_LOSS[case].split(" = ")[1][:30] in str(caught.value)
+    assert REFUSED_LOSS[case].splitlines()[-1].split(" = ")[1][:30] in str(caught.value)
 
 
 def test_other_inputs_of_the_base_model_are_refused():

@@ -36,11 +36,12 @@ from torch import nn
 from models.forward_source import (
     SourceError, compile_function, loads, method_source, parse_statement, stores,
 )
+from models.loss_terms import adds_to_loss
 from parallel3d.errors import ConfigError
 
 __all__ = ["HeadProgram", "head_program"]
 
-_LOGITS, _LOSS, _LABELS = "logits", "loss", "labels"
+_LOSS, _LABELS = "loss", "labels"
 _FLAGS = {"return_dict", "output_attentions", "output_hidden_states", "use_cache"}
 _ELEMENTWISE_FUNCS = {"torch.tanh", "nn.functional.tanh", "torch.nn.functional.tanh", "F.tanh", "torch.sigmoid"}
 _ELEMENTWISE_METHODS = {"float", "double", "to", "contiguous", "tanh", "sigmoid"}
@@ -115,6 +116,12 @@ class HeadProgram:
                  and _text(n.func) == f"self.{head_attr}"]
         if not heads:
             raise SourceError(f"{self.owner} does not call its output embeddings self.{head_attr} after the base model")
+        head_statement = next(stmt for stmt, _, _ in self._statements(body[k + 1:], [], False)
+                              if any(n is heads[0] for n in ast.walk(stmt)))
+        if not (isinstance(head_statement, ast.Assign) and len(head_statement.targets) == 1
+                and isinstance(head_statement.targets[0], ast.Name)):
+            raise SourceError(f"{self.owner} does not bind the head's output to a name (`{_text(head_statement)}`)")
+        self._logits = head_statement.targets[0].id  # "logits"; Falcon's "lm_logits"
         walk = _Walk(head_attr, hidden="")
         reason = self._head_call(heads[0], walk)
         if reason:
@@ -127,7 +134,7 @@ class HeadProgram:
             self._classify(stmt, guards, opaque, walk)
         self._walk = walk
         self.pre = self._compile("head_program_pre", body[k + 1:], walk.pre, walk.hidden)
-        self.post = self._compile("head_program_post", body[k + 1:], walk.post, _LOGITS)
+        self.post = self._compile("head_program_post", body[k + 1:], walk.post, self._logits)
 
     # -- reading ---------------------------------------------------------------------------------
     def _check_base_call(self, call: ast.Call) -> None:
@@ -186,7 +193,7 @@ class HeadProgram:
     def _classify(self, stmt: ast.stmt, guards: list[tuple[ast.expr, bool]], opaque: bool, walk: _Walk) -> None:
         bound, read = stores(stmt), loads(stmt)
         refuse = walk.refused.append
-        if _LOGITS in bound or self._mutates(stmt, _LOGITS):
+        if self._logits in bound or self._mutates(stmt, self._logits):
             reason = self._logit_statement(stmt, walk, guards)
             if reason is None and opaque:
                 reason = "runs under a condition the replacement forward cannot evaluate"
@@ -199,7 +206,7 @@ class HeadProgram:
         if any(self._mutates(stmt, name) for name in (hidden, *self._outputs)):
             refuse(_Found(f"`{_text(stmt)}` (changes the base model's output in place)", guards))
             return
-        if hidden in bound and not walk.head_seen and _LOGITS not in read and _LOSS not in bound:
+        if hidden in bound and not walk.head_seen and self._logits not in read and _LOSS not in bound:
             reason = self._hidden_statement(stmt, hidden, walk, guards)
             if reason is None and opaque and not self._is_slice_or_extraction(stmt, hidden):
                 reason = "runs under a condition the replacement forward cannot evaluate"
@@ -208,7 +215,11 @@ class HeadProgram:
             elif not self._is_slice_or_extraction(stmt, hidden):
                 walk.pre.append(stmt)
             return
-        if _LOGITS in read:
+        if _LOSS in bound and self._logits not in read and not self._known_loss_binding(stmt):
+            refuse(_Found(f"`{_text(stmt)}` (changes the loss in a form the replacement forward does not reproduce; "
+                          "it adds terms to the token loss, nothing else)", guards))
+            return
+        if self._logits in read:
             reason = self._reader(stmt, walk)
             if reason is not None:
                 refuse(_Found(f"`{_text(stmt)}` ({reason})", guards))
@@ -249,9 +260,9 @@ class HeadProgram:
 
     def _logit_statement(self, stmt: ast.stmt, walk: _Walk, guards: list[tuple[ast.expr, bool]]) -> str | None:
         """None when ``stmt`` (which binds or changes the logits) is the head or an elementwise map."""
-        if self._mutates(stmt, _LOGITS):
+        if self._mutates(stmt, self._logits):
             return "changes the logits in place"
-        value = _bound_value(stmt, _LOGITS)
+        value = _bound_value(stmt, self._logits)
         if value is None:
             return "binds the logits in a form the replacement forward does not know"
         heads = [n for n in ast.walk(value) if isinstance(n, ast.Call) and _text(n.func) == f"self.{walk.head_attr}"]
@@ -259,13 +270,13 @@ class HeadProgram:
             if walk.head_seen or len(heads) != 1:
                 return "calls the head again"
             walk.head_seen = True
-            value = _Replace(heads[0]).visit(_copy(value))
+            value = _Replace(heads[0], self._logits).visit(_copy(value))
             if not isinstance(stmt, ast.Assign):
                 return "binds the logits in a form the replacement forward does not know"
             stmt.value = value  # the compiled copy starts from the head's output
         elif not walk.head_seen:
             return "computes the logits other than with the output embeddings"
-        return self._elementwise(value, _LOGITS, walk, guards)
+        return self._elementwise(value, self._logits, walk, guards)
 
     def _head_call(self, call: ast.Call, walk: _Walk) -> str | None:
         if len(call.args) != 1 or call.keywords:
@@ -336,7 +347,7 @@ class HeadProgram:
         if loss_call is not None:
             walk.calls_loss_function = True
         for node in ast.walk(stmt):
-            if not (isinstance(node, ast.Name) and node.id == _LOGITS):
+            if not (isinstance(node, ast.Name) and node.id == self._logits):
                 continue
             parent = parents.get(node)
             if isinstance(parent, ast.Attribute) and parent.attr in _METADATA:
@@ -355,7 +366,13 @@ class HeadProgram:
         return None
 
     @staticmethod
-    def _loss_call(stmt: ast.stmt) -> ast.Call | None:
+    def _known_loss_binding(stmt: ast.stmt) -> bool:
+        """``loss = None``, or an added term (``loss += c * aux_loss``: models/loss_terms.py's part)."""
+        if isinstance(stmt, ast.Assign) and isinstance(stmt.value, ast.Constant) and stmt.value.value is None:
+            return True
+        return adds_to_loss(stmt)
+
+    def _loss_call(self, stmt: ast.stmt) -> ast.Call | None:
         """The ``self.loss_function(logits, labels, ...)`` call of ``loss = <that call>``, if that is the statement."""
         if not (isinstance(stmt, ast.Assign) and [_text(t) for t in stmt.targets] == [_LOSS]):
             return None
@@ -363,11 +380,12 @@ class HeadProgram:
         if not (isinstance(call, ast.Call) and _text(call.func) == "self.loss_function"):
             return None
         positional = [_text(a) for a in call.args]
-        if positional[:2] != [_LOGITS, "labels"][:len(positional[:2])] or len(positional) > 3:
+        if positional[:2] != [self._logits, "labels"][:len(positional[:2])] or len(positional) > 3:
             return None
         for kw in call.keywords:
             if kw.arg is not None and (kw.arg not in _LOSS_KEYWORDS or
-                                       (kw.arg in ("logits", "labels") and _text(kw.value) != kw.arg)):
+                                       (kw.arg == "logits" and _text(kw.value) != self._logits) or
+                                       (kw.arg == "labels" and _text(kw.value) != "labels")):
                 return None
         return call
 
@@ -444,14 +462,15 @@ def _bound_value(stmt: ast.stmt, name: str) -> ast.expr | None:
 
 
 class _Replace(ast.NodeTransformer):
-    """Replace one node (the head's call) by the name ``logits``."""
+    """Replace one node (the head's call) by the logits' name."""
 
-    def __init__(self, target: ast.AST) -> None:
+    def __init__(self, target: ast.AST, name: str) -> None:
         self.target = ast.unparse(target)
+        self.name = name
 
     def visit(self, node: ast.AST) -> ast.AST:
         if isinstance(node, ast.Call) and ast.unparse(node) == self.target:
-            return ast.copy_location(ast.Name(id=_LOGITS, ctx=ast.Load()), node)
+            return ast.copy_location(ast.Name(id=self.name, ctx=ast.Load()), node)
         return self.generic_visit(node)
 
 
