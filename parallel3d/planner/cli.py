@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
     out.add_argument("--png", help="draw peak memory against step time of every fitting layout")
+    out.add_argument("--no-profile-cache", action="store_true",
+                     help="profile every pass anew instead of reading and writing $ZERO3D_CACHE/plan-profiles")
     return p
 
 
@@ -211,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from parallel3d.planner.predict import Planner, Workload
+    from parallel3d.planner.profile_store import ProfileStore
     from parallel3d.planner.search import search
     from parallel3d.planner.report import LEGEND, header, layout_config, snippet
 
@@ -226,7 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         choice = _choice(args)
         model = load_model(args.model, args.trust_remote_code)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.precision]
-        planner = Planner(model, Workload(seq=args.seq_len, global_batch=args.global_batch, dtype=dtype))
+        store = None if args.no_profile_cache else ProfileStore.default(model.config, args.seq_len, dtype)
+        planner = Planner(model, Workload(seq=args.seq_len, global_batch=args.global_batch, dtype=dtype),
+                          store=store, workers=os.cpu_count() or 1)
         result = search(planner, hw, choice, top=max(args.top, 50 if args.png else args.top))
     except ConfigError as exc:
         print(f"zero3d plan: error: {exc}", file=sys.stderr)

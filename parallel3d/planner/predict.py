@@ -18,6 +18,7 @@ chunk's after its last backward pass at stages 0-1, after each pass at stages 2-
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
@@ -29,7 +30,8 @@ from parallel3d.pipeline.schedules import validate_schedule_args
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.inventory import ModelShapes, RankParams
 from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
-from parallel3d.planner.profile import PassProfile, ProfileError, profile_pass
+from parallel3d.planner.profile import PassProfile, ProfileError
+from parallel3d.planner.profile_store import ProfileStore, compute
 from parallel3d.planner.states import ZeroSetup
 from parallel3d.planner.timing import RankCost, step_parts
 from zero.sizing import OptimizerStateShape
@@ -183,12 +185,16 @@ def _pass_seconds(profile: PassProfile, hw: Hardware, tp: int, backward: bool) -
 class Planner:
     """Predictions for one model (built on the meta device is fine) and one workload."""
 
-    def __init__(self, model: nn.Module, workload: Workload) -> None:
+    def __init__(self, model: nn.Module, workload: Workload, *, store: ProfileStore | None = None,
+                 workers: int = 1) -> None:
+        """``store``: profiles kept on disk between runs; ``workers``: processes that profile ahead
+        (`prefetch`; parallel3d/planner/profile_store.py)."""
         self.model = model
         self.config = model.config
         self.workload = workload
+        self.store, self.workers = store, workers
         self._shapes: dict[int, ModelShapes] = {}
-        self._profile = lru_cache(maxsize=None)(self._profile_uncached)
+        self._profiles: dict[tuple, PassProfile] = {}
         self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
 
     def shapes(self, tp: int) -> ModelShapes:
@@ -196,24 +202,55 @@ class Planner:
             self._shapes[tp] = ModelShapes(self.model, tp)
         return self._shapes[tp]
 
-    def _profile_uncached(self, kind: str, blocks: int, micro_batch: int, tp: int, sp: bool, ac: bool,
-                          attention: str, split: bool) -> PassProfile:
-        w = self.workload
-        key = (kind, blocks, micro_batch, tp, sp, ac, attention, split)
+    def _profile(self, *key) -> PassProfile:
+        """The profile of ``key`` = (kind, blocks, micro_batch, tp, sp, ac, attention, split), computed once."""
+        if key not in self._profiles and key not in self._failed:
+            self._fill([key], workers=1)
         if key in self._failed:
             raise ProfileError(self._failed[key])
-        try:
-            return profile_pass(self.config, kind, blocks, micro_batch=micro_batch, seq=w.seq, dtype=w.dtype, tp=tp,
-                                sequence_parallel=sp, checkpointing=ac, attention=attention, split_backward=split)
-        except ProfileError as exc:
-            where = f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}"
-            self._failed[key] = f"{where}: {exc}"
-            raise ProfileError(self._failed[key]) from None
+        return self._profiles[key]
+
+    def prefetch(self, keys: Iterable[tuple]) -> None:
+        """Profile ``keys`` now, on ``workers`` processes and from ``store`` (else lazily, when read)."""
+        if self.workers > 1 or self.store is not None:
+            self._fill(keys, self.workers)
+
+    def _fill(self, keys: Iterable[tuple], workers: int) -> None:
+        missing = [k for k in dict.fromkeys(keys) if k not in self._profiles and k not in self._failed]
+        if self.store is not None:
+            for key in missing:
+                if (stored := self.store.get(key)) is not None:
+                    self._record(key, stored)
+            missing = [k for k in missing if k not in self._profiles and k not in self._failed]
+        if not missing:
+            return
+        w = self.workload
+        for key, value in compute(self.config, w.seq, w.dtype, missing, workers).items():
+            if isinstance(value, ProfileError):
+                kind, blocks, micro_batch, tp, sp, ac, attention, split = key
+                value = f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}: {value}"
+            self._record(key, value)
+            if self.store is not None:
+                self.store.put(key, value)
+
+    def _record(self, key: tuple, value: PassProfile | str) -> None:
+        if isinstance(value, str):
+            self._failed[key] = value
+        else:
+            self._profiles[key] = value
+
+    def _chunk_keys(self, layout: Layout, kind: str, hw: Hardware) -> list[tuple]:
+        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1")
+        return [(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2)]
 
     def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
-        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1")
-        runs = tuple(self._profile(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2))
+        runs = tuple(self._profile(*key) for key in self._chunk_keys(layout, kind, hw))
         return Chunk(kind, blocks, layout.micro_batch, runs)
+
+    def profile_keys(self, layout: Layout, hw: Hardware, exact: bool) -> set[tuple]:
+        """The profiles `predict` reads for ``layout``."""
+        return {key for rank in self.ranks_to_price(layout, exact) for kind, _ in self._chunk_kinds(layout, rank)
+                for key in self._chunk_keys(layout, kind, hw)}
 
     def zero(self, layout: Layout) -> ZeroSetup:
         w = self.workload
@@ -233,20 +270,28 @@ class Planner:
             validate_schedule_args(layout.schedule, layout.pp, layout.microbatches(w.global_batch),
                                    layout.virtual_stages)
 
-    def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
+    def _chunk_kinds(self, layout: Layout, rank: int) -> list[tuple[str, int]]:
+        """(kind, blocks) of each of the rank's chunks."""
         shapes = self.shapes(layout.tp)
-        stage3 = layout.zero_stage == 3
         if layout.pp == 1:
-            return shapes.rank_params(stage3=stage3), [self.chunk(layout, "only", len(shapes.block_params), hw)]
+            return [("only", len(shapes.block_params))]
         stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
         last = stage_layout.total_stages - 1
-        chunks = []
+        kinds = []
         for c in range(layout.virtual_stages):
             stage = stage_layout.stage_of(rank, c)
             kind = "only" if last == 0 else "first" if stage == 0 else "last" if stage == last else "middle"
-            chunks.append(self.chunk(layout, kind, stage_layout.sizes[stage], hw))
-        params = shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=stage3)
-        return params, chunks
+            kinds.append((kind, stage_layout.sizes[stage]))
+        return kinds
+
+    def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
+        shapes = self.shapes(layout.tp)
+        stage3 = layout.zero_stage == 3
+        chunks = [self.chunk(layout, kind, n, hw) for kind, n in self._chunk_kinds(layout, rank)]
+        if layout.pp == 1:
+            return shapes.rank_params(stage3=stage3), chunks
+        stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
+        return shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=stage3), chunks
 
     def ranks_to_price(self, layout: Layout, every_rank: bool) -> list[int]:
         """Pipeline ranks whose memory the prediction computes.

@@ -171,11 +171,14 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
             return None
 
     rough: list[Prediction] = []
-    considered = 0
+    considered, fitting = 0, []
     for layout in candidates(planner, hw, choice, refused):
         considered += 1
-        if not model_states_fit(planner, layout, hw):
-            continue
+        if model_states_fit(planner, layout, hw):
+            fitting.append(layout)
+    # the first pass's profiles at once: on the planner's worker processes and from its store, if any
+    planner.prefetch({key for layout in fitting for key in planner.profile_keys(layout, hw, exact=False)})
+    for layout in fitting:
         prediction = priced(layout, exact=False)
         if prediction is not None and prediction.fits(hw.memory):
             rough.append(prediction)

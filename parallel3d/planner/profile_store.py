@@ -1,0 +1,108 @@
+"""The planner's pass profiles computed ahead, in parallel, and kept on disk between runs.
+
+A search profiles a few hundred (chunk kind, blocks, micro-batch, tp, sequence parallelism,
+checkpointing, attention, split backward) passes on fake tensors, one after another when a
+layout first needs them; for a 7B Llama on 64 GPUs that was most of a minute. ``prefetch``
+computes every profile the search's first pass will read before it starts, on a pool of
+worker processes (one per core), and `ProfileStore` (``zero3d plan``: under ``$ZERO3D_CACHE``
+or ~/.cache/zero3d, ``plan-profiles/``) keeps each one under a hash of everything it depends on:
+the model config, sequence length, dtype, the pass's key, the torch and transformers versions
+and the source of the code that profiles. A profile is deterministic, so a stored one is the
+one the run would compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import uuid
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+ProfileKey = tuple  # (kind, blocks, micro_batch, tp, sequence_parallel, checkpointing, attention, split)
+_SOURCES = ("parallel3d", "models", "zero")
+
+
+@lru_cache(maxsize=1)
+def code_version() -> str:
+    """A hash of the Python source that profiles run (any change invalidates stored profiles)."""
+    import torch
+    import transformers
+
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256(f"{torch.__version__} {transformers.__version__}".encode())
+    for package in _SOURCES:
+        for path in sorted((root / package).rglob("*.py")):
+            digest.update(path.relative_to(root).as_posix().encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+class ProfileStore:
+    """Profiles on disk, one pickle per pass, named by the hash of what it depends on."""
+
+    def __init__(self, directory: Path, config: Any, seq: int, dtype: Any) -> None:
+        self.directory = directory
+        self._prefix = json.dumps([config.to_json_string(use_diff=False), seq, str(dtype), code_version()])
+
+    @classmethod
+    def default(cls, config: Any, seq: int, dtype: Any) -> ProfileStore:
+        from parallel3d.job.cache import cache_root
+
+        return cls(cache_root() / "plan-profiles", config, seq, dtype)
+
+    def _path(self, key: ProfileKey) -> Path:
+        return self.directory / (hashlib.sha256((self._prefix + repr(key)).encode()).hexdigest()[:32] + ".pkl")
+
+    def get(self, key: ProfileKey) -> Any:
+        """The stored profile (or failure message, a str) of ``key``; None when not stored or unreadable."""
+        try:
+            return pickle.loads(self._path(key).read_bytes())
+        except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+            return None
+
+    def put(self, key: ProfileKey, value: Any) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+            tmp.write_bytes(pickle.dumps(value))
+            os.replace(tmp, path)
+        except OSError as exc:  # a read-only cache costs time, not the plan
+            logger.info("could not store a planner profile in %s: %s", self.directory, exc)
+
+
+_JOB: dict = {}  # what a forked worker profiles with (set before the fork)
+
+
+def _profile_one(key: ProfileKey) -> tuple[ProfileKey, Any]:
+    from parallel3d.planner.profile import ProfileError, profile_pass
+
+    kind, blocks, micro_batch, tp, sp, ac, attention, split = key
+    try:
+        return key, profile_pass(_JOB["config"], kind, blocks, micro_batch=micro_batch, seq=_JOB["seq"],
+                                 dtype=_JOB["dtype"], tp=tp, sequence_parallel=sp, checkpointing=ac,
+                                 attention=attention, split_backward=split)
+    except ProfileError as exc:
+        return key, exc
+
+
+def compute(config: Any, seq: int, dtype: Any, keys: Iterable[ProfileKey], workers: int) -> dict[ProfileKey, Any]:
+    """Each key's profile (or its ProfileError), on ``workers`` forked processes when more than one."""
+    keys = sorted(keys, key=repr)  # neighbours share most ops: the fake-tensor dispatch cache serves them
+    _JOB.update(config=config, seq=seq, dtype=dtype)
+    try:
+        if workers <= 1 or len(keys) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+            return dict(map(_profile_one, keys))
+        with multiprocessing.get_context("fork").Pool(min(workers, len(keys))) as pool:
+            return dict(pool.imap_unordered(_profile_one, keys, chunksize=max(1, len(keys) // (4 * workers))))
+    finally:
+        _JOB.clear()
