@@ -8,7 +8,7 @@ manifests, a damaged ``latest``, a pickle payload; fresh starts and ``zero3d exp
 over an earlier run; bad token ids and non-finite learning rates; SIGINT/SIGTERM/SIGKILL to the
 job; SIGKILL while a checkpoint is saved; a full disk (a small tmpfs, where the machine lets this
 process mount one; the case is skipped with a note otherwise). How a case is judged (clear
-message, nothing lost, as expected): scripts/fault_kit.py. A few minutes on 2 CPU cores.
+message, nothing lost, as expected): scripts/fault_kit.py. 5 to 10 minutes on 2 busy CPU cores.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ what the case looks for; log lines and the agent's `zero3d: worker rank N exited
 and whether **nothing was lost** (every file there before has its bytes afterwards, except what
 the case may change, such as `latest` when a run goes on; files may grow, as `metrics.jsonl`).
 "—" in *clear* marks a case that expects no error. Run it again with
-`python scripts/fault_probe.py --markdown docs/faults.md` (a few minutes).
+`python scripts/fault_probe.py --markdown docs/faults.md` (5 to 10 minutes on 2 busy CPU cores).
 """
 
 
