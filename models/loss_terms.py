@@ -31,12 +31,22 @@ _TOKEN_LOSS, _AUX = "loss", "aux_loss"
 
 
 def adds_to_loss(node: ast.AST) -> bool:
-    """``loss += ...`` or ``loss = loss + ...``."""
+    """``loss += t`` or ``loss = loss + t`` with a term ``t`` that does not read the loss
+    (``loss = loss + loss`` or ``loss = loss * 2 + 0`` change the token loss itself)."""
     if isinstance(node, ast.AugAssign):
-        return isinstance(node.target, ast.Name) and node.target.id == _TOKEN_LOSS and isinstance(node.op, ast.Add)
+        return (isinstance(node.target, ast.Name) and node.target.id == _TOKEN_LOSS and isinstance(node.op, ast.Add)
+                and not _reads_value(node.value, _TOKEN_LOSS))
     return (isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [_TOKEN_LOSS]
             and isinstance(node.value, ast.BinOp) and isinstance(node.value.op, ast.Add)
-            and _TOKEN_LOSS in loads(node.value))
+            and isinstance(node.value.left, ast.Name) and node.value.left.id == _TOKEN_LOSS
+            and not _reads_value(node.value.right, _TOKEN_LOSS))
+
+
+def _reads_value(expr: ast.AST, name: str) -> bool:
+    """Whether ``expr`` reads ``name`` other than for its ``.device`` or ``.dtype``."""
+    parents = {child: node for node in ast.walk(expr) for child in ast.iter_child_nodes(node)}
+    return any(isinstance(n, ast.Name) and n.id == name and not (
+        isinstance(parents.get(n), ast.Attribute) and parents[n].attr in ("device", "dtype")) for n in ast.walk(expr))
 
 
 def _sets_loss(node: ast.AST) -> bool:

@@ -26,17 +26,19 @@ class {name}(LlamaForCausalLM):
         loss = None
         if labels is not None:
 {loss}
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)
+        return {ret}
 '''
 _LOSS = "loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)"
+_RETURN = "CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values)"
 _MADE: dict[str, type] = {}
 
 
-def variant(name: str, head: str, loss: str = _LOSS, input_ids: str = "input_ids") -> type:
+def variant(name: str, head: str, loss: str = _LOSS, input_ids: str = "input_ids", ret: str = _RETURN) -> type:
     """The subclass ``name`` whose forward passes ``input_ids`` to its base model, runs ``head``
-    (lines that end with ``logits`` bound) and then ``loss`` under ``if labels is not None``."""
+    (lines that end with ``logits`` bound), then ``loss`` under ``if labels is not None``, and
+    returns ``ret``."""
     if name not in _MADE:
-        source = _TEMPLATE.format(name=name, input_ids=input_ids, head=textwrap.indent(textwrap.dedent(head).strip(), " " * 8),
+        source = _TEMPLATE.format(name=name, input_ids=input_ids, ret=ret, head=textwrap.indent(textwrap.dedent(head).strip(), " " * 8),
                                   loss=textwrap.indent(loss, " " * 12))
         filename = f"<zero3d-head-variant-{name}>"
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)

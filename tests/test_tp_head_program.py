@@ -23,18 +23,26 @@ HEAD = "logits = self.lm_head(hidden_states)"
 REFUSED = {
     "call_on_logits": (HEAD + "\nlogits = self.logit_norm(logits)", "self.logit_norm(logits)"),
     "method_of_logits": (HEAD + "\nlogits = logits.softmax(-1)", "logits.softmax(-1)"),
-    "in_place_op": (HEAD + "\nlogits.div_(2.0)", "changes the logits in place"),
-    "in_place_slice": (HEAD + "\nlogits[..., 0] = 0.0", "changes the logits in place"),
+    "in_place_op": (HEAD + "\nlogits.div_(2.0)", "changes a tensor in place"),
+    "in_place_slice": (HEAD + "\nlogits[..., 0] = 0.0", "changes a tensor in place"),
     "hidden_norm": ("hidden_states = self.logit_norm(hidden_states)\n" + HEAD, "self.logit_norm(hidden_states)"),
     "head_input": ("logits = self.lm_head(self.logit_norm(hidden_states))", "feeds the head"),
     "vector_operand": (HEAD + "\nlogits = logits * self.vocab_scale", "a tensor of shape (127,)"),
     "data_dependent_guard": (HEAD + "\nif labels is None:\n    logits = logits * 2.0", "cannot evaluate"),
     "derived_logits": (HEAD + "\nclipped = logits.clamp(-5.0, 5.0)", "clipped = logits.clamp"),
-    "hidden_in_place": ("hidden_states.mul_(2.0)\n" + HEAD, "changes the base model's output in place"),
-    "output_in_place": ("outputs.last_hidden_state.mul_(2.0)\n" + HEAD, "changes the base model's output in place"),
-    "changed_labels": (HEAD + "\nlabels = labels.masked_fill(labels == 3, -100)", "changes the labels"),
+    "hidden_in_place": ("hidden_states.mul_(2.0)\n" + HEAD, "changes a tensor in place"),
+    "output_in_place": ("outputs.last_hidden_state.mul_(2.0)\n" + HEAD, "changes a tensor in place"),
+    "changed_labels": (HEAD + "\nlabels = labels.masked_fill(labels == 3, -100)", "rebinds labels"),
     "renamed_logits": ("lm_logits = self.lm_head(hidden_states)\nlm_logits = self.logit_norm(lm_logits)\n"
                        "logits = lm_logits", "self.logit_norm(lm_logits)"),  # Falcon's name for them
+    "aliased_in_place": ("h = outputs.last_hidden_state\nh.mul_(2.0)\n" + HEAD, "changes a tensor in place"),
+    "rebound_input": ("input_ids = input_ids % 7\n" + HEAD, "rebinds input_ids"),
+    "changed_kwargs": (HEAD + "\nkwargs = dict(kwargs, ignore_index=0)", "rebinds kwargs"),
+    "trainable_operand": (HEAD + "\nlogits = logits * self.logit_gain", "a trainable tensor"),
+    "config_local_rebound": ("cap = self.config.logits_scaling\nif labels is not None:\n    cap = None\n"
+                             + HEAD + "\nif cap is not None:\n    logits = logits / cap", "`cap`"),
+    "logits_after_loss": ("logits = self.lm_head(hidden_states)\nloss = self.loss_function(logits, labels, "
+                          "self.config.vocab_size)\nlogits = logits * 2.0", "after the loss"),
     "cast_to_a_local": (HEAD + "\nlogits = logits.to(hidden_states.dtype)", "converts to a value"),
 }
 REFUSED_LOSS = {
@@ -43,6 +51,9 @@ REFUSED_LOSS = {
     "own_loss": "loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())",
     "rescaled_after": "loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)\n"
                       "loss = loss * 2.0",
+    "loss_added_to_itself": "loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)\n"
+                            "loss = loss + loss",
+    "splatted_options": "loss = self.loss_function(logits, labels, self.config.vocab_size, **dict(ignore_index=0))",
     "other_labels": "loss = self.loss_function(logits, labels + 1, self.config.vocab_size, **kwargs)",
 }
 
@@ -51,7 +62,8 @@ def _model(cls: type, **config) -> nn.Module:
     model = make_tp_model("llama", **config)
     model.__class__ = cls
     model.logit_norm = nn.LayerNorm(model.config.vocab_size)
-    model.vocab_scale = nn.Parameter(torch.ones(model.config.vocab_size))
+    model.register_buffer("vocab_scale", torch.ones(model.config.vocab_size))
+    model.logit_gain = nn.Parameter(torch.tensor(2.0))
     return model
 
 
@@ -73,6 +85,13 @@ def test_a_loss_other_than_the_causal_lm_loss_is_refused(case):
 def test_other_inputs_of_the_base_model_are_refused():
     with pytest.raises(ConfigError, match="passes its base model `input_ids=input_ids % 7`"):
         prepare_tensor_parallel(_model(variant("OtherInputs", HEAD, input_ids="input_ids % 7")), 2)
+
+
+@pytest.mark.parametrize("returned", ["loss * 2.0", "torch.tanh(logits)"])
+def test_outputs_computed_from_the_loss_or_logits_are_refused(returned):
+    ret = f"CausalLMOutputWithPast(loss={returned if 'loss' in returned else 'loss'}, logits={returned if 'logits' in returned else 'logits'})"
+    with pytest.raises(ConfigError, match="returns"):
+        prepare_tensor_parallel(_model(variant(f"Returns_{returned[:4]}", HEAD, ret=ret)), 2)
 
 
 def test_a_loss_function_of_the_users_is_refused():

@@ -42,6 +42,10 @@ from parallel3d.errors import ConfigError
 __all__ = ["HeadProgram", "head_program"]
 
 _LOSS, _LABELS = "loss", "labels"
+# arguments the replacement passes on as the caller gave them: a forward may not rebind them
+_PASSED_AS_GIVEN = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds", "labels",
+                    "logits_to_keep", "num_items_in_batch", "shift_labels", "kwargs")
+_TO_BASE = ("input_ids", "attention_mask", "position_ids", "past_key_values", "inputs_embeds")
 _FLAGS = {"return_dict", "output_attentions", "output_hidden_states", "use_cache"}
 _ELEMENTWISE_FUNCS = {"torch.tanh", "nn.functional.tanh", "torch.nn.functional.tanh", "F.tanh", "torch.sigmoid"}
 _ELEMENTWISE_METHODS = {"float", "double", "to", "contiguous", "tanh", "sigmoid"}
@@ -69,6 +73,7 @@ class _Walk:
     refused: list[_Found] = field(default_factory=list)
     operands: list[tuple[ast.expr, list[tuple[ast.expr, bool]], str]] = field(default_factory=list)
     calls_loss_function: bool = False
+    loss_seen: bool = False
 
 
 def _text(node: ast.AST) -> str:
@@ -112,6 +117,18 @@ class HeadProgram:
             if self._is_config_binding(stmt, set()):
                 self._bindings.append(stmt)
                 self._config_locals |= stores(stmt)
+        for node in ast.walk(src.node):  # `if (cap := self.config.cap) is not None:` (Gemma 4's)
+            if isinstance(node, ast.NamedExpr) and self._config_only(node.value):
+                self._config_locals.add(node.target.id)
+        # a name is the config's only if nothing else ever binds it (`cap = None` under a runtime test)
+        config_bindings = {id(b) for b in self._bindings} | {id(n) for n in ast.walk(src.node)
+                                                              if isinstance(n, ast.NamedExpr)}
+        for node in ast.walk(src.node):
+            if isinstance(node, (ast.stmt, ast.NamedExpr)) and id(node) not in config_bindings \
+                    and not isinstance(node, (ast.If, ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef)):
+                targets = stores(node) if not isinstance(node, ast.NamedExpr) else {node.target.id}
+                self._config_locals -= targets
+        self._bindings = [b for b in self._bindings if stores(b) <= self._config_locals]
         heads = [n for s in body[k + 1:] for n in ast.walk(s) if isinstance(n, ast.Call)
                  and _text(n.func) == f"self.{head_attr}"]
         if not heads:
@@ -127,9 +144,9 @@ class HeadProgram:
         if reason:
             raise SourceError(f"{self.owner} {reason}")
         for stmt, guards, opaque in self._statements(body, [], False):
-            if _LABELS in stores(stmt) or self._mutates(stmt, _LABELS):
-                if not self._moves_labels(stmt):
-                    walk.refused.append(_Found(f"`{_text(stmt)}` (changes the labels the loss reads)", guards))
+            reason = self._whole_forward_reason(stmt)
+            if reason is not None:
+                walk.refused.append(_Found(f"`{_text(stmt)}` ({reason})", guards))
         for stmt, guards, opaque in self._statements(body[k + 1:], [], False):
             self._classify(stmt, guards, opaque, walk)
         self._walk = walk
@@ -141,6 +158,11 @@ class HeadProgram:
         """The replacement calls the base model with the forward's own arguments: refuse a call
         that passes it anything else (``input_ids=input_ids * 0``), flags aside."""
         params = set(self._src.params)
+        passed = {_text(a) for a in call.args} | {k.arg for k in call.keywords if k.arg is not None}
+        left_out = [name for name in _TO_BASE if name in params and name not in passed]
+        if left_out:
+            raise SourceError(f"{self.owner} does not pass its base model {', '.join(left_out)}, which the replacement "
+                              "forward passes on")
         for value, key in [(a, None) for a in call.args] + [(k.value, k.arg) for k in call.keywords]:
             if key is None and isinstance(value, ast.Starred):
                 value = value.value
@@ -152,6 +174,17 @@ class HeadProgram:
                 continue
             raise SourceError(f"{self.owner} passes its base model `{key + '=' if key else ''}{_text(value)}`, which "
                               "the replacement forward, calling it with the forward's own arguments, would not")
+
+    def _whole_forward_reason(self, stmt: ast.stmt) -> str | None:
+        """Why ``stmt``, anywhere in the forward, changes what the replacement takes as given: a
+        change in place, or a rebinding of an argument it passes on (labels moved to a device aside)."""
+        if _in_place(stmt):
+            return "changes a tensor in place, which the replacement forward would not"
+        rebound = stores(stmt) & set(_PASSED_AS_GIVEN) & set(self._src.params)
+        if rebound and not (rebound == {_LABELS} and self._moves_labels(stmt)):
+            what = ", ".join(sorted(rebound))
+            return f"rebinds {what}, which the replacement forward passes on as the caller gave it"
+        return None
 
     @staticmethod
     def _moves_labels(stmt: ast.stmt) -> bool:
@@ -194,7 +227,8 @@ class HeadProgram:
         bound, read = stores(stmt), loads(stmt)
         refuse = walk.refused.append
         if self._logits in bound or self._mutates(stmt, self._logits):
-            reason = self._logit_statement(stmt, walk, guards)
+            reason = ("changes the logits after the loss was computed from them" if walk.loss_seen
+                      else self._logit_statement(stmt, walk, guards))
             if reason is None and opaque:
                 reason = "runs under a condition the replacement forward cannot evaluate"
             if reason is not None:
@@ -218,6 +252,11 @@ class HeadProgram:
         if _LOSS in bound and self._logits not in read and not self._known_loss_binding(stmt):
             refuse(_Found(f"`{_text(stmt)}` (changes the loss in a form the replacement forward does not reproduce; "
                           "it adds terms to the token loss, nothing else)", guards))
+            return
+        if isinstance(stmt, ast.Return):
+            reason = self._return_reason(stmt)
+            if reason is not None:
+                refuse(_Found(f"`{_text(stmt)}` ({reason})", guards))
             return
         if self._logits in read:
             reason = self._reader(stmt, walk)
@@ -285,6 +324,8 @@ class HeadProgram:
         while isinstance(arg, ast.Call) and isinstance(arg.func, ast.Attribute) and arg.func.attr == "to":
             arg = arg.func.value
         if isinstance(arg, ast.Subscript):
+            if not loads(arg.slice) <= {"slice_indices", "logits_to_keep"}:
+                return f"feeds the head `{_text(arg)}`, not the hidden states sliced to logits_to_keep"
             arg = arg.value
         if not isinstance(arg, ast.Name):
             return f"feeds the head `{_text(arg)}`, not the base model's hidden states"
@@ -345,7 +386,7 @@ class HeadProgram:
         parents = {child: node for node in ast.walk(stmt) for child in ast.iter_child_nodes(node)}
         loss_call = self._loss_call(stmt)
         if loss_call is not None:
-            walk.calls_loss_function = True
+            walk.calls_loss_function = walk.loss_seen = True
         for node in ast.walk(stmt):
             if not (isinstance(node, ast.Name) and node.id == self._logits):
                 continue
@@ -359,10 +400,26 @@ class HeadProgram:
             if _LOSS in stores(stmt):
                 return ("computes the loss in a form the replacement forward does not know; it computes "
                         "`loss = self.loss_function(logits, labels, vocab_size, **kwargs)` on vocabulary shards")
-            if isinstance(parent, (ast.Tuple, ast.List)) or (isinstance(stmt, ast.Return) and isinstance(parent, ast.Call)
-                                                           and not _text(parent.func).startswith("self.")):
+            if isinstance(parent, (ast.Tuple, ast.List)):
                 continue
             return "reads the logits in a form the replacement forward does not reproduce"
+        return None
+
+    def _return_reason(self, stmt: ast.Return) -> str | None:
+        """The outputs may carry the loss and the logits as they are (a keyword or a tuple element;
+        the loss also compared with None), nothing computed from them."""
+        parents = {child: node for node in ast.walk(stmt) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(stmt):
+            if not (isinstance(node, ast.Name) and node.id in (self._logits, _LOSS)):
+                continue
+            parent = parents.get(node)
+            if isinstance(parent, (ast.keyword, ast.Tuple, ast.List)) or (
+                    isinstance(parent, ast.Attribute) and parent.attr in _METADATA):
+                continue
+            if node.id == _LOSS and isinstance(parent, ast.Compare) and all(
+                    isinstance(c, ast.Constant) and c.value is None for c in parent.comparators):
+                continue
+            return f"returns {_text(parent)}, which the replacement forward, returning {node.id} as computed, would not"
         return None
 
     @staticmethod
@@ -383,6 +440,8 @@ class HeadProgram:
         if positional[:2] != [self._logits, "labels"][:len(positional[:2])] or len(positional) > 3:
             return None
         for kw in call.keywords:
+            if kw.arg is None and _text(kw.value) != "kwargs":
+                return None
             if kw.arg is not None and (kw.arg not in _LOSS_KEYWORDS or
                                        (kw.arg == "logits" and _text(kw.value) != self._logits) or
                                        (kw.arg == "labels" and _text(kw.value) != "labels")):
@@ -411,6 +470,9 @@ class HeadProgram:
             if not self._reached(guards, env):
                 continue
             value = self._value(expr, env)
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise ConfigError(f"{self.owner}: {var} is combined with `{_text(expr)}`, a trainable tensor, whose "
+                                  "gradient tensor parallelism would take from each rank's vocabulary slice alone")
             if isinstance(value, torch.Tensor) and value.numel() != 1:
                 raise ConfigError(f"{self.owner}: {var} is combined with `{_text(expr)}`, a tensor of shape "
                                   f"{tuple(value.shape)}, which tensor parallelism cannot apply to a vocabulary shard")
@@ -443,6 +505,23 @@ class HeadProgram:
             except Exception:  # noqa: BLE001 - a test this config cannot evaluate may run
                 continue
         return True
+
+
+def _in_place(stmt: ast.stmt) -> bool:
+    """A change of a tensor in place: ``x.mul_(2)``, ``torch.Tensor.fill_(x, 0)``, ``x.__imul__(2)``,
+    ``x[...] = v`` or ``x.a = v`` (``self.<attr> = v`` aside)."""
+    for node in ast.walk(stmt):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            attr = node.func.attr
+            if (attr.endswith("_") and not attr.startswith("_")) or (attr.startswith("__i") and attr.endswith("__")):
+                return True
+        if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                elements = target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
+                if any(isinstance(t, (ast.Subscript, ast.Attribute)) and _root(t) != "self" for t in elements):
+                    return True
+    return False
 
 
 def _root(node: ast.expr) -> str | None:
