@@ -25,6 +25,7 @@ from parallel3d.job.metrics import Metrics, summary_text
 from parallel3d.job.model import build_model, weights_note
 from parallel3d.job.prepare import Prepared, describe
 from parallel3d.job.sampler import BlockSampler, TrainLoader, eval_batches
+from parallel3d.job.schedule import STATE_KEY, schedule_state
 from parallel3d.job.stop import JobStopped, StopSignals
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
         if rank == 0:
             logger.info("resumed from %s at step %d (epoch %d, micro-batch %d)", path, engine.global_steps,
                         sampler.epoch, sampler.position)
+            if prep.info.get("schedule_note"):
+                logger.info(prep.info["schedule_note"])
     start, total = engine.global_steps, prep.total_steps
     if cfg.progress and rank == 0:
         logging.getLogger("parallel3d.engine").setLevel(logging.WARNING)  # the bar shows the loss
@@ -135,7 +138,8 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
             signum = _agreed_stop(engine, stop)
             if (cfg.save_interval and step % cfg.save_interval == 0) or (step == total and cfg.save_final) or (
                     signum and cfg.save_on_signal):
-                engine.save_checkpoint(str(root), client_state={"data": sampler.state_dict(), "tokens": tokens})
+                engine.save_checkpoint(str(root), client_state={"data": sampler.state_dict(), "tokens": tokens,
+                                                                 STATE_KEY: schedule_state(prep.engine_config)})
                 last_saved = step
                 pruner.saved(engine)
             if signum and step < total:
