@@ -235,9 +235,9 @@ class Engine(DeepSpeedSurface):
         self._check_batches(batches, "train_batch")
         with self._checked():
             outcome = self.loop.train([self._to_device(b) for b in batches])
-        if outcome.stepped is not None:  # the loop stepped the optimizer itself: count its window here
-            self._end_window(outcome.stepped)
-            self.train_state.micro_steps += outcome.micro_batches
+            if outcome.stepped is not None:  # the loop stepped the optimizer itself: count its window here
+                self._end_window(outcome.stepped)
+                self.train_state.micro_steps += outcome.micro_batches
         value = self._dp_mean(outcome.loss)
         self._surface_finished_save()
         if self.global_steps % self.config.steps_per_print == 0 and self._is_rank0():

@@ -25,16 +25,18 @@ __all__ = ["ELEMENTWISE_OPTIMIZERS", "check_sharded_optimizer"]
 
 ELEMENTWISE_OPTIMIZERS = frozenset({
     torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adamax,
-    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop,
+    torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD, torch.optim.Adadelta,
 })
 """Exact types (a subclass may change ``step``) whose update is elementwise."""
 
 _DEEPSPEED_ELEMENTWISE = frozenset({
     "deepspeed.ops.adam.fused_adam.FusedAdam", "deepspeed.ops.adam.cpu_adam.DeepSpeedCPUAdam",
     "deepspeed.ops.adagrad.cpu_adagrad.DeepSpeedCPUAdagrad", "deepspeed.ops.lion.fused_lion.FusedLion",
-    "deepspeed.ops.lion.cpu_lion.DeepSpeedCPULion",
+    "deepspeed.ops.lion.cpu_lion.DeepSpeedCPULion", "apex.optimizers.fused_adam.FusedAdam",
 })
-"""DeepSpeed's own elementwise optimizers, by qualified name (deepspeed need not be installed)."""
+"""DeepSpeed's (and apex's) elementwise optimizers, by qualified name (neither need be installed).
+DeepSpeed's list also has Muon, whose orthogonalization reads whole matrices: refused here, as
+Zero3D does not gather them for it."""
 
 
 def _known(cls: type) -> bool:

@@ -18,9 +18,11 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+# the constraints hold in pip's isolated build environments too (the build backend of -e .)
+export PIP_CONSTRAINT="$PWD/constraints.txt"
 PIP=("$PY" -m pip install --quiet --disable-pip-version-check -c constraints.txt)
 "${PIP[@]}" pip setuptools wheel
-# torch first, from constraints.txt (the CPU wheel 2.13.0), so no dependency can pull a CUDA build
+# torch first, from constraints.txt (the CPU wheel 2.13.0+cpu), so no dependency can pull a CUDA build
 "${PIP[@]}" torch
 # DeepSpeed ships only as an sdist whose setup.py imports torch: build it against the torch
 # installed above instead of letting pip fetch a second torch into an isolated build env.

@@ -49,6 +49,8 @@ def install() -> None:
     """Wrap the causal LM losses of transformers' ``LOSS_MAPPING`` (idempotent)."""
     from transformers.loss.loss_utils import LOSS_MAPPING
 
+    wrapped: dict[int, object] = {}  # keys that share transformers' function share one wrapper
     for key in _KEYS:
         if key in LOSS_MAPPING:
-            LOSS_MAPPING[key] = _wrap(LOSS_MAPPING[key])
+            original = LOSS_MAPPING[key]
+            LOSS_MAPPING[key] = wrapped.setdefault(id(original), _wrap(original))

@@ -24,7 +24,9 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the project modules it imports (``from a import b`` counts ``a.b`` when that is a module)."""
+    """Module -> the project modules it imports: ``from a import b`` counts ``a.b`` when that is a
+    module, and ``a`` when some name comes from ``a`` itself (a package's ``__init__`` included:
+    the circle a package's ``__init__`` and a submodule that imports a name from it make)."""
     files = {_module_name(p): p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in files.items():
@@ -45,8 +47,7 @@ def import_graph() -> dict[str, set[str]]:
                 targets |= submodules
                 if len(submodules) < len(node.names):  # some names come from `base` itself
                     targets.add(base)
-        # a submodule's parent packages are imported before it, by Python: no edge of the code's
-        graph[name] = {t for t in targets if t in files and t != name and not name.startswith(t + ".")}
+        graph[name] = {t for t in targets if t in files and t != name}
     return graph
 
 
