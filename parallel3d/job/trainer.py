@@ -90,7 +90,6 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
     out = Path(cfg.output_dir)
     if rank == 0:
         logger.info(describe(prep))
-        _write_run_files(prep, out)
     seed_everything(cfg.seed)
     model = build_model(job, prep.hf_config)
     engine, _, _, _ = parallel3d.initialize(model=model, config=prep.engine_config, pretrained=job.model.path)
@@ -112,6 +111,8 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
                         sampler.epoch, sampler.position)
             if prep.info.get("schedule_note"):
                 logger.info(prep.info["schedule_note"])
+    if rank == 0:  # only now: a resume that fails to load leaves the run's job.yaml and tokenizer as they were
+        _write_run_files(prep, out)
     start, total = engine.global_steps, prep.total_steps
     if cfg.progress and rank == 0:
         logging.getLogger("parallel3d.engine").setLevel(logging.WARNING)  # the bar shows the loss
