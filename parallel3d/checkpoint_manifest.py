@@ -30,6 +30,10 @@ IMPLEMENTATION_OPTIONS = frozenset({"fused", "capturable", "foreach", "different
 """Group options of how a step is computed; they may differ between the saving and loading run."""
 
 
+_SWITCH = ("load it with load_optimizer_states=False (weights only) to switch optimizers; a zero3d train job: "
+           "`zero3d export` the checkpoint and start the new run from the export (model.path)")
+
+
 def new_save_id() -> str:
     return uuid.uuid4().hex
 
@@ -122,15 +126,14 @@ def check_for_engine(doc: dict, path: Path, inner, loss_scaler_state: dict) -> N
         saved = mine  # an engine without an optimizer: there is nothing to mismatch
     elif saved is not None and saved != mine:
         raise ConfigError(f"checkpoint {path} holds the state of a {saved} optimizer and this engine's optimizer is "
-                          f"{mine}: configure {saved} to resume it, or load it with load_optimizer_states=False "
-                          "(weights only) to switch optimizers")
+                          f"{mine}: configure {saved} to resume it, or {_SWITCH}")
     pairs = zip(doc["optimizer"]["param_groups"], inner.param_groups) if saved is None else ()
     for i, (group, current) in enumerate(pairs):  # an older manifest, without the type
         foreign = sorted(_options(group) - _options(current))
         if foreign:
             raise ConfigError(f"checkpoint {path}: optimizer param group {i} has options {', '.join(foreign)} that "
                               f"this engine's {mine} lacks: it was written with another optimizer type; configure that "
-                              "type to resume it, or load it with load_optimizer_states=False (weights only)")
+                              f"type to resume it, or {_SWITCH}")
     scaler = doc["optimizer"]["loss_scaler"]
     missing = [k for k in loss_scaler_state if not isinstance(scaler.get(k), (int, float)) or isinstance(scaler.get(k), bool)]
     if missing:

@@ -146,11 +146,13 @@ def test_a_load_checks_the_manifest_its_tensors_and_the_optimizer_before_changin
         assert out["bad_tensor"].endswith("UNCHANGED"), out["bad_tensor"]
         assert out["sgd"] == (f"ConfigError: checkpoint {ck('sgd')} holds the state of a SGD optimizer and this "
                               "engine's optimizer is AdamW: configure SGD to resume it, or load it with "
-                              "load_optimizer_states=False (weights only) to switch optimizers UNCHANGED")
+                              "load_optimizer_states=False (weights only) to switch optimizers; a zero3d train job: `zero3d export` "
+                              "the checkpoint and start the new run from the export (model.path) UNCHANGED")
         assert out["adamw_into_sgd"] == (
             f"ConfigError: checkpoint {ck('global_step1')} holds the state of a AdamW optimizer and this engine's "
             "optimizer is SGD: configure AdamW to resume it, or load it with load_optimizer_states=False (weights "
-            "only) to switch optimizers UNCHANGED")
+            "only) to switch optimizers; a zero3d train job: `zero3d export` the checkpoint and start the new run "
+            "from the export (model.path) UNCHANGED")
         for tag, foreign, mine in (("sgd_untyped", "dampening, momentum, nesterov", "AdamW"),
                                    ("untyped", "amsgrad, betas, ", "SGD")):
             key = tag if tag == "sgd_untyped" else "untyped_adamw_into_sgd"
@@ -158,5 +160,6 @@ def test_a_load_checks_the_manifest_its_tensors_and_the_optimizer_before_changin
                                        f"{foreign}"), out[key]
             assert out[key].endswith(f"that this engine's {mine} lacks: it was written with another optimizer type; "
                                      "configure that type to resume it, or load it with load_optimizer_states=False "
-                                     "(weights only) UNCHANGED"), out[key]
+                                     "(weights only) to switch optimizers; a zero3d train job: `zero3d export` the "
+                                     "checkpoint and start the new run from the export (model.path) UNCHANGED"), out[key]
         assert out["loaded"] == ("global_step2", 2) and out["weights_only"] == 1
