@@ -185,17 +185,20 @@ def test_zero_elements_per_step(zero_counts, stage, gas):
         # one all-reduce of a flag per param: which params got a gradient on some rank
         flags = r["n_params"]
         assert r["flag_all_reduces"] == 1
+        # one element before the forward: whether every rank's micro-batches are valid token ids
+        # (parallel3d/batch_check.py), and one after: the mean loss
+        checks = 2
         if stage == 0:  # unsharded buffers: no padding, one all-reduce of every gradient per step
             assert padded == psi
-            assert c == {"all_reduce": psi + 1 + flags, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0}
-            assert r["small_all_reduces"] == [1]  # the mean loss; the grad norm needs no dp sum
+            assert c == {"all_reduce": psi + checks + flags, "reduce_scatter": 0, "all_gather": 0, "broadcast": 0}
+            assert r["small_all_reduces"] == [1, 1]  # the batch check, the mean loss; the norm needs no dp sum
             continue
         assert psi <= padded < psi + r["n_units"] * 2  # "within padding"
-        assert r["small_all_reduces"] == [1, 2]  # loss; squared grad norm of the shards
+        assert r["small_all_reduces"] == [1, 1, 2]  # batch check, loss; squared grad norm of the shards
         # On gloo (these tests) zero.comm reduces a unit into its shard with an all-reduce of
         # the unit and gathers with one broadcast per owner's chunk (faster there, see
         # zero/comm.py); on NCCL the same element counts go through reduce_scatter/all_gather.
-        reduced, gathered = c["all_reduce"] - 3 - flags, c["broadcast"]
+        reduced, gathered = c["all_reduce"] - checks - 2 - flags, c["broadcast"]
         assert c["reduce_scatter"] == c["all_gather"] == 0
         if stage in (1, 2):
             reduces_per_step = 1 if stage == 1 else gas  # stage 2 keeps only shards: reduce each micro-batch
