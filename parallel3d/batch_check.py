@@ -60,9 +60,13 @@ def call_arguments(args: Sequence, kwargs: dict, names: Sequence[str]) -> dict:
     return {**dict(zip(names, args)), **kwargs}
 
 
-def _range(t: torch.Tensor) -> tuple[int, int]:
-    low, high = torch.aminmax(t.detach())
-    return int(low), int(high)
+def _ranges(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+    """(min, max) of each tensor, read back in one transfer (one device sync on a GPU, not two a tensor)."""
+    if not tensors:
+        return []
+    device = tensors[0].device
+    stacked = torch.stack([torch.stack(torch.aminmax(t.detach())).to(device, torch.int64) for t in tensors]).tolist()
+    return [(low, high) for low, high in stacked]
 
 
 def batch_problem(batch: Any, vocab_size: int | None, names: Sequence[str] = ()) -> str | None:
@@ -78,26 +82,24 @@ def batch_problem(batch: Any, vocab_size: int | None, names: Sequence[str] = ())
         where = {}
     else:
         return None
-    for key in TOKEN_KEYS:
-        t = batch.get(key)
+    tokens = {key: batch[key] for key in TOKEN_KEYS if isinstance(batch.get(key), torch.Tensor)}
+    for key, t in tokens.items():
         label = where.get(key, key)
-        if not isinstance(t, torch.Tensor):
-            continue
         if t.numel() == 0:
             return (f"{label} is empty (shape {list(t.shape)}); a micro-batch needs at least one sequence of at least "
                     "one token")
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             return f"{label} has dtype {str(t.dtype).removeprefix('torch.')}; token ids must be integers"
-        if vocab_size is None:
-            continue
-        values = torch.where(t == IGNORE_INDEX, 0, t) if key == "labels" else t
-        low, high = _range(values)
+    if vocab_size is None:
+        return None
+    values = [torch.where(t == IGNORE_INDEX, 0, t) if key == "labels" else t for key, t in tokens.items()]
+    for (key, _), (low, high) in zip(tokens.items(), _ranges(values)):
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
             allowed = f"[0, {vocab_size})" + (f" or {IGNORE_INDEX} (ignored)" if key == "labels" else "")
-            return (f"{label} holds {bad}, outside the model's vocabulary: token ids must be in {allowed}, where "
-                    f"{vocab_size} is the model config's vocab_size (a tokenizer larger than the model, or "
-                    "padding with -1?)")
+            return (f"{where.get(key, key)} holds {bad}, outside the model's vocabulary: token ids must be in "
+                    f"{allowed}, where {vocab_size} is the model config's vocab_size (a tokenizer larger than the "
+                    "model, or padding with -1?)")
     return None
 
 

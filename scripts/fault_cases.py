@@ -35,6 +35,13 @@ def _resume_refused(ws: Workspace, r: Result, slug: str, damage: Callable[[Path]
     judge(r, proc, where, before, rc=2, says=says)
 
 
+def _lost_if(r: Result, happened: bool, what: str) -> None:
+    """Record ``what`` as lost (and the case as not as expected) when it ``happened``."""
+    if happened:
+        r.lost.append(what)
+        r.as_expected = False
+
+
 def _flip(file: Path, at: int = 5000) -> None:
     data = bytearray(file.read_bytes())
     data[at] ^= 0xFF
@@ -132,9 +139,7 @@ def pickle_resume(ws: Workspace, r: Result) -> None:
     marker = ws.root / "pickle-resume-RAN"
     _resume_refused(ws, r, "pickle-resume", lambda root: _plant_pickle(root, marker),
                     ["error:", "is not a plain tensor", "nothing in it was run"])
-    if marker.exists():
-        r.lost.append("the pickle payload ran")
-        r.as_expected = False
+    _lost_if(r, marker.exists(), "the pickle payload ran")
 
 
 @case("checkpoint", "export: a rank file chunk is a pickle payload",
@@ -147,9 +152,7 @@ def pickle_export(ws: Workspace, r: Result) -> None:
     proc = ws.zero3d("export", str(run / "checkpoints" / "global_step6"), str(where / "hf"), cwd=where)
     judge(r, proc, where, before, rc=2, says=["error:", "is not a plain tensor", "nothing in it was run"],
           extra_lost=["the pickle payload ran"] if marker.exists() else [])
-    if (where / "hf").exists():
-        r.lost.append("hf/ written")
-        r.as_expected = False
+    _lost_if(r, (where / "hf").exists(), "hf/ written")
 
 
 @case("checkpoint", "resume an AdamW checkpoint with engine.optimizer.type=SGD",
