@@ -20,7 +20,7 @@ from torch import nn
 from models import fetch_unit_modules
 from parallel3d.config import Zero3DConfig
 from parallel3d.config_sections import PipelineConfig, TensorParallelConfig, ZeroConfig
-from parallel3d.mesh import Mesh3D
+from parallel3d.mesh import ParallelMesh
 from parallel3d.meta_init import value_provider
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
@@ -30,16 +30,16 @@ from zero.offload import OffloadSettings
 from zero.partition import stage3_fetch_modules, standalone_head
 
 
-def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: Mesh3D) -> TensorParallelInfo | None:
+def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: ParallelMesh) -> TensorParallelInfo | None:
     """Replace the model's projections, embedding and head by tensor-parallel layers (tp > 1)."""
     if mesh.tp == 1:
         return None
     # under pipeline stages each chunk is its own sequence-parallel run (apply_pipeline)
-    return apply_tensor_parallel(model, mesh.group("tp"), sequence_parallel=section.sequence_parallel,
+    return apply_tensor_parallel(model, mesh.groups.tp, sequence_parallel=section.sequence_parallel,
                                  sequence_segments=mesh.pp == 1)
 
 
-def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: Mesh3D,
+def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: ParallelMesh,
                    tp_info: TensorParallelInfo | None) -> PipelineModel | None:
     """Keep this pp rank's chunks of ``model`` (pp > 1); the rest is removed from it.
 
@@ -82,7 +82,7 @@ def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: Mesh3D,
 def apply_zero(
     model: nn.Module,
     cfg: Zero3DConfig,
-    mesh: Mesh3D,
+    mesh: ParallelMesh,
     named_groups: list[dict],
     optimizer_factory: Callable,
     tp_info: TensorParallelInfo | None,
@@ -127,7 +127,7 @@ def apply_zero(
     return ZeroOptimizer(
         groups,
         optimizer_factory,
-        mesh.dp_group,
+        mesh.groups.zero_shard,
         settings,
         dtype=dtype,
         loss_scaler=_loss_scaler(cfg),
@@ -135,8 +135,8 @@ def apply_zero(
         held_to_backward=heads,
         release_early=_heads_released_early(heads, pipe, cfg.pipeline.schedule),
         model_parallel_params=tp_info.sharded_params if tp_info else (),
-        model_parallel_group=mesh.group("tp") if tp_info else None,
-        norm_groups=[mesh.group("pp")] if pipe else (),
+        model_parallel_group=mesh.groups.tp if tp_info else None,
+        norm_groups=list(mesh.groups.norm),
         norm_duplicate_params=_norm_duplicates(pipe, tp_info),
         param_order=list(model.parameters()),
         initial_values=values,

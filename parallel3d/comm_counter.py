@@ -259,15 +259,15 @@ def _group_names(mesh: Any) -> dict[str, str]:
         return {}
     if isinstance(mesh, Mapping):
         return {pg.group_name: name for name, pg in mesh.items() if pg is not None}
-    device_mesh = getattr(mesh, "device_mesh", mesh)  # parallel3d's Mesh3D or a DeviceMesh
-    if device_mesh is None:
+    if hasattr(mesh, "named_groups"):  # parallel3d's ParallelMesh: its views by their names too
+        return {pg.group_name: name for name, pg in mesh.named_groups().items()}
+    if mesh.mesh_dim_names is None:  # a DeviceMesh
         return {}
-    dims = device_mesh.mesh_dim_names or ()
     names: dict[str, str] = {}
     for big in (True, False):
-        for dim in dims:
-            if (device_mesh[dim].size() > 1) == big:
-                names.setdefault(device_mesh[dim].get_group().group_name, dim)
+        for dim in mesh.mesh_dim_names:
+            if (mesh[dim].size() > 1) == big:
+                names.setdefault(mesh[dim].get_group().group_name, dim)
     return names
 
 
@@ -314,7 +314,7 @@ def count_collectives(mesh: Any = None, names: Mapping[str, Any] | None = None,
                       functional: bool = False) -> Iterator[CommCounter]:
     """Record every collective this process issues inside the block; yields the ``CommCounter``.
 
-    ``mesh``: a ``Mesh3D`` (``engine.mesh``), a ``DeviceMesh`` or a mapping ``{name:
+    ``mesh``: a ``ParallelMesh`` (``engine.mesh``), a ``DeviceMesh`` or a mapping ``{name:
     ProcessGroup}`` used to name the groups; ``names`` adds or overrides ``{name:
     ProcessGroup}``. Counters may nest (each records every call made while it is active). A counter sees every
     collective of this process, from any thread, while it is active; with ``functional=True`` it

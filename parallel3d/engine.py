@@ -25,7 +25,7 @@ from parallel3d.batch_check import call_arguments, first_problem, positional_nam
 from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface
 from parallel3d.partial_load import KeptState, checkpoint_arguments
 from parallel3d.errors import ConfigError, UsageError
-from parallel3d.mesh import Mesh3D
+from parallel3d.mesh import ParallelMesh
 from parallel3d.pipeline.stage import PipelineModel
 from parallel3d.step_loops import MicroBatchLoop, PipelineLoop
 from parallel3d.train_state import TrainState
@@ -62,7 +62,7 @@ class Engine(DeepSpeedSurface):
         self,
         module: nn.Module,
         config,
-        mesh: Mesh3D,
+        mesh: ParallelMesh,
         optimizer: ZeroOptimizer,
         lr_scheduler=None,
         tp_info=None,
@@ -284,9 +284,9 @@ class Engine(DeepSpeedSurface):
             raise UsageError(f"data_iter ran out after {index} of the {needs}") from None
 
     def _dp_mean(self, loss: torch.Tensor) -> float:
-        """The mean of ``loss`` over the data-parallel ranks (the same value on all of them)."""
-        group = self.mesh.dp_group
-        if group is not None and self.mesh.dp > 1:
+        """The mean of ``loss`` over the data- and context-parallel ranks (the same value on all of them)."""
+        group = self.mesh.groups.gradient_mean
+        if group is not None and self.mesh.size("dp_cp") > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)
         return float(loss)
 
@@ -346,7 +346,7 @@ class Engine(DeepSpeedSurface):
             for name, spec in self.tp_info.shard_specs.items():
                 if name in full:
                     shards = [torch.empty_like(full[name]) for _ in range(self.mesh.tp)]
-                    dist.all_gather(shards, full[name], group=self.mesh.group("tp"))
+                    dist.all_gather(shards, full[name], group=self.mesh.groups.tp)
                     full[name] = spec.unshard(shards)
         return full
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from parallel3d.train_state import TrainState
     from parallel3d.config import Zero3DConfig
     from parallel3d.config_sections import OffloadOptimizerConfig, OffloadParamConfig
-    from parallel3d.mesh import Mesh3D
+    from parallel3d.mesh import ParallelMesh
     from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class DeepSpeedSurface:
 
     config: Zero3DConfig
     optimizer: ZeroOptimizer
-    mesh: Mesh3D
+    mesh: ParallelMesh
     module: torch.nn.Module
     client_optimizer: torch.optim.Optimizer | None
     train_state: TrainState
@@ -337,7 +337,7 @@ class DeepSpeedSurface:
             tensor = value.detach()
             if first in specs:
                 shards = [torch.empty_like(tensor) for _ in range(self.mesh.tp)]
-                dist.all_gather(shards, tensor.contiguous(), group=self.mesh.group("tp"))
+                dist.all_gather(shards, tensor.contiguous(), group=self.mesh.groups.tp)
                 tensor = specs[first].unshard(shards)
             state[name] = tensor.clone()
         return state

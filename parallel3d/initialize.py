@@ -34,7 +34,8 @@ from parallel3d.gathered import register
 from parallel3d.lifeline import install_exit_guard
 from parallel3d.lr_build import build_lr_scheduler
 from parallel3d.optimizer_check import check_sharded_optimizer
-from parallel3d.mesh import build_mesh, default_device, ensure_process_group
+from parallel3d.mesh import build_mesh
+from parallel3d.world import default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
 from parallel3d.planner.auto import resolve_auto
 from parallel3d.stage3_notice import persistence_notice

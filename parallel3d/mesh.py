@@ -1,49 +1,207 @@
-"""The pp x dp x tp device mesh every component receives explicitly.
+"""The device mesh of named axes every component receives explicitly.
 
-Rank order follows Megatron: tp varies fastest (its traffic is heaviest and wants the
-fastest links, i.e. the GPUs of one node), then dp, then pp. Built on
-``init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))``.
+``pp x dp_replicate x dp_shard x cp x tp``, built once with ``init_device_mesh``. Rank order
+follows Megatron and torchtitan: tp varies fastest (its traffic is heaviest and wants the
+fastest links, i.e. the GPUs of one node), then cp, then dp_shard, dp_replicate, pp. The data
+parallel ranks are ``dp = dp_replicate x dp_shard``: ZeRO shards inside a ``dp_shard`` group
+and replicates across ``dp_replicate`` (hybrid sharding). An axis of size 1 costs nothing but a
+trivial group; with ``dp_replicate = cp = 1`` the layout is the pp x dp x tp mesh of before.
+Expert parallelism is a view folded over ``dp_shard x cp`` (docs/design.md, "The mesh").
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-from datetime import timedelta
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel3d.errors import ConfigError
-from parallel3d.watchdog import prepare_flight_recorder, set_timeout
+from parallel3d.watchdog import set_timeout
+from parallel3d.world import default_device, ensure_process_group
+
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+"""The mesh's dimensions, slowest-varying first (tp fastest: its traffic wants a node's links)."""
+
+VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+}
+"""Flattened views over adjacent axes, by what they are for:
+
+* ``dp``: the ranks that are given different data (a cp or tp group shares its micro-batch);
+* ``dp_shard_cp``: where ZeRO shards states (context-parallel ranks hold the same weights, so
+  they share the shards, as in torchtitan's FSDP over ``dp_shard_cp``), and where expert
+  parallelism is folded;
+* ``dp_cp``: every rank that holds a replica of a weight outside pp and tp: the scope over which
+  gradients are averaged and a loss is meaned.
+"""
 
 
 @dataclass(frozen=True)
-class Mesh3D:
-    """A 3D mesh and this rank's coordinates in it.
+class MeshShape:
+    """Sizes of the five axes; ``dp`` is ``dp_replicate x dp_shard``."""
 
-    ``device_mesh`` is None in a single process run without ``torch.distributed``.
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @classmethod
+    def for_world(cls, world: int, *, tp: int = 1, pp: int = 1, cp: int = 1, dp_replicate: int = 1) -> "MeshShape":
+        """The shape whose ``dp_shard`` takes the ranks left over by the other axes.
+
+        Raises ConfigError, naming each size, when they do not divide ``world``.
+        """
+        named = {"tensor_parallel.size": tp, "pipeline.stages": pp, "context parallel size": cp,
+                 "data-parallel replicas": dp_replicate}
+        bad = [f"{name} {size}" for name, size in named.items() if not isinstance(size, int) or size < 1]
+        if bad:
+            raise ConfigError(f"mesh sizes must be whole numbers >= 1: {', '.join(bad)}")
+        fixed = tp * pp * cp * dp_replicate
+        if world % fixed != 0:
+            used = " x ".join(f"{name} {size}" for name, size in named.items() if size > 1) or "1"
+            raise ConfigError(
+                f"world size {world} is not divisible by {used} = {fixed}; the data-parallel shard size is "
+                f"world / ({fixed}) and must be a whole number"
+            )
+        return cls(pp=pp, dp_replicate=dp_replicate, dp_shard=world // fixed, cp=cp, tp=tp)
+
+    def size(self, name: str) -> int:
+        """The size of an axis or of a view (``VIEWS``)."""
+        return math.prod(getattr(self, axis) for axis in VIEWS.get(name, (name,)))
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in AXES)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.dims)
+
+
+@dataclass(frozen=True)
+class ProcessGroups:
+    """The groups components use, named by what they are for (Megatron's ProcessGroupCollection).
+
+    Each is None in a single process run without ``torch.distributed``. Handed out by the
+    mesh, so no component slices the mesh itself or keeps a group in a global.
     """
 
-    pp: int
-    dp: int
-    tp: int
+    tp: dist.ProcessGroup | None = None
+    pp: dist.ProcessGroup | None = None
+    cp: dist.ProcessGroup | None = None
+    dp: dist.ProcessGroup | None = None
+    """Ranks given different micro-batches (``dp_replicate x dp_shard``)."""
+    zero_shard: dist.ProcessGroup | None = None
+    """Where ZeRO's states, gradients and parameters are sharded (``dp_shard x cp``)."""
+    zero_replicate: dist.ProcessGroup | None = None
+    """Ranks holding copies of the same ZeRO shard (``dp_replicate``): their reduced shards are
+    averaged across it."""
+    gradient_mean: dist.ProcessGroup | None = None
+    """Every rank whose gradient of a weight enters its mean (``dp_cp``), and a loss's mean."""
+    norm: tuple[dist.ProcessGroup, ...] = ()
+    """Groups over which a whole squared gradient norm is also summed: pipeline stages hold
+    disjoint params (tensor-parallel pieces are summed over ``tp``, param by param). Tied
+    copies on two stages need no group of their own: they sum their gradients point to point
+    over ``pp`` (parallel3d/pipeline/stage.py)."""
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The device mesh of named axes (``AXES``) and views (``VIEWS``), and this rank's place in it.
+
+    ``device_mesh`` is None in a single process run without ``torch.distributed``. Every
+    group a view needs is made when the mesh is built (making one is a collective of the
+    whole world, so it cannot wait until one rank asks for it).
+    """
+
+    shape: MeshShape
     device_mesh: DeviceMesh | None
     device: torch.device
     timeout_s: float | None = None
     """The collective timeout of its groups (None: torch's default); groups made later use it too."""
+    flattened: Mapping[str, DeviceMesh] = field(default_factory=dict, repr=False, compare=False)
+    """The 1-D meshes of views over more than one non-trivial axis (torch wants them kept by
+    their maker rather than sliced from the root mesh)."""
+    groups: ProcessGroups = field(default_factory=ProcessGroups, repr=False, compare=False)
+    """The groups by use (:func:`build_mesh` fills them in)."""
 
-    def group(self, dim: str) -> dist.ProcessGroup | None:
-        """The process group along ``dim`` ("pp", "dp" or "tp"); None without distributed."""
+    def __post_init__(self) -> None:
+        if self.device_mesh is not None and tuple(self.device_mesh.mesh_dim_names or ()) != AXES:
+            raise ValueError(f"a ParallelMesh's device mesh must have the dims {AXES}")
+
+    def _mesh_of(self, name: str) -> DeviceMesh:
+        if name in AXES:
+            return self.device_mesh[name]
+        if name not in VIEWS:
+            raise KeyError(f"no mesh axis or view {name!r}: the axes are {', '.join(AXES)}, the views "
+                           f"{', '.join(VIEWS)}")
+        if name in self.flattened:
+            return self.flattened[name]
+        # a view over at most one non-trivial axis is that axis (or any size-1 axis): no group of its own
+        axes = VIEWS[name]
+        return self.device_mesh[next((a for a in axes if self.shape.size(a) > 1), axes[0])]
+
+    def group(self, name: str) -> dist.ProcessGroup | None:
+        """The process group along an axis or view; None without distributed."""
         if self.device_mesh is None:
+            if name not in AXES and name not in VIEWS:
+                self._mesh_of(name)  # the same KeyError as with a device mesh
             return None
-        return self.device_mesh[dim].get_group()
+        return self._mesh_of(name).get_group()
 
-    def local_rank(self, dim: str) -> int:
+    def size(self, name: str) -> int:
+        return self.shape.size(name)
+
+    def local_rank(self, name: str) -> int:
+        """This rank's index along an axis, or along a view (its axes' coordinates, tp-fastest order)."""
         if self.device_mesh is None:
             return 0
-        return self.device_mesh.get_local_rank(dim)
+        index = 0
+        for axis in VIEWS.get(name, (name,)):
+            index = index * self.shape.size(axis) + self.device_mesh.get_local_rank(axis)
+        return index
+
+    def named_groups(self) -> dict[str, dist.ProcessGroup]:
+        """``{name: group}`` over axes and views, one name per group: a view that is one axis
+        goes by the shorter common name (``dp``, not ``dp_shard``), groups of size > 1 first."""
+        if self.device_mesh is None:
+            return {}
+        preference = ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp")
+        names: dict[str, dist.ProcessGroup] = {}
+        seen: set[str] = set()
+        for big in (True, False):
+            for name in preference:
+                group = self.group(name)
+                if (self.size(name) > 1) == big and group.group_name not in seen:
+                    seen.add(group.group_name)
+                    names[name] = group
+        return names
+
+    @property
+    def pp(self) -> int:
+        return self.shape.pp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: ``dp_replicate x dp_shard`` (each given its own micro-batches)."""
+        return self.shape.size("dp")
+
+    @property
+    def cp(self) -> int:
+        return self.shape.cp
+
+    @property
+    def tp(self) -> int:
+        return self.shape.tp
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
@@ -51,56 +209,12 @@ class Mesh3D:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.shape.world_size
 
 
-def default_device() -> torch.device:
-    """CUDA device of this local rank when CUDA is there, else CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def backend_for(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def _job_store(timeout: timedelta) -> dist.Store | None:
-    """torchrun's store with a prefix of this restart, or None to let torch rendezvous.
-
-    Under torchrun's agent store the workers of a restart (``--max-restarts``) reuse the store
-    of the run they replace, whose keys still name the dead workers' gloo addresses: without a
-    prefix of their own the new ranks connect to those, or wait forever for a key that is
-    already there (torch 2.13's static rendezvous; the futex hang of restarted workers).
-    """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"/zero3d/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
-def ensure_process_group(device: torch.device, timeout_s: float | None = None) -> None:
-    """Join the job's process group from torchrun's environment if nobody has yet.
-
-    ``timeout_s`` is the collective timeout of the group created here (None: torch's default).
-    """
-    if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
-        return
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    prepare_flight_recorder()
-    timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
-    store = _job_store(timeout or timedelta(minutes=5))
-    if store is None:
-        dist.init_process_group(backend_for(device), timeout=timeout)
-    else:
-        dist.init_process_group(backend_for(device), store=store, rank=int(os.environ["RANK"]),
-                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
-
-
-def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: float | None = None) -> Mesh3D:
-    """Build the pp x dp x tp mesh over the current world; dp = world / (tp * pp).
+def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: float | None = None, *,
+               cp: int = 1, dp_replicate: int = 1) -> ParallelMesh:
+    """Build the mesh over the current world; ``dp_shard`` takes the ranks the other axes leave.
 
     Its groups get the collective timeout ``timeout_s`` (torch gives new groups its 30-minute
     default, not the default group's timeout).
@@ -108,15 +222,27 @@ def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: 
     device = device or default_device()
     ensure_process_group(device, timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if tp < 1 or pp < 1 or world % (tp * pp) != 0:
-        raise ConfigError(
-            f"world size {world} is not divisible by tensor_parallel.size {tp} x pipeline.stages {pp}; "
-            "the data-parallel size is world / (tp x pp) and must be a whole number"
-        )
-    dp = world // (tp * pp)
+    shape = MeshShape.for_world(world, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate)
     if not dist.is_initialized():
-        return Mesh3D(pp=pp, dp=dp, tp=tp, device_mesh=None, device=device)
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+        return ParallelMesh(shape, None, device)
+    mesh = init_device_mesh(device.type, shape.dims, mesh_dim_names=AXES)
+    flattened = {name: mesh[axes]._flatten(name) for name, axes in VIEWS.items()
+                 if sum(shape.size(a) > 1 for a in axes) > 1}
     if timeout_s is not None:
-        set_timeout((mesh[dim].get_group() for dim in ("pp", "dp", "tp")), timeout_s)
-    return Mesh3D(pp=pp, dp=dp, tp=tp, device_mesh=mesh, device=device, timeout_s=timeout_s)
+        set_timeout([mesh[axis].get_group() for axis in AXES] + [m.get_group() for m in flattened.values()],
+                    timeout_s)
+    built = ParallelMesh(shape, mesh, device, timeout_s, flattened)
+    return dataclasses.replace(built, groups=_groups_of(built))
+
+
+def _groups_of(mesh: ParallelMesh) -> ProcessGroups:
+    return ProcessGroups(
+        tp=mesh.group("tp"),
+        pp=mesh.group("pp"),
+        cp=mesh.group("cp"),
+        dp=mesh.group("dp"),
+        zero_shard=mesh.group("dp_shard_cp"),
+        zero_replicate=mesh.group("dp_replicate"),
+        gradient_mean=mesh.group("dp_cp"),
+        norm=(mesh.group("pp"),) if mesh.pp > 1 else (),
+    )

@@ -97,7 +97,7 @@ class PipelineLoop:
         config, mesh = engine.config, engine.mesh
         self.executor = PipelineExecutor(
             pipe,
-            mesh.group("pp"),
+            mesh.groups.pp,
             config.pipeline.schedule,
             device=mesh.device,
             before_backward=self._begin_pass,

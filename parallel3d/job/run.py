@@ -88,7 +88,7 @@ def run_job(job: JobConfig) -> dict:
     from parallel3d.job.config import engine_dict
     from parallel3d.job.resume_check import with_fallback
     from parallel3d.job.trainer import train
-    from parallel3d.mesh import default_device, ensure_process_group
+    from parallel3d.world import default_device, ensure_process_group
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart > 0:
