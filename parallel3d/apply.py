@@ -91,20 +91,19 @@ def apply_zero(
 ) -> ZeroOptimizer:
     """Hand this rank's trainable params to ZeRO over the dp group (``cfg.zero_optimization``).
 
-    ``named_groups`` are torch-style param groups whose ``params`` are HF names. With a
-    ``source`` (a meta model) ZeRO fills its buffers from it and frozen params are read whole;
-    otherwise frozen params are cast to the working precision and ZeRO takes current values.
+    ``named_groups`` are torch-style param groups whose ``params`` are HF names; the model's other
+    floating-point params are ZeRO's frozen params (sharded like the trained ones at stage 3,
+    with no gradient, master or optimizer state). With a ``source`` (a meta model) ZeRO fills
+    its buffers from it, each rank reading its part; otherwise ZeRO takes current values.
     """
     groups = _stage_groups(pipe, named_groups) if pipe is not None else _model_groups(model, named_groups)
     dtype = _working_dtype(cfg)
     trainable = {id(p) for g in groups for p in g["params"]}
+    untrained = [p for p in model.parameters() if id(p) not in trainable]
+    frozen = [p for p in untrained if p.is_floating_point()]  # ZeRO lays them out (and shards them at stage 3)
     values = None
     if source is not None:
-        values = _meta_values(source, model, tp_info, trainable, dtype)
-    else:
-        for p in model.parameters():
-            if id(p) not in trainable and p.is_floating_point():
-                p.data = p.data.to(dtype)
+        values = _meta_values(source, model, tp_info, [p for p in untrained if not p.is_floating_point()])
     _cast_buffers(model, cfg.data_types.buffer_dtype)
     z = cfg.zero_optimization
     settings = ZeroSettings(
@@ -143,6 +142,7 @@ def apply_zero(
         chunk_of={p: ci for ci, chunk in enumerate(pipe.chunks) for p in chunk.parameters()} if pipe else None,
         isolated_params=[t.param for t in pipe.tied] if pipe else (),
         param_names={p: n for n, p in (pipe.hf_named_parameters() if pipe else model.named_parameters())},
+        frozen_params=frozen,
     )
 
 
@@ -235,20 +235,20 @@ def _stage_groups(pipe: PipelineModel, named_groups: list[dict]) -> list[dict]:
     return [dict(g, params=ps) for g, ps in zip(named_groups, staged)]
 
 
-def _meta_values(source, model: nn.Module, tp_info, trainable: set[int], dtype: torch.dtype):
-    """ZeRO's value provider for a meta model; frozen params are filled in the same read, whole.
+def _meta_values(source, model: nn.Module, tp_info, whole: list[nn.Parameter]):
+    """ZeRO's value provider for a meta model; ``whole`` (params ZeRO does not hold: integer ones)
+    are filled in the same read, whole.
 
     One read only: a replay of eager init draws the whole model's random numbers each time.
     """
     specs = tp_info.shard_specs if tp_info is not None else {}
     rank, world = (tp_info.tp_rank, tp_info.tp_size) if tp_info is not None else (0, 1)
     provide = value_provider(source, list(model.named_parameters()), specs, rank, world)
-    frozen = {p: torch.empty(p.numel()) for p in model.parameters() if id(p) not in trainable}
+    outside = {p: torch.empty(p.numel(), dtype=p.dtype) for p in whole}
 
-    def provide_with_frozen(wanted) -> None:
-        provide({**wanted, **{p: (0, p.numel(), flat) for p, flat in frozen.items()}})
-        for param, flat in frozen.items():
-            kind = dtype if param.is_floating_point() else param.dtype
-            param.data = flat.view(param.shape).to(device=param.device, dtype=kind)
+    def provide_with_outside(wanted) -> None:
+        provide({**wanted, **{p: (0, p.numel(), flat) for p, flat in outside.items()}})
+        for param, flat in outside.items():
+            param.data = flat.view(param.shape).to(device=param.device)
 
-    return provide_with_frozen
+    return provide_with_outside

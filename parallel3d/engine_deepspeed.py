@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.errors import ConfigError
+from parallel3d.gathered import GatheredParameters
 
 if TYPE_CHECKING:
     from parallel3d.train_state import TrainState
@@ -322,8 +323,13 @@ class DeepSpeedSurface:
 
     def _whole_state_dict(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
         """The module's state dict with every parameter whole: trainable ones from the masters."""
-        dtype = _DTYPES[self.config.precision]
         trainable = self.full_parameters()
+        frozen = [] if exclude_frozen else [p for p in self.module.parameters() if not p.requires_grad]
+        with GatheredParameters(frozen):  # stage 3 shards them over dp
+            return self._state_dict_of_whole(trainable, exclude_frozen)
+
+    def _state_dict_of_whole(self, trainable: dict[str, torch.Tensor], exclude_frozen: bool) -> dict[str, torch.Tensor]:
+        dtype = _DTYPES[self.config.precision]
         name_of = {p: n for n, p in self.module.named_parameters()}
         specs = self.tp_info.shard_specs if self.tp_info is not None else {}
         state = {}

@@ -74,7 +74,7 @@ for _name in _DEEPSPEED_INTERNALS:
 def register(optimizer: ZeroOptimizer) -> None:
     """Record ``optimizer`` as the owner of its parameters; at stage 3 make them ``ShardedParameter``."""
     owner = weakref.ref(optimizer)
-    for unit in optimizer.units:
+    for unit in optimizer.units + optimizer.frozen_units:
         for param in unit.params:
             _OWNERS[param] = owner
             if optimizer.settings.stage == 3 and type(param) is nn.Parameter:
@@ -91,8 +91,8 @@ class GatheredParameters:
     """DeepSpeed's ``GatheredParameters`` for Zero3D: ``params`` are whole inside the block.
 
     Args:
-        params: a parameter or an iterable of them. Parameters no engine manages (frozen ones,
-            which Zero3D keeps whole, or plain tensors) are left as they are.
+        params: a parameter or an iterable of them. Parameters no engine manages (plain tensors,
+            integer parameters) are left as they are; frozen ones are gathered like trained ones.
         modifier_rank: the data-parallel rank whose changes to ``params`` are kept: on exit its
             values are broadcast and written into every rank's shards and fp32 master weights,
             so training continues from them. Without it a change would be lost, so a change

@@ -30,8 +30,7 @@ import torch
 import torch.distributed
 
 from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
-
-CATEGORIES = ("params", "gradients", "master_params", "optimizer_states")
+from zero.sizing import CATEGORIES
 WORK_BYTES = {"bf16": 2, "fp32": 4}
 
 
@@ -60,7 +59,10 @@ def _held_storage(engine) -> dict[str, int]:
     master, _ = _storage_bytes([u.master for u in units] + list(opt.masters), exclude=param_ptrs)
     states = [v for st in opt.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
     optim, _ = _storage_bytes(states)
-    return {"params": params, "gradients": grads, "master_params": master, "optimizer_states": optim}
+    frozen_units = opt.frozen_units
+    frozen, _ = _storage_bytes([u.full if u.persistent else u.shard for u in frozen_units])
+    return {"params": params, "gradients": grads, "master_params": master, "optimizer_states": optim,
+            "frozen_params": frozen}
 
 
 def measure(stage: int, precision: str, zero_extra: dict) -> dict:

@@ -15,6 +15,7 @@ from tests.tiny import (
     rank_micro_batches,
     token_batches,
     ds_config,
+    train_micro_steps,
 )
 
 STEPS, GAS = 5, 2
@@ -31,16 +32,7 @@ def train_ranks(kind: str, stage: int, dp: int, zero_extra: dict, checkpointing:
     engine, _, _, _ = parallel3d.initialize(model=model, config=ds_config(stage, GAS, dp, **zero_extra))
     rank = torch.distributed.get_rank()
     batches = rank_micro_batches(token_batches(STEPS, GAS, dp), rank)
-    losses = []
-    for s in range(STEPS):
-        total = torch.zeros(())
-        for mb in batches[s * GAS : (s + 1) * GAS]:
-            loss = engine(**mb).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach()
-        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
-        losses.append(total.item() / GAS)
+    losses = train_micro_steps(engine, batches, STEPS, GAS)
     assert engine.global_steps == STEPS
     return losses, engine.full_parameters()
 

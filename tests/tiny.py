@@ -62,6 +62,24 @@ def rank_micro_batches(data: torch.Tensor, dp_rank: int) -> list[dict]:
     return [{"input_ids": data[s, a, dp_rank], "labels": data[s, a, dp_rank]} for s in range(steps) for a in range(gas)]
 
 
+def train_micro_steps(engine, batches: list[dict], steps: int, gas: int) -> list[float]:
+    """``steps`` steps through the DeepSpeed-style loop (forward, backward, step per micro-batch);
+    each step's loss averaged over its micro-batches and the data-parallel ranks."""
+    import torch.distributed
+
+    losses = []
+    for s in range(steps):
+        total = torch.zeros(())
+        for mb in batches[s * gas : (s + 1) * gas]:
+            loss = engine(**mb).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach()
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.AVG)
+        losses.append(total.item() / gas)
+    return losses
+
+
 def ds_config(stage: int, gas: int, dp: int, clip: float = 0.5, lr: float = 1e-3, **zero) -> dict:
     """A DeepSpeed-style config for the parity runs."""
     return {

@@ -60,7 +60,8 @@ class FlatUnit:
         device: where the buffers live.
 
     ``master`` is the fp32 master shard: a copy taken *before* the conversion to ``dtype``
-    under mixed precision, an alias of the working shard (no extra bytes) under fp32.
+    under mixed precision, an alias of the working shard (no extra bytes) under fp32. A
+    ``frozen`` unit (set before its values are installed) has none.
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class FlatUnit:
         self.persistent = persistent
         self.model_parallel = False  # split across a tensor-parallel group (for the grad norm)
         self.count_in_norm = True  # False for copies whose gradient another rank counts
+        self.frozen = False  # untrained params: no master, no gradient, released after each use
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [0]
@@ -150,6 +152,8 @@ class FlatUnit:
             self._materialized = True
             self.release()
             self.master = kept_fp32
+        if self.frozen:
+            self.master = None
 
     def point_params_at(self, full: torch.Tensor) -> None:
         """Make each param's ``.data`` a view into ``full``."""

@@ -47,7 +47,7 @@ def param_locations(optimizer: ZeroOptimizer, params: Iterable[nn.Parameter]) ->
     """``(param, unit, index in unit)`` for each of ``params`` that ``optimizer`` manages (once each)."""
     wanted = {id(p) for p in params}
     found = []
-    for unit in optimizer.units:
+    for unit in optimizer.units + optimizer.frozen_units:
         for index, p in enumerate(unit.params):
             if id(p) in wanted:
                 found.append((p, unit, index))
@@ -75,7 +75,7 @@ def write_back(optimizer: ZeroOptimizer, unit: FlatUnit, index: int, full_value:
     shard = unit.shard[start - lo : stop - lo]
     if shard.data_ptr() != piece.data_ptr():
         shard.copy_(piece)
-    if unit.master is not unit.shard:
+    if unit.master is not None and unit.master is not unit.shard:
         unit.master[start - lo : stop - lo].copy_(piece)
 
 

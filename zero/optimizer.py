@@ -153,6 +153,11 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             values that are the same on every rank (computed or read identically everywhere,
             so nothing is broadcast). A rank then never holds more than its share. Default:
             the params' current values, broadcast from dp rank 0.
+        frozen_params: parameters that are not trained (``requires_grad=False``: a PEFT model's
+            base): laid out like the trainable ones, in the working precision, and at stage 3
+            sharded, gathered with their fetch module and released after its use, but with no
+            gradient, no fp32 master and no optimizer state (``frozen_units``). Their initial
+            values come as the trainable ones' do.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         chunk_of: Mapping[nn.Parameter, int] | None = None,
         isolated_params: Iterable[nn.Parameter] = (),
         param_names: Mapping[nn.Parameter, str] | None = None,
+        frozen_params: Iterable[nn.Parameter] = (),
     ) -> None:
         self.settings = settings
         self.param_names = dict(param_names or {})  # for messages
@@ -200,13 +206,20 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 for part in _partition(ps, lambda p: (chunk_of.get(p, 0), id(p) if id(p) in isolated else None)):
                     params.append(part)
                     origin.append((gi, *kind))
+        frozen = list(dict.fromkeys(frozen_params))
+        if frozen:  # one more part, no optimizer group: its units are frozen (zero.flat.FlatUnit.frozen)
+            params.append(frozen)
         if any(p.is_meta for ps in params for p in ps):
             raise ValueError("parameters on the meta device: give them storage-less tensors on the device first "
                              "(parallel3d.meta_init.detach_from_meta) and their values through initial_values")
         device = params[0][0].device
         self._comm_device = device  # where collectives run (offloaded shards are on the host)
         self.layout = self._layout(params, list(fetch_modules), device)
-        self.units = self.layout.units
+        trained = len(origin)
+        self.units = [u for u in self.layout.units if u.group_index < trained]
+        self.frozen_units = [u for u in self.layout.units if u.group_index == trained]
+        for unit in self.frozen_units:
+            unit.frozen = True
         self._chunk_units: dict[int, list[int]] = {}  # pipeline chunk -> its units
         for ui, unit in enumerate(self.units):
             self._chunk_units.setdefault(chunk_of.get(params[unit.group_index][0], 0), []).append(ui)
@@ -263,6 +276,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         self.inner = optimizer_factory(inner_groups)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
+        self._pass_chunk = 0  # the pipeline chunk of the running backward pass
 
     def _layout(self, params: list[list[nn.Parameter]], fetch_modules: list[nn.Module], device) -> UnitLayout:
         s = self.settings
@@ -284,7 +298,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     def _install_values(self) -> None:
         """Broadcast initial values from dp rank 0 (so every replica starts equal) and shard them."""
         src = dist.get_global_rank(self.group, 0) if self.dp_world > 1 and self.group is not None else 0
-        for unit in self.units:
+        for unit in self.layout.units:
             full = unit.flatten_current()
             if self.dp_world > 1:
                 dist.broadcast(full, src=src, group=self.group)
@@ -297,7 +311,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         resident as values arrive: a rank's memory grows to its share, no further.
         """
         kept, wanted = [], {}
-        for unit in self.units:
+        for unit in self.layout.units:
             lo, hi = unit.kept_range
             buffer = torch.empty(hi - lo, dtype=torch.float32, device=unit.device)
             buffer[max(unit.numel, lo) - lo :].zero_()
@@ -306,7 +320,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 off = unit.offsets[pi]
                 wanted[unit.params[pi]] = (start - off, stop - off, buffer[start - lo : stop - lo])
         provide(wanted)
-        for unit, values_kept in zip(self.units, kept):
+        for unit, values_kept in zip(self.layout.units, kept):
             unit.install_kept(values_kept)
 
     def _release_after_reduce(self, unit: FlatUnit) -> None:
@@ -372,6 +386,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         reduced during and after its ``last`` pass of the step only.
         """
         units = [ui for ui in self._chunk_units.get(chunk, ()) if ui not in self._held_units]
+        self._pass_chunk = chunk
         self.reducer.reap()
         self.reducer.start_backward(boundary=last, units=units)
 
@@ -393,8 +408,11 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self.fetcher.release_key(chunk)
 
     def end_pass(self) -> None:
-        """The pass has ended: launch the chunk's units that got no gradient (zeros), without waiting."""
+        """The pass has ended: launch the chunk's units that got no gradient (zeros), without waiting;
+        stage 3 releases the chunk's frozen units that the pass left gathered."""
         self.reducer.finish_backward(wait=False)
+        if self.fetcher is not None and not self._hold_all:
+            self.fetcher.release_frozen(self._pass_chunk)
 
     def reap_reductions(self) -> None:
         """Between passes (before each block's forward): free the buffers of the reductions that
@@ -640,7 +658,11 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         Under fp32 the master shard *is* the working shard (one tensor, while both are in the
         same memory), so ``master_params`` is 0 there: its bytes are already counted in ``params``.
 
-        The four keys of ``zero.sizing.CATEGORIES`` are bytes on the compute device. With
+        ``frozen_params`` is what this rank keeps of the untrained parameters between uses: their
+        working-precision shard at stage 3 (whole below the persistence threshold), whole at
+        stages 0-2. A stage-3 gather holds one fetch unit more while it is in use (two with prefetch).
+
+        The keys of ``zero.sizing.CATEGORIES`` are bytes on the compute device. With
         ZeRO-Offload the offloaded bytes are counted under ``zero.sizing.HOST_CATEGORIES``
         instead (host memory), by where the settings place them (on a CPU-only machine both
         are the same memory).
@@ -652,11 +674,13 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         offload = self.settings.offload
         used = self.reducer.used
         report = {"params": 0, "gradients": self.reducer.buffer_bytes() if used else 0,
-                  "master_params": 0, "optimizer_states": 0}
+                  "master_params": 0, "optimizer_states": 0, "frozen_params": 0}
         if offload.enabled:
             report.update(dict.fromkeys(HOST_CATEGORIES, 0))
             if offload.optimizer and used:
                 report["offloaded_gradients"] = sum(4 * u.shard_size for u in self.units)
+        for unit in self.frozen_units:
+            report["frozen_params"] += nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
         for unit in self.units:
             kept = nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
             report["offloaded_params" if offload.params and not unit.persistent else "params"] += kept

@@ -14,6 +14,9 @@ master_params      the fp32 shard, 0 under fp32 (the master *is* the working sha
 optimizer_states   per *piece* (a parameter's part of the shard, padding excluded): 4 bytes
                    per element per elementwise state (Adam's m and v) plus 4 bytes per
                    scalar state (Adam's ``step``)
+frozen_params      untrained parameters (``requires_grad=False``): the full padded buffer
+                   (persistent unit, stages 0-2) or the rank's shard, working dtype; they
+                   have no gradient, master or optimizer state
 =================  ======================================================================
 
 Those are bytes on the compute device. With ZeRO-Offload (zero/offload.py) the offloaded ones
@@ -33,7 +36,7 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-CATEGORIES = ("params", "gradients", "master_params", "optimizer_states")
+CATEGORIES = ("params", "gradients", "master_params", "optimizer_states", "frozen_params")
 """Model-state bytes on the compute device."""
 HOST_CATEGORIES = ("offloaded_params", "offloaded_gradients", "offloaded_master_params", "offloaded_optimizer_states")
 """Model-state bytes in host memory (ZeRO-Offload)."""

@@ -6,6 +6,11 @@ releases them and hooks the module's outputs so that backward gathers them again
 the module's backward runs (and prefetches the units that backward reaches next). Units are
 released in backward once their gradients have been handed to the reducer.
 
+Frozen units (parameters with ``requires_grad=False``, such as a LoRA model's base) are
+gathered with their fetch module like the trainable ones; having no gradient to reduce, they are
+released in backward once the backward has moved past their module (the pre-backward hook of
+the module before it releases those of the modules after it), or when the pass ends.
+
 The root units (the final norm, a tied embedding and head: every parameter outside the
 fetch modules) are gathered for the whole forward-backward of a micro-batch; a tied embedding
 is used at both ends of the model, so gathering it once is also the cheapest. Besides the
@@ -365,8 +370,27 @@ class ParamFetcher:
         if self._input_pass == key and mi in self._position:  # the blocks after mi are done
             for later in self._order[key][self._position[mi] + 1:]:
                 self.release(self.module_units[later][1])
+        self._release_frozen_after(mi)
         self._ready_for_backward(mi)
         self._prefetch_after(mi, -1)
+
+    def _release_frozen_after(self, mi: int) -> None:
+        """Backward has reached ``mi``: the fetch modules after it in its key's order are done with
+        their backward, so their frozen units (no gradient, so no reduction to release them after)
+        are released. The trainable units are released by the reducer as their gradients complete."""
+        if mi not in self._position:
+            return
+        for later in self._order[self._key[mi]][self._position[mi] + 1:]:
+            frozen = [u for u in self.module_units[later][1] if u.frozen and u.is_materialized]
+            if frozen:
+                self.release(frozen)
+
+    def release_frozen(self, key: int) -> None:
+        """A backward pass over ``key``'s fetch modules (a pipeline chunk) has ended: release their
+        frozen units still gathered (the earliest module's, which no later backward follows)."""
+        for mi, (_, units) in enumerate(self.module_units):
+            if self._key[mi] == key:
+                self.release([u for u in units if u.frozen])
 
     def end_step_recording(self) -> None:
         """Freeze the recorded execution order after the first forward-backward."""
