@@ -103,6 +103,14 @@ class Zero3DConfig(Section):
     gradient_predivide_factor: PositiveFloat = 1.0
     """DeepSpeed's split of that division (before / after the sum); like prescale_gradients it
     moves rounding only, and Zero3D's AVG collective gives the same mean for every value."""
+    loss_normalization: Literal["micro_batch", "tokens"] = "micro_batch"
+    """What ``train_batch``/``eval_batch`` average the loss over. "micro_batch" (DeepSpeed's, the
+    default): the mean of the micro-batches' losses over accumulation and dp ranks. "tokens": the
+    mean over the label tokens of the whole global batch, counted before the step and passed to
+    the model as ``num_items_in_batch`` (HF Trainer's rule), with gradients summed over
+    micro-batches and dp ranks; the same data then gives the same loss at any dp, micro-batch and
+    accumulation. Under "tokens", ``engine.backward`` does not divide by the accumulation steps and
+    multiplies by the data-parallel size (parallel3d/token_mean.py)."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """`data_types.grad_accum_dtype`: the dtype gradients accumulate in."""
     optimizer: Optional[OptimizerConfig] = None
@@ -131,6 +139,14 @@ class Zero3DConfig(Section):
     def _one_precision(self) -> "Zero3DConfig":
         if self.fp16.enabled and self.bf16.enabled:
             raise problem("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return self
+
+    @model_validator(mode="after")
+    def _token_mean_sums_itself(self) -> "Zero3DConfig":
+        if self.loss_normalization == "tokens" and self.gradient_allreduce_op == "sum":
+            raise problem('loss_normalization "tokens" with gradient_allreduce_op "sum": the token mean already sums '
+                          'the gradients over data-parallel ranks (each loss is divided by the global token count); '
+                          'leave gradient_allreduce_op at "mean"')
         return self
 
     @field_validator("gradient_allreduce_op", mode="before")

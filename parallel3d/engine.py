@@ -28,6 +28,7 @@ from parallel3d.errors import ConfigError, UsageError
 from parallel3d.mesh import ParallelMesh
 from parallel3d.pipeline.stage import PipelineModel
 from parallel3d.step_loops import MicroBatchLoop, PipelineLoop
+from parallel3d import token_mean
 from parallel3d.train_state import TrainState
 from parallel3d.watchdog import Watchdog
 from zero import ZeroOptimizer
@@ -83,6 +84,7 @@ class Engine(DeepSpeedSurface):
         self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
         self._in_no_sync = False  # inside no_sync(): backward accumulates, reduces nothing
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
+        self.token_mean = config.loss_normalization == "tokens"  # parallel3d/token_mean.py
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
@@ -170,6 +172,11 @@ class Engine(DeepSpeedSurface):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); returns the divided loss.
 
+        With ``loss_normalization: "tokens"`` the loss is one the model divided by the global
+        batch's label tokens (``num_items_in_batch``): it is not divided by the accumulation
+        steps but multiplied by the data-parallel size, so that the dp average of the gradients
+        is their sum (parallel3d/token_mean.py); ``scale_wrt_gas`` does not apply.
+
         DeepSpeed's order of operations, so that fp16 overflows the same way: the loss is
         divided by the accumulation steps in its own dtype first, then multiplied by the loss
         scale (multiplying once by scale / steps would let a scale of 2**16 through where
@@ -179,7 +186,9 @@ class Engine(DeepSpeedSurface):
         if self._backward_pending and not self._accumulating_by_hand():
             raise UsageError("engine.backward() was called twice for one micro-batch; call engine.step() "
                              "after each engine.backward() (the loop is engine(batch) -> backward(loss) -> step())")
-        if scale_wrt_gas:
+        if self.token_mean:  # the mean over dp_cp (parallel3d/mesh.py) becomes a sum
+            loss = loss * self.mesh.size("dp_cp") if self.mesh.size("dp_cp") > 1 else loss
+        elif scale_wrt_gas:
             loss = loss / self.gradient_accumulation_steps
         scale = self.optimizer.loss_scale
         self.optimizer.start_backward(self._reduces_now())
@@ -229,12 +238,13 @@ class Engine(DeepSpeedSurface):
 
         Each item of ``data_iter`` is a dict of model keyword arguments (with labels) or, without
         pipeline stages, a tuple of positional ones. Returns the mean loss of the batch over all
-        dp ranks (the same value on every rank).
+        dp ranks (the same value on every rank): the mean of the micro-batch losses, or with
+        ``loss_normalization: "tokens"`` the mean over the global batch's label tokens.
         """
         batches = [self._next_micro_batch(data_iter, i) for i in range(self.gradient_accumulation_steps)]
         self._check_batches(batches, "train_batch")
         with self._checked():
-            outcome = self.loop.train([self._to_device(b) for b in batches])
+            outcome = self.loop.train(self._counted([self._to_device(b) for b in batches]))
             if outcome.stepped is not None:  # the loop stepped the optimizer itself: count its window here
                 self._end_window(outcome.stepped)
                 self.train_state.micro_steps += outcome.micro_batches
@@ -257,12 +267,14 @@ class Engine(DeepSpeedSurface):
         batches = [self._next_micro_batch(data_iter, i, count) for i in range(count)]
         self._check_batches(batches, "eval_batch")
         with self._checked():
-            return self._dp_mean(self.loop.evaluate([self._to_device(b) for b in batches]))
+            return self._dp_mean(self.loop.evaluate(self._counted([self._to_device(b) for b in batches])))
 
     def _check_batches(self, batches: list, what: str) -> None:
         """Raise one ConfigError on every rank if any rank's micro-batches hold token ids outside the
         vocabulary, or are empty (one all-reduce of a flag; the batches are checked where they are)."""
         problem = first_problem(batches, self._vocab_size, self._arg_names)
+        if problem is None and self.token_mean:
+            problem = next((p for p in map(token_mean.batch_problem, batches) if p is not None), None)
         rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
         raise_on_every_rank(ConfigError(f"{what}{rank}: {problem}") if problem is not None else None, self.device)
 
@@ -283,11 +295,21 @@ class Engine(DeepSpeedSurface):
                      if count is None else f"{count} micro-batches asked for")
             raise UsageError(f"data_iter ran out after {index} of the {needs}") from None
 
+    def _counted(self, batches: list) -> list:
+        """Under ``loss_normalization: "tokens"``, the micro-batches with the step's global label
+        token count as ``num_items_in_batch`` (one all-reduce over dp); else as they are."""
+        if not self.token_mean:
+            return batches
+        return token_mean.with_num_items(batches, token_mean.global_label_tokens(batches, self.mesh.dp_group,
+                                                                                self.device))
+
     def _dp_mean(self, loss: torch.Tensor) -> float:
-        """The mean of ``loss`` over the data- and context-parallel ranks (the same value on all of them)."""
+        """The loss of the global batch from this rank's part (the same value on all of them): the
+        mean over the data- and context-parallel ranks, or their sum when each part is already
+        divided by the global token count (``loss_normalization: "tokens"``)."""
         group = self.mesh.groups.gradient_mean
         if group is not None and self.mesh.size("dp_cp") > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=group)
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM if self.token_mean else dist.ReduceOp.AVG, group=group)
         return float(loss)
 
     def _to_device(self, batch):

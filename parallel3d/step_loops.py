@@ -20,7 +20,10 @@ and ``eval_batch`` hand the micro-batches of one window to a step loop chosen at
   (the norm summed over pp, the tied copy counted once) and steps the fp32 master shards;
   stage 3 releases its parameters.
 
-Both return losses that are local to this rank; the engine takes their dp mean.
+Both return losses that are local to this rank; the engine takes their dp mean. Under
+``loss_normalization: "tokens"`` each micro-batch's loss is already divided by the global
+batch's label tokens (parallel3d/token_mean.py): the loops return their sum, the engine sums
+it over dp, and no 1/m scaling applies before backward.
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ def loss_of(output: Any) -> torch.Tensor:
     return loss
 
 
+def _window_loss(losses: list[torch.Tensor], token_mean: bool) -> torch.Tensor:
+    """This rank's part of the window's loss: the mean of the micro-batch losses, or their sum
+    when each is already divided by the global label token count."""
+    stacked = torch.stack(losses)
+    return stacked.sum() if token_mean else stacked.mean()
+
+
 class MicroBatchLoop:
     """One micro-batch at a time through the engine's own ``forward/backward/step``."""
 
@@ -71,7 +81,7 @@ class MicroBatchLoop:
             engine.backward(loss)
             engine.step()
             losses.append(loss.detach().float())
-        return WindowOutcome(torch.stack(losses).mean())
+        return WindowOutcome(_window_loss(losses, self.engine.token_mean))
 
     def evaluate(self, batches: list) -> torch.Tensor:
         """Forward only; the mean loss of ``batches`` on this rank."""
@@ -80,7 +90,7 @@ class MicroBatchLoop:
             for batch in batches:
                 output = engine(**batch) if isinstance(batch, dict) else engine(*batch)
                 losses.append(loss_of(output).detach().float())
-        return torch.stack(losses).mean()
+        return _window_loss(losses, self.engine.token_mean)
 
     def named_parameters(self):
         return self.engine.module.named_parameters()
@@ -104,6 +114,7 @@ class PipelineLoop:
             after_backward=self._end_pass,
             before_weight_group=engine.optimizer.gather_blocks_of,
             sum_tied_grads=False,  # done in train(), on what ZeRO holds
+            scale_by_microbatches=not engine.token_mean,  # token-mean losses are divided by the global count
             record=config.pipeline.record_timeline,
         )
         reap = engine.optimizer.reap_reductions
@@ -135,7 +146,8 @@ class PipelineLoop:
         zero = self.engine.optimizer
         batches = self._dicts(batches)
         zero.begin_window()
-        loss = self.executor.run(batches, loss_scale=zero.loss_scale)
+        dp = self.engine.mesh.size("dp_cp") if self.engine.token_mean else 1  # the gradient mean becomes a sum
+        loss = self.executor.run(batches, loss_scale=zero.loss_scale * dp)
         sum_tied_grads(self.pipe, self.executor.group, grads=zero.tied_gradients([t.param for t in self.pipe.tied]))
         zero.finish_window()
         stepped = zero.step()

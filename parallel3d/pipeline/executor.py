@@ -10,7 +10,9 @@
   multiplied by ``loss_scale`` before backward (DeepSpeed's order, which decides where an fp16
   gradient overflows), so the accumulated gradients equal the gradient of the mean
   of the micro-batch losses -- the full-batch gradient when micro-batches have equal numbers
-  of valid tokens.
+  of valid tokens. With ``scale_by_microbatches=False`` each loss is taken as already divided
+  for the whole step (the token mean: the micro-batch carries ``num_items_in_batch``, which the
+  last stage hands to its loss): no ``1 / m``, and the step's loss returned is their sum.
 * ``B``: backward of the chunk with the received output gradient; the input gradient is
   what ``SEND_B`` sends. In ``zb_h1`` (tables with ``W`` actions) ``B`` computes only the input
   gradient and ``W`` the weight gradients later, the split of torch.distributed.pipelining's
@@ -62,7 +64,7 @@ from parallel3d.pipeline.stage import PipelineModel, sum_tied_grads, tied_grad_s
 
 __all__ = ["BackwardPass", "PipelineExecutor", "backward_input", "backward_weight"]
 
-BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "num_items_in_batch")
 
 
 class BackwardPass(NamedTuple):
@@ -346,7 +348,8 @@ class PipelineExecutor:
 
             def run() -> None:
                 out = chunk(x, attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
-                            labels=mb["labels"] if chunk.is_last else None)
+                            labels=mb["labels"] if chunk.is_last else None,
+                            num_items_in_batch=mb.get("num_items_in_batch"))
                 if chunk.is_last:
                     losses.append(out.detach().float())
                     out = out / divisor if divisor != 1 else out  # DeepSpeed's order: divide, then scale
@@ -418,7 +421,8 @@ class PipelineExecutor:
 
     def _broadcast_loss(self, losses: list[torch.Tensor], m: int) -> torch.Tensor:
         if self.pipe.is_last:
-            loss = torch.stack(losses).mean().to(self.device)
+            stacked = torch.stack(losses)
+            loss = (stacked.mean() if self.scale_by_microbatches else stacked.sum()).to(self.device)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if self.num_stages > 1:
@@ -445,7 +449,8 @@ class PipelineExecutor:
                 x = mb["input_ids"] if chunk.is_first else (
                     recv.pop(key).wait() if key in recv else local.pop((a.microbatch, a.chunk - 1)))
                 out = chunk(x, attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
-                            labels=mb["labels"] if chunk.is_last else None)
+                            labels=mb["labels"] if chunk.is_last else None,
+                            num_items_in_batch=mb.get("num_items_in_batch"))
                 if chunk.is_last:
                     losses.append(out.float())
                 else:

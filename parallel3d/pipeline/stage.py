@@ -182,7 +182,8 @@ class PipelineStage(nn.Module):
     micro-batch's ``input_ids`` on the first stage, else the hidden states
     ``[micro_batch, seq, hidden]`` from the previous stage. Returns the hidden states, or on
     the last stage the loss (HF's causal-LM loss: mean over the micro-batch's tokens whose
-    shifted label is not -100) -- the logits when ``labels`` is None.
+    shifted label is not -100, or their sum divided by ``num_items_in_batch`` when given, as
+    transformers does) -- the logits when ``labels`` is None.
     """
 
     def __init__(self, model: nn.Module, anatomy: PipelineAnatomy, layout: StageLayout, stage: int,
@@ -217,8 +218,8 @@ class PipelineStage(nn.Module):
             if loss_fn is None:
                 hf_loss, vocab = model.loss_function, model.config.vocab_size
 
-                def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-                    return hf_loss(logits=logits, labels=labels, vocab_size=vocab)
+                def loss_fn(logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+                    return hf_loss(logits=logits, labels=labels, vocab_size=vocab, **kwargs)
             self.loss_fn = loss_fn
 
     def hf_name(self, local_name: str) -> str:
@@ -233,7 +234,8 @@ class PipelineStage(nn.Module):
         return self.config.hidden_size
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
         program = self.anatomy.base_program
         ns, hidden = program.prepare(self.hf_base, self.is_first, x, attention_mask, position_ids)
         for index, layer in zip(self.block_indices, self.layers):
@@ -246,7 +248,9 @@ class PipelineStage(nn.Module):
         logits = self.anatomy.head_program.logits(self.hf_model, program.finish(ns, hidden))
         if labels is None:
             return logits
-        return self.loss_fn(logits, labels)
+        if num_items_in_batch is None:
+            return self.loss_fn(logits, labels)
+        return self.loss_fn(logits, labels, num_items_in_batch=num_items_in_batch)
 
 
 @dataclass(frozen=True)
