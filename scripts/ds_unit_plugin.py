@@ -17,16 +17,26 @@ itself there, so every rank starts with torch, DeepSpeed (and Zero3D) imported a
 installed. It also stubs DeepSpeed's CPU shared-memory all-reduce op, which DeepSpeed would
 otherwise JIT-compile with ninja in every fresh rank (tests/ds_oracle.py says why it is not
 needed), and makes a rank's ``pytest.fail``-type outcome fail the test instead of hanging the
-harness's pool (``ds_pool_guard``).
+harness's pool (``ds_pool_guard``), a rank's ``pytest.xfail`` the test's xfail.
+
+Two answers of DeepSpeed's CPU accelerator depend on the machine and decide which tests run
+at all, so the plugin pins them (the subset in scripts/ds_unit_subset.json was measured so):
+``is_fp16_supported()`` (oneDNN's fp16 kernels, a CPU with AVX512-FP16 or AMX: without them
+test_fp16.py, test_dynamic_loss_scale.py, test_adamw.py, ... skip whole modules) is True, and
+the number of CPU "devices" (NUMA nodes when numactl is installed, else 1; tests of a larger
+world size skip) is the runner's ``LOCAL_SIZE`` (``--ranks``, 1 by default).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -77,12 +87,20 @@ def _recording(initialize):
     return wrapper
 
 
+def _pin_accelerator() -> None:
+    """The CPU accelerator's machine-dependent answers that decide which tests run (module docstring)."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    CPU_Accelerator.is_fp16_supported = lambda self: True
+
+
 def _install() -> None:
     import deepspeed
     import deepspeed.comm.torch  # noqa: F401
     import ds_pool_guard
 
     ds_pool_guard.install()  # a failed outcome in a rank fails the test instead of hanging it
+    _pin_accelerator()
 
     sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     if ENGINE == "zero3d":
@@ -103,6 +121,17 @@ def pytest_configure(config) -> None:
         RECORD.mkdir(parents=True, exist_ok=True)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A rank's ``pytest.xfail`` (carried back by ds_pool_guard) is the test's xfail here."""
+    import ds_pool_guard
+
+    try:
+        return (yield)
+    except ds_pool_guard.RankXFailed as exc:
+        pytest.xfail(str(exc.args[0]) if exc.args else "")
+
+
 def pytest_collection_finish(session) -> None:
     if RECORD is not None:
         (RECORD / "collected.json").write_text(json.dumps([item.nodeid for item in session.items]))
@@ -113,16 +142,34 @@ def pytest_runtest_setup(item) -> None:
         (RECORD / "current").write_text(item.nodeid)
 
 
+_FRAME = re.compile(r'File "[^"]*/tests/(unit/[^"]+)", line (\d+), in \w+\n\s+(.+)')
+
+
+def _raising_line(longrepr: str) -> str:
+    """``unit/<file>:<line>: <code>`` of the innermost frame in DeepSpeed's tests (a rank's traceback
+    comes back as text, and a bare ``assert`` there has no message: the line says what was checked)."""
+    frames = _FRAME.findall(longrepr)
+    if not frames:
+        return ""
+    file, line, code = frames[-1]
+    return f"{file}:{line}: {code.strip()}"
+
+
 def pytest_runtest_logreport(report) -> None:
     if RECORD is None:
         return
-    reason = ""
-    if report.failed:
+    reason, outcome = "", report.outcome
+    if hasattr(report, "wasxfail"):  # an expected failure: "xfailed", or "xpassed" (not strict)
+        reason, outcome = report.wasxfail, "xfailed" if report.skipped else "xpassed"
+    elif report.failed:
         crash = getattr(report.longrepr, "reprcrash", None)
         reason = crash.message if crash is not None else str(report.longrepr)[-2000:]
+        where = _raising_line(str(report.longrepr))
+        if where:
+            reason = f"{reason} [at {where}]"
     elif report.skipped and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2])
-    line = {"id": report.nodeid, "when": report.when, "outcome": report.outcome, "reason": reason,
+    line = {"id": report.nodeid, "when": report.when, "outcome": outcome, "reason": reason,
             "seconds": round(report.duration, 2), "time": time.time()}
     with open(RECORD / "results.jsonl", "a") as f:
         f.write(json.dumps(line) + "\n")

@@ -1,27 +1,33 @@
 """Run DeepSpeed's own unit tests against Zero3D through a shim; report passes per file.
 
-    python scripts/ds_unit_tests.py                       # fetch, baseline, shim run, report
-    python scripts/ds_unit_tests.py --git-dir ~/DeepSpeed/.git --rev v0.19.8
-    python scripts/ds_unit_tests.py --files unit/runtime/test_ds_initialize.py -k Optimizer
+    python scripts/ds_unit_tests.py --git-dir ~/DeepSpeed/.git            # the pinned subset, all files
+    python scripts/ds_unit_tests.py --files unit/runtime/test_ds_initialize.py --match Optimizer
+    python scripts/ds_unit_tests.py --no-run --docs docs/deepspeed.md     # report of the stored results
+    python scripts/ds_unit_tests.py --rebaseline --baseline-only --files ...   # re-measure, re-pin
 
 1. Obtain DeepSpeed's ``tests/`` at a pinned revision, never vendored: from GitHub's archive
    of that revision (``--archive`` may name another URL or a local .tar.gz), or from a local
    git clone (``--git-dir``). The PyPI sdist of deepspeed holds no tests.
 2. Select the test files that call ``deepspeed.initialize``.
-3. Baseline: run them with DeepSpeed itself on CPU (``DS_ACCELERATOR=cpu``), once per
-   revision (cached in the work directory). The subset is every test that passes there *and*
-   called ``deepspeed.initialize`` while it ran.
+3. The subset: every test that passes with DeepSpeed itself on CPU (``DS_ACCELERATOR=cpu``)
+   *and* called ``deepspeed.initialize`` while it ran. It is pinned in
+   scripts/ds_unit_subset.json, so every machine runs the same tests: which tests DeepSpeed
+   passes depends on the machine (a CPU without fp16 kernels skips the fp16 modules, numactl
+   with several NUMA nodes runs the tests of world size 2, the JIT ops need a compiler, a slow
+   machine times out). ``--rebaseline`` measures files anew with DeepSpeed and re-pins them.
 4. Run that subset with the shim (scripts/ds_unit_plugin.py), which maps DeepSpeed's public
-   entry points to Zero3D's, and report each file's pass count and every failure's reason.
+   entry points to Zero3D's, and report each file's pass count and every failure's reason and
+   class (scripts/ds_unit_report.py); ``--docs`` writes that report into docs/deepspeed.md.
 
 Each file runs in its own pytest process (DeepSpeed's harness ends the whole session when a
 test hangs); a file whose session ended early is resumed without the tests already done.
+Results are stored per test in the work directory, so files can be run one at a time and the
+report assembled from them (``--no-run``).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import io
 import json
 import logging
@@ -33,6 +39,9 @@ import tarfile
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ds_unit_report  # noqa: E402
+
 logger = logging.getLogger("ds_unit_tests")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +49,9 @@ PINNED_REV = "edaa7221267243c7be7fb49c5d5f5c4fb97b4641"
 """DeepSpeed commit whose tests are run (master after v0.19.5, the newest the project could
 read when this was written; the installed deepspeed package is the baseline's engine)."""
 ARCHIVE_URL = "https://codeload.github.com/deepspeedai/DeepSpeed/tar.gz/{rev}"
+SUBSET_FILE = Path(__file__).resolve().with_name("ds_unit_subset.json")
+"""The pinned subset: per selected file, the ids of the tests that passed with DeepSpeed itself and
+called deepspeed.initialize when it was measured (``--rebaseline``), so every machine runs the same."""
 HELPERS = ("common.py", "util.py", "simple_model.py", "alexnet_model.py", "autoep_test_utils.py")
 
 
@@ -94,8 +106,8 @@ def _read_results(record: Path) -> dict[str, dict]:
         test = results.setdefault(entry["id"], {"outcome": "passed", "reason": ""})
         if entry["outcome"] == "failed" and test["outcome"] != "failed":
             test.update(outcome="failed", reason=f"{entry['when']}: {entry['reason']}")
-        elif entry["outcome"] == "skipped" and test["outcome"] == "passed":
-            test.update(outcome="skipped", reason=entry["reason"])
+        elif entry["outcome"] in ("skipped", "xfailed", "xpassed") and test["outcome"] == "passed":
+            test.update(outcome=entry["outcome"], reason=entry["reason"])
     return results
 
 
@@ -136,8 +148,11 @@ def calls(record: Path) -> set[str]:
     return set(path.read_text().split("\n")) - {""} if path.exists() else set()
 
 
-def baseline(tests: Path, files: list[str], work: Path, timeout: int, extra: list[str]) -> dict[str, list[str]]:
-    """File -> ids of the tests that pass with DeepSpeed and call deepspeed.initialize (cached)."""
+def baseline(tests: Path, files: list[str], work: Path, timeout: int) -> dict[str, list[str]]:
+    """File -> ids of the tests that pass with DeepSpeed and call deepspeed.initialize (cached).
+
+    Always whole files (no extra pytest arguments): a cached entry stands for the whole file.
+    """
     cache = work / "baseline.json"
     subset: dict[str, list[str]] = json.loads(cache.read_text()) if cache.exists() else {}
     for file in files:
@@ -145,7 +160,7 @@ def baseline(tests: Path, files: list[str], work: Path, timeout: int, extra: lis
             continue
         record = work / "deepspeed" / file.replace("/", "__")
         shutil.rmtree(record, ignore_errors=True)
-        results = run_file(tests, file, "deepspeed", record, None, extra, timeout)
+        results = run_file(tests, file, "deepspeed", record, None, [], timeout)
         called = calls(record)
         subset[file] = sorted(t for t, r in results.items() if r["outcome"] == "passed" and t in called)
         logger.info("baseline %s: %d of %d tests pass with DeepSpeed and call deepspeed.initialize",
@@ -154,39 +169,75 @@ def baseline(tests: Path, files: list[str], work: Path, timeout: int, extra: lis
     return {f: subset[f] for f in files}
 
 
+def environment() -> dict[str, str]:
+    """The versions a baseline was measured with (recorded beside the pinned subset)."""
+    from importlib.metadata import version
+
+    import torch
+
+    return {"deepspeed": version("deepspeed"), "torch": version("torch"), "pytest": version("pytest"),
+            "python": ".".join(map(str, sys.version_info[:3])),
+            "cpu_fp16": str(bool(torch.ops.mkldnn._is_mkldnn_fp16_supported()))}
+
+
+def pin_subset(path: Path, rev: str, ranks: int, subset: dict[str, list[str]]) -> None:
+    """Write ``subset`` (file -> ids, every file measured, [] where none qualifies) into the pinned file."""
+    pinned = json.loads(path.read_text()) if path.exists() else {}
+    if pinned.get("rev") != rev or pinned.get("ranks") != ranks:
+        pinned = {"rev": rev, "ranks": ranks, "files": {}}
+    pinned["measured_with"] = environment()
+    pinned["files"] = dict(sorted({**pinned["files"], **subset}.items()))
+    path.write_text(json.dumps(pinned, indent=1) + "\n")
+
+
+def load_pinned(path: Path, rev: str, ranks: int, files: list[str]) -> dict[str, list[str]]:
+    """The pinned subset of ``files``; a file without an entry stops with the command that measures it."""
+    pinned = json.loads(path.read_text()) if path.exists() else {"files": {}}
+    if pinned.get("rev") != rev or pinned.get("ranks") != ranks:
+        raise SystemExit(f"{path} pins the subset of DeepSpeed {pinned.get('rev')} with --ranks "
+                         f"{pinned.get('ranks')}, not {rev} with --ranks {ranks}; measure it with --rebaseline")
+    missing = [f for f in files if f not in pinned["files"]]
+    if missing:
+        raise SystemExit(f"no pinned subset for {len(missing)} file(s) in {path} (first: {missing[0]}); "
+                         f"measure them with --rebaseline --files ...")
+    return {f: pinned["files"][f] for f in files}
+
+
+def zero3d_commit() -> str:
+    """The Zero3D commit the shim ran (with "+" when the worktree had changes)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def shim_run(tests: Path, subset: dict[str, list[str]], work: Path, timeout: int, extra: list[str]) -> dict:
+    """Run each file's subset through the shim; the results are also kept in ``work/zero3d.json``
+    (test id -> latest result), from which the report over every pinned file is assembled."""
+    store_path = work / "zero3d.json"
     report = {}
+    commit = zero3d_commit()
     for file, ids in subset.items():
         if not ids:
             continue
         record = work / "zero3d" / file.replace("/", "__")
         shutil.rmtree(record, ignore_errors=True)
         results = run_file(tests, file, "zero3d", record, ids, extra, timeout)
-        report[file] = {t: results[t] for t in ids}
+        report[file] = {t: {**results[t], "commit": commit} for t in ids}
+        store = json.loads(store_path.read_text()) if store_path.exists() else {}
+        store.update(report[file])
+        store_path.write_text(json.dumps(store, indent=1))
         passed = sum(r["outcome"] == "passed" for r in report[file].values())
         logger.info("zero3d %s: %d of %d pass", file, passed, len(ids))
     return report
 
 
-def print_report(report: dict, out) -> None:
-    total = sum(len(r) for r in report.values())
-    passed = sum(r["outcome"] == "passed" for rs in report.values() for r in rs.values())
-    print(f"DeepSpeed unit tests through Zero3D: {passed} of {total} pass", file=out)
-    print("\nper file (passed / subset):", file=out)
-    for file, results in report.items():
-        ok = sum(r["outcome"] == "passed" for r in results.values())
-        print(f"  {ok:4d} / {len(results):<4d} {file}", file=out)
-    print("\nfailures:", file=out)
-    reasons = collections.Counter()
-    for results in report.values():
-        for test, r in results.items():
-            if r["outcome"] != "passed":
-                reason = " ".join(r["reason"].split())[:300]
-                reasons[reason] += 1
-                print(f"  {test}\n      {r['outcome']}: {reason}", file=out)
-    print("\nfailure reasons by count:", file=out)
-    for reason, count in reasons.most_common():
-        print(f"  {count:4d}  {reason}", file=out)
+def stored_report(work: Path, subset: dict[str, list[str]]) -> dict:
+    """The latest stored result of every test of ``subset`` (a test never run: outcome "not run")."""
+    store_path = work / "zero3d.json"
+    store = json.loads(store_path.read_text()) if store_path.exists() else {}
+    return {file: {t: store.get(t, {"outcome": "not run", "reason": "", "commit": ""}) for t in ids}
+            for file, ids in subset.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,29 +248,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default=str(Path.home() / ".cache" / "zero3d" / "ds-unit-tests"),
                         help="where tests, baselines and results are kept")
     parser.add_argument("--files", nargs="*", help="only these test files (relative to tests/)")
+    parser.add_argument("--match", nargs="*", help="only the subset's tests whose id contains one of these")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one test may take")
-    parser.add_argument("--ranks", type=int, default=0,
-                        help="CPU 'devices' DeepSpeed's harness may use (its LOCAL_SIZE): by default it counts NUMA "
-                             "nodes and skips tests of larger world sizes; 2 or 4 runs those too (slower)")
-    parser.add_argument("--baseline-only", action="store_true", help="stop after the DeepSpeed baseline")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="CPU 'devices' DeepSpeed's harness may use (its LOCAL_SIZE; tests of a larger world "
+                             "size skip); the pinned subset is for 1; 2 or 4 run more tests (slower) and need "
+                             "their own --rebaseline")
+    parser.add_argument("--subset", default=str(SUBSET_FILE), help="the pinned subset (JSON)")
+    parser.add_argument("--rebaseline", action="store_true",
+                        help="measure the subset of --files with DeepSpeed itself and pin it into --subset")
+    parser.add_argument("--baseline-only", action="store_true", help="stop after --rebaseline")
+    parser.add_argument("--no-run", action="store_true", help="run nothing: report the stored results")
     parser.add_argument("--report", help="also write the results as JSON here")
-    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments, after --")
+    parser.add_argument("--docs", help="write the report over every pinned file (stored results) into this "
+                                       "Markdown file, between its ds-unit-report markers")
+    parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments for the shim run, after --")
     opts = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    work = Path(opts.work).expanduser() / opts.rev / (f"ranks{opts.ranks}" if opts.ranks else "")
-    if opts.ranks:
-        os.environ["LOCAL_SIZE"] = str(opts.ranks)
+    work = Path(opts.work).expanduser() / opts.rev / (f"ranks{opts.ranks}" if opts.ranks != 1 else "")
+    os.environ["LOCAL_SIZE"] = str(opts.ranks)
     tests = obtain_tests(Path(opts.work).expanduser(), opts.rev, opts.archive, opts.git_dir)
     files = opts.files or select_files(tests)
-    subset = baseline(tests, files, work, opts.timeout, opts.pytest_args)
+    subset_path = Path(opts.subset)
+    if opts.rebaseline:
+        pin_subset(subset_path, opts.rev, opts.ranks, baseline(tests, files, work, opts.timeout))
+    if opts.no_run and not opts.files and subset_path.exists():  # report what is pinned so far
+        files = [f for f in files if f in json.loads(subset_path.read_text())["files"]]
+    subset = load_pinned(subset_path, opts.rev, opts.ranks, files)
     if opts.baseline_only:
-        print(f"baseline: {sum(map(len, subset.values()))} tests in {len(files)} files pass with DeepSpeed "
+        print(f"pinned subset: {sum(map(len, subset.values()))} tests in {len(files)} files pass with DeepSpeed "
               "and call deepspeed.initialize")
         return 0
-    report = shim_run(tests, subset, work, opts.timeout, opts.pytest_args)
-    print_report(report, sys.stdout)
-    if opts.report:
-        Path(opts.report).write_text(json.dumps(report, indent=1))
+    if opts.match:
+        subset = {f: [t for t in ids if any(m in t for m in opts.match)] for f, ids in subset.items()}
+    if not opts.no_run:
+        report = shim_run(tests, subset, work, opts.timeout, opts.pytest_args)
+        ds_unit_report.print_report(report, sys.stdout)
+        if opts.report:
+            Path(opts.report).write_text(json.dumps(report, indent=1))
+    if opts.docs:
+        selected = select_files(tests)
+        measured = [f for f in selected if f in json.loads(subset_path.read_text())["files"]]
+        pinned = load_pinned(subset_path, opts.rev, opts.ranks, measured)
+        ds_unit_report.write_docs(Path(opts.docs), stored_report(work, pinned), opts.rev, json.loads(
+            subset_path.read_text())["measured_with"], [f for f in selected if f not in measured])
+    elif opts.no_run:
+        ds_unit_report.print_report(stored_report(work, subset), sys.stdout)
     return 0
 
 

@@ -85,3 +85,119 @@ def test_a_pytest_outcome_in_a_pool_rank_fails_at_once_instead_of_hanging(tmp_pa
         with pytest.raises(RuntimeError, match="Failed: DID NOT RAISE"):
             result.get(60)
         assert time.monotonic() - start < 30
+
+
+def _xfail_like_pytest(x: int) -> int:
+    if x == 2:
+        pytest.xfail("a known limit of this rank")
+    return x
+
+
+def _guard():
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import ds_pool_guard
+
+    return ds_pool_guard
+
+
+def test_a_pytest_xfail_in_a_pool_rank_comes_back_as_an_xfail_not_a_failure():
+    """The guard used to turn a rank's pytest.xfail into a RuntimeError (the test failed)."""
+    import multiprocessing
+    import time
+
+    ds_pool_guard = _guard()
+    with multiprocessing.get_context("spawn").Pool(2, initializer=ds_pool_guard.install) as pool:
+        start = time.monotonic()
+        result = pool.starmap_async(_xfail_like_pytest, [(1,), (2,)])
+        with pytest.raises(ds_pool_guard.RankXFailed, match="a known limit of this rank"):
+            result.get(60)
+        assert time.monotonic() - start < 30
+
+
+def test_the_plugin_turns_a_carried_xfail_into_the_tests_xfail(tmp_path):
+    """End to end through the plugin: the test reports xfailed (recorded so), a plain failure failed."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "test_x.py").write_text(
+        "import ds_pool_guard\n"
+        "def test_carried():\n    raise ds_pool_guard.RankXFailed('rank 1: not yet')\n"
+        "def test_failed():\n    raise RuntimeError('Failed: DID NOT RAISE')\n")
+    record = tmp_path / "record"
+    env = dict(os.environ, ZERO3D_DS_ENGINE="deepspeed", ZERO3D_DS_RECORD=str(record), DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join([str(SCRIPT.parent), str(SCRIPT.parent.parent), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "ds_unit_plugin",
+                    str(tmp_path / "test_x.py")], cwd=tmp_path, env=env, capture_output=True, timeout=300)
+    calls = [json.loads(line) for line in (record / "results.jsonl").read_text().splitlines()]
+    outcome = {c["id"].split("::")[1]: (c["outcome"], c["reason"]) for c in calls if c["when"] == "call"}
+    assert outcome == {"test_carried": ("xfailed", "rank 1: not yet"),
+                       "test_failed": ("failed", "RuntimeError: Failed: DID NOT RAISE")}
+
+
+def test_the_subset_is_pinned_per_file_and_a_file_without_an_entry_stops(runner, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "environment", lambda: {"deepspeed": "x"})
+    path = tmp_path / "subset.json"
+    runner.pin_subset(path, "rev1", 1, {"unit/b.py": ["unit/b.py::t"], "unit/a.py": []})
+    runner.pin_subset(path, "rev1", 1, {"unit/c.py": ["unit/c.py::u"]})
+    pinned = json.loads(path.read_text())
+    assert list(pinned["files"]) == ["unit/a.py", "unit/b.py", "unit/c.py"]
+    assert runner.load_pinned(path, "rev1", 1, ["unit/c.py", "unit/a.py"]) == {"unit/c.py": ["unit/c.py::u"],
+                                                                              "unit/a.py": []}
+    with pytest.raises(SystemExit, match="no pinned subset for 1 file.*unit/d.py"):
+        runner.load_pinned(path, "rev1", 1, ["unit/a.py", "unit/d.py"])
+    with pytest.raises(SystemExit, match="--ranks 1, not rev1 with --ranks 2"):
+        runner.load_pinned(path, "rev1", 2, ["unit/a.py"])
+    runner.pin_subset(path, "rev2", 1, {"unit/a.py": ["unit/a.py::v"]})  # another revision starts afresh
+    assert json.loads(path.read_text())["files"] == {"unit/a.py": ["unit/a.py::v"]}
+
+
+def test_the_committed_subset_is_one_list_of_ids_per_file(runner):
+    pinned = json.loads(runner.SUBSET_FILE.read_text())
+    assert pinned["rev"] == runner.PINNED_REV and pinned["ranks"] == 1
+    for file, ids in pinned["files"].items():
+        assert file.startswith("unit/") and file.endswith(".py")
+        assert ids == sorted(set(ids)) and all(t.startswith(file + "::") for t in ids)
+
+
+def test_the_report_counts_each_file_and_classifies_every_failure(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import ds_unit_report
+
+    rule = ds_unit_report.Rule(ds_unit_report.INTERNAL, r"has no attribute 'bit16_groups'", "DeepSpeed's buffers")
+    report = {
+        "unit/a.py": {"unit/a.py::t1": {"outcome": "passed", "reason": ""},
+                      "unit/a.py::t2": {"outcome": "failed", "reason": "call: AttributeError: x has no attribute "
+                                                                       "'bit16_groups'", "commit": "abc1234"},
+                      "unit/a.py::t3": {"outcome": "failed", "reason": "call: AssertionError: 1 != 2"},
+                      "unit/a.py::t4": {"outcome": "not run", "reason": ""}},
+        "unit/b.py": {},
+    }
+    original = ds_unit_report.RULES
+    ds_unit_report.RULES = (rule,)
+    try:
+        text = ds_unit_report.markdown(report, "0123456789", {"deepspeed": "0.19.8"})
+        docs = tmp_path / "d.md"
+        docs.write_text(f"intro\n{ds_unit_report.BEGIN}\nold\n{ds_unit_report.END}\nrest\n")
+        ds_unit_report.write_docs(docs, report, "0123456789", {"deepspeed": "0.19.8"})
+    finally:
+        ds_unit_report.RULES = original
+    assert "**1 of 4 pass**; failed: 1 DeepSpeed internal, 0 not supported, 0 wrong behaviour, 1 unclassified; " \
+           "not run yet: 1." in text
+    assert "| `unit/a.py` | 4 | 1 | 1 | 0 | 0 | 1 | 1 |" in text
+    assert "`t2`: **DeepSpeed internal**: DeepSpeed's buffers" in text and "`t3`: **unclassified**" in text
+    assert "no test in the subset (1): `unit/b.py`" in text
+    written = docs.read_text()
+    assert written.startswith("intro\n") and written.endswith(f"{ds_unit_report.END}\nrest\n") and "old" not in written
+    with pytest.raises(SystemExit, match="markers"):
+        ds_unit_report.write_docs(_plain(tmp_path), report, "r", {})
+
+
+def _plain(tmp_path: Path) -> Path:
+    path = tmp_path / "plain.md"
+    path.write_text("no markers\n")
+    return path

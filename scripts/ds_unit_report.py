@@ -1,0 +1,161 @@
+"""The report of scripts/ds_unit_tests.py: pass counts per file and every failure with its class.
+
+A failure's class comes from the first rule of ``RULES`` whose pattern matches the test id or
+the failure's message:
+
+- ``DeepSpeed internal``: the test inspects an object of DeepSpeed's implementation (a class,
+  attribute or buffer of its engine or optimizers) that Zero3D does not reproduce; the training
+  behaviour under test is not what fails;
+- ``not supported``: a DeepSpeed feature Zero3D does not claim, refused with a message that
+  names it (or, for a test that expects DeepSpeed's own error, an input Zero3D has no reason to
+  refuse);
+- ``wrong behaviour``: Zero3D's result differs from DeepSpeed's; each such rule names the
+  issue that tracks it.
+
+A failure no rule matches is ``unclassified``: the report lists it first, to be looked at.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from collections.abc import Sequence
+from typing import TextIO
+
+INTERNAL, UNSUPPORTED, WRONG, UNCLASSIFIED = "DeepSpeed internal", "not supported", "wrong behaviour", "unclassified"
+BEGIN, END = "<!-- ds-unit-report:begin -->", "<!-- ds-unit-report:end -->"
+
+
+@dataclass(frozen=True)
+class Rule:
+    cls: str
+    pattern: str
+    """A regular expression searched in "<test id>\\n<failure message>"."""
+    why: str
+
+
+_RETURNED = ("the test checks the class or identity of the optimizer initialize returned; Zero3D returns its "
+             "ZeroOptimizer (the client's or config's torch optimizer is its .inner, with DeepSpeed's adam_w_mode)")
+
+RULES: tuple[Rule, ...] = (
+    # the optimizer object DeepSpeed builds or returns
+    Rule(INTERNAL, r"assert isinstance\((ds_optimizer|optimizer|opt)\b.*(FusedAdam|DeepSpeedCPUAdam|FusedLamb|"
+                   r"DeepSpeedZeroOptimizer|FP16_Optimizer|ZeROOptimizer|BF16_Optimizer)", _RETURNED),
+    Rule(INTERNAL, r"test_adamw\.py::TestAdamConfigs::test\[\w+-\w+-False-.*\n.*AssertionError", _RETURNED +
+         "; DeepSpeed's FusedAdam or DeepSpeedCPUAdam expected here (the torch_adam cases of this test pass)"),
+    Rule(INTERNAL, r"assert isinstance\(ds_optimizer, AdamW\)|assert ds_optimizer == client_optimizer", _RETURNED),
+    Rule(INTERNAL, r"has no attribute '(loss_scale_config|bit16_groups_flat|fp16_groups|ds_active_sub_modules|"
+                   r"ds_param_alias|_config|tput_timer|accumulated_grads_in_cpu|averaged_gradients|"
+                   r"_change_recovery_script_permissions)'",
+         "the test reads an attribute of DeepSpeed's engine, optimizer or partitioned parameters"),
+    # DeepSpeed features Zero3D refuses with a message
+    Rule(UNSUPPORTED, r"partitioned by deepspeed\.zero\.Init",
+         "a model partitioned by deepspeed.zero.Init (build it on the meta device instead)"),
+    Rule(UNSUPPORTED, r"offload_param with device \\?\"cpu\\?\" needs ZeRO stage 3|offload_param.*one data-parallel rank",
+         "offload_param below stage 3 or with one data-parallel rank (nothing sharded to offload)"),
+    Rule(UNSUPPORTED, r"engine\.step\(\) without engine\.backward",
+         "gradients assigned to .grad by the script, then engine.step() without engine.backward() (Zero3D's "
+         "gradients come from its backward hooks; refused with a message)"),
+)
+"""The first match wins; the patterns name DeepSpeed's objects or Zero3D's refusal messages."""
+
+
+def classify(test: str, reason: str) -> tuple[str, str]:
+    """(class, why) of one failure."""
+    text = f"{test}\n{reason}"
+    for rule in RULES:
+        if re.search(rule.pattern, text):
+            return rule.cls, rule.why
+    return UNCLASSIFIED, ""
+
+
+def _short(reason: str, limit: int = 220) -> str:
+    text = " ".join(reason.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _counts(results: dict) -> collections.Counter:
+    counts = collections.Counter()
+    for test, r in results.items():
+        if r["outcome"] in ("passed", "not run"):
+            counts[r["outcome"]] += 1
+        else:
+            counts[classify(test, r["reason"])[0]] += 1
+    return counts
+
+
+def print_report(report: dict, out: TextIO) -> None:
+    """Plain-text report of one run: totals, per file, every failure with its class."""
+    total = sum(len(r) for r in report.values())
+    passed = sum(r["outcome"] == "passed" for rs in report.values() for r in rs.values())
+    print(f"DeepSpeed unit tests through Zero3D: {passed} of {total} pass", file=out)
+    print("\nper file (passed / subset):", file=out)
+    for file, results in report.items():
+        ok = sum(r["outcome"] == "passed" for r in results.values())
+        print(f"  {ok:4d} / {len(results):<4d} {file}", file=out)
+    print("\nfailures:", file=out)
+    for results in report.values():
+        for test, r in results.items():
+            if r["outcome"] not in ("passed", "not run"):
+                cls, _ = classify(test, r["reason"])
+                print(f"  {test}\n      [{cls}] {r['outcome']}: {_short(r['reason'], 300)}", file=out)
+
+
+def markdown(report: dict, rev: str, measured_with: dict, unmeasured: Sequence[str] = ()) -> str:
+    """The generated section of docs/deepspeed.md over every pinned file (``unmeasured``: selected
+    files whose subset is not pinned yet)."""
+    selected = sum(len(r) for r in report.values())
+    totals = collections.Counter()
+    for results in report.values():
+        totals += _counts(results)
+    commits = sorted({r.get("commit", "") for rs in report.values() for r in rs.values()} - {""})
+    env = ", ".join(f"{k} {v}" for k, v in measured_with.items())
+    lines = [
+        f"Generated by `scripts/ds_unit_tests.py --docs` from the stored results; DeepSpeed's tests at "
+        f"{rev[:8]}, the subset pinned in `scripts/ds_unit_subset.json` (measured with {env}; "
+        f"{len(report) + len(unmeasured)} files selected, {sum(bool(r) for r in report.values())} with tests in "
+        f"the subset). "
+        f"Zero3D commit(s) of the results: {', '.join(commits) or 'none'} (`+`: with uncommitted changes).",
+        "",
+        f"**{totals['passed']} of {selected} pass**; failed: {totals[INTERNAL]} {INTERNAL}, "
+        f"{totals[UNSUPPORTED]} {UNSUPPORTED}, {totals[WRONG]} {WRONG}, {totals[UNCLASSIFIED]} {UNCLASSIFIED}; "
+        f"not run yet: {totals['not run']}.",
+        "",
+        f"| file | subset | passed | {INTERNAL} | {UNSUPPORTED} | {WRONG} | {UNCLASSIFIED} | not run |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for file, results in report.items():
+        if not results:
+            continue
+        c = _counts(results)
+        lines.append(f"| `{file}` | {len(results)} | {c['passed']} | {c[INTERNAL]} | {c[UNSUPPORTED]} | "
+                     f"{c[WRONG]} | {c[UNCLASSIFIED]} | {c['not run']} |")
+    empty = [f for f, r in report.items() if not r]
+    lines += ["", f"Files with no test in the subset ({len(empty)}): " + (", ".join(f"`{f}`" for f in empty) or "none") + "."]
+    if unmeasured:
+        lines += ["", f"**Selected files whose subset is not measured yet ({len(unmeasured)})**: "
+                  + ", ".join(f"`{f}`" for f in unmeasured) + "."]
+    lines += ["", "Every failure (class, why, the message):", ""]
+    for file, results in report.items():
+        failures = [(t, r) for t, r in results.items() if r["outcome"] not in ("passed", "not run")]
+        if not failures:
+            continue
+        lines.append(f"- `{file}`")
+        for test, r in failures:
+            cls, why = classify(test, r["reason"])
+            name = test.split("::", 1)[1]
+            lines.append(f"  - `{name}`: **{cls}**{': ' + why if why else ''} "
+                         f"(`{_short(r['reason']).replace('`', chr(39))}`)")
+    return "\n".join(lines) + "\n"
+
+
+def write_docs(path: Path, report: dict, rev: str, measured_with: dict, unmeasured: Sequence[str] = ()) -> None:
+    """Replace the text between the report markers in ``path`` by the generated report."""
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no '{BEGIN}' ... '{END}' markers to write the report between")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{BEGIN}\n{markdown(report, rev, measured_with, unmeasured)}{END}{tail}")
