@@ -16,7 +16,13 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from parallel3d.errors import ConfigError
+from parallel3d.errors import ConfigError, NoModelError
+
+
+def check_model(model: Any) -> None:
+    """``model`` must be a module (NoModelError, an AssertionError as DeepSpeed's, otherwise)."""
+    if not isinstance(model, nn.Module):
+        raise NoModelError(f"model must be a torch.nn.Module, got {type(model).__name__}")
 
 
 def resolve_config(config: Any, config_params: Any, args: Any) -> Any:

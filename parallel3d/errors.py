@@ -25,3 +25,8 @@ class UntestedOptimizerError(ConfigError, AssertionError):
     """An optimizer whose update is not known to be elementwise, on sharded parameters, without
     ``zero_allow_untested_optimizer``. Also an AssertionError, the type DeepSpeed raises for the
     same refusal, so code written for DeepSpeed that catches it keeps working."""
+
+
+class NoModelError(ConfigError, AssertionError):
+    """``initialize`` without a ``torch.nn.Module``. Also an AssertionError, the type
+    ``deepspeed.initialize`` raises for a missing model."""

@@ -26,7 +26,8 @@ from torch import nn
 from parallel3d.agreement import agree, describe
 from parallel3d.apply import apply_pipeline, apply_tp, apply_zero
 from parallel3d.config import Zero3DConfig, load_config
-from parallel3d.ds_arguments import check_distributed_arguments, refuse_deepspeed_partitioned, resolve_config
+from parallel3d.ds_arguments import (check_distributed_arguments, check_model, refuse_deepspeed_partitioned,
+                                     resolve_config)
 from parallel3d.config_sections import CommConfig
 from parallel3d.engine import Engine
 from parallel3d.errors import ConfigError, UsageError
@@ -239,8 +240,7 @@ def initialize(
     An ``optimizer`` or ``lr_scheduler`` passed here wins over the config's section, as there.
     """
     install_worker_errors()  # under torchrun: a ConfigError/UsageError ends a worker with one line
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
     refuse_deepspeed_partitioned(model)
     check_distributed_arguments(mpu, mesh_param, dist_init_required, distributed_port)
     config = resolve_config(config, config_params, args)

@@ -177,6 +177,13 @@ def test_single_process(case):
         assert str(info.value) == message
 
 
+
+def test_no_model_is_also_an_assertion_error_as_deepspeeds():
+    """DeepSpeed asserts a model is given; a script (or DeepSpeed's TestNoModel) expecting that keeps working."""
+    with pytest.raises(AssertionError, match="model must be a torch.nn.Module, got NoneType") as info:
+        parallel3d.initialize(model=None, config=_cfg())
+    assert isinstance(info.value, ConfigError)
+
 # --- checks that depend on the world size: 2 ranks ---------------------------------------------
 
 WORLD_CASES = {
