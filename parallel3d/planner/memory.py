@@ -69,6 +69,7 @@ class RankMemory:
         return sum(self.states.get(key, 0) for key in HOST_CATEGORIES)
 
 
+@lru_cache(maxsize=8192)
 def gathered(params: RankParams, zero: ZeroSetup, *, prefetch: int, max_live: int) -> tuple[int, int]:
     """Bytes of stage-3 parameters gathered: (for the whole micro-batch or step, extra inside a block).
 
@@ -95,6 +96,7 @@ def gathered(params: RankParams, zero: ZeroSetup, *, prefetch: int, max_live: in
     return zero.work_bytes * root, zero.work_bytes * worst
 
 
+@lru_cache(maxsize=8192)
 def staging(params: RankParams, zero: ZeroSetup, *, pipelined: bool, overlap: bool) -> int:
     """Gradient staging buffers alive during a backward (stages 2-3 reducing as they go)."""
     if full_gradients(zero.stage, pipelined, dp=zero.dp):
@@ -104,6 +106,7 @@ def staging(params: RankParams, zero: ZeroSetup, *, pipelined: bool, overlap: bo
     return zero.work_bytes * sum(sizes[:held])
 
 
+@lru_cache(maxsize=8192)
 def step_extra(params: RankParams, zero: ZeroSetup, *, foreach: bool) -> int:
     """Bytes the optimizer step adds: fp32 gradient copies (mixed precision) and Adam's temporaries
     (on the host, not the device, when the optimizer is offloaded)."""

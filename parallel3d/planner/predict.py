@@ -196,6 +196,7 @@ class Planner:
         self._shapes: dict[int, ModelShapes] = {}
         self._profiles: dict[tuple, PassProfile] = {}
         self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
+        self._chunks: dict[tuple, Chunk] = {}
 
     def shapes(self, tp: int) -> ModelShapes:
         if tp not in self._shapes:
@@ -244,8 +245,14 @@ class Planner:
         return [(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2)]
 
     def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
-        runs = tuple(self._profile(*key) for key in self._chunk_keys(layout, kind, hw))
-        return Chunk(kind, blocks, layout.micro_batch, runs)
+        """The chunk's figures, one object per (profiles, blocks, micro-batch): layouts that differ in
+        what the chunk does not see (ZeRO stage, dp, schedule) share its computed values."""
+        keys = tuple(self._chunk_keys(layout, kind, hw))
+        known = self._chunks.get((keys, blocks, layout.micro_batch))
+        if known is None:
+            known = Chunk(kind, blocks, layout.micro_batch, tuple(self._profile(*key) for key in keys))
+            self._chunks[keys, blocks, layout.micro_batch] = known
+        return known
 
     def profile_keys(self, layout: Layout, hw: Hardware, exact: bool) -> set[tuple]:
         """The profiles `predict` reads for ``layout``."""
@@ -308,33 +315,53 @@ class Planner:
                                                            for c in range(layout.virtual_stages)))
         return sorted({0, 1, heaviest, layout.pp - 2, layout.pp - 1})
 
-    def predict(self, layout: Layout, hw: Hardware, *, exact: bool = True) -> Prediction:
-        """Peak memory of the pipeline ranks and the step time on ``hw``.
+    def step_time(self, layout: Layout, hw: Hardware, *, exact: bool = True) -> tuple[dict[str, float], float]:
+        """The step's seconds by cause and the FLOPs per step (all devices), without the memory walk.
 
-        ``exact=False`` (the search's first pass) prices long pipelines on a few ranks and takes
-        the pipeline's makespan from the schedule's closed form rather than its simulation.
+        The ranks timed are those `predict` prices; so `predict`'s ``parts`` are these exactly.
         """
         self.check(layout)
         w = self.workload
         m = layout.microbatches(w.global_batch)
         zero = self.zero(layout)
         overlap = w.overlap_comm if w.overlap_comm is not None else layout.zero_stage == 3
-        hidden = layout.micro_batch * w.seq * self.config.hidden_size * w.work_bytes
-        pipelined = layout.pp > 1
-        ranks, costs, flops = [], [], 0.0
-        for rank in self.ranks_to_price(layout, exact):
+        costs, flops = [], 0.0
+        ranks = self.ranks_to_price(layout, exact)
+        for rank in ranks:
             params, chunks = self.rank_chunks(layout, rank, hw)
-            table = pipeline_table(layout.schedule, layout.pp, m, layout.virtual_stages, rank)
-            ranks.append(predict_rank(params, zero, table=table, chunk=chunks.__getitem__, hidden_bytes=hidden,
-                                      pipelined=pipelined, prefetch=w.prefetch, max_live=w.max_live, overlap=overlap,
-                                      foreach=hw.foreach_optimizer))
             fwd = sum(c.seconds(hw, layout.tp, False) for c in chunks)
             bwd = sum(c.seconds(hw, layout.tp, True) for c in chunks)
             costs.append(RankCost(fwd, bwd, params))
             flops += m * sum(c.flops() for c in chunks)
-        prediction = Prediction(layout, ranks, flops_per_step=flops * layout.tp * layout.dp * layout.pp / len(costs))
-        tied = self.shapes(layout.tp).tied_numel if pipelined else 0
-        prediction.parts = step_parts(layout, zero, costs, hw, m=m, hidden_bytes=hidden, overlap=overlap,
-                                      tied_numel=tied, exact=exact)
-        prediction.step_seconds = sum(prediction.parts.values())
+        tied = self.shapes(layout.tp).tied_numel if layout.pp > 1 else 0
+        parts = step_parts(layout, zero, costs, hw, m=m, hidden_bytes=self._hidden_bytes(layout), overlap=overlap,
+                           tied_numel=tied, exact=exact)
+        return parts, flops * layout.tp * layout.dp * layout.pp / len(costs)
+
+    def _hidden_bytes(self, layout: Layout) -> int:
+        """One ``[micro_batch, seq, hidden]`` activation (what a pipeline stage sends)."""
+        w = self.workload
+        return layout.micro_batch * w.seq * self.config.hidden_size * w.work_bytes
+
+    def predict(self, layout: Layout, hw: Hardware, *, exact: bool = True) -> Prediction:
+        """Peak memory of the pipeline ranks and the step time on ``hw``.
+
+        ``exact=False`` (the search's first pass) prices long pipelines on a few ranks and takes
+        the pipeline's makespan from the schedule's closed form rather than its simulation.
+        """
+        parts, flops = self.step_time(layout, hw, exact=exact)
+        w = self.workload
+        m = layout.microbatches(w.global_batch)
+        zero = self.zero(layout)
+        overlap = w.overlap_comm if w.overlap_comm is not None else layout.zero_stage == 3
+        ranks = []
+        for rank in self.ranks_to_price(layout, exact):
+            params, chunks = self.rank_chunks(layout, rank, hw)
+            table = pipeline_table(layout.schedule, layout.pp, m, layout.virtual_stages, rank)
+            ranks.append(predict_rank(params, zero, table=table, chunk=chunks.__getitem__,
+                                      hidden_bytes=self._hidden_bytes(layout), pipelined=layout.pp > 1,
+                                      prefetch=w.prefetch, max_live=w.max_live, overlap=overlap,
+                                      foreach=hw.foreach_optimizer))
+        prediction = Prediction(layout, ranks, flops_per_step=flops, parts=parts)
+        prediction.step_seconds = sum(parts.values())
         return prediction

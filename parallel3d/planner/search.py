@@ -170,7 +170,6 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
             unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
             return None
 
-    rough: list[Prediction] = []
     considered, fitting = 0, []
     for layout in candidates(planner, hw, choice, refused):
         considered += 1
@@ -178,11 +177,39 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
             fitting.append(layout)
     # the first pass's profiles at once: on the planner's worker processes and from its store, if any
     planner.prefetch({key for layout in fitting for key in planner.profile_keys(layout, hw, exact=False)})
-    for layout in fitting:
-        prediction = priced(layout, exact=False)
-        if prediction is not None and prediction.fits(hw.memory):
-            rough.append(prediction)
-    rough.sort(key=lambda p: (p.step_seconds, p.peak))
-    exact = [p for p in (priced(r.layout, exact=True) for r in rough[: 3 * top]) if p is not None and p.fits(hw.memory)]
+    rough = _fastest_that_fit(planner, hw, fitting, 3 * top, unpriced)
+    exact = [p for p in (priced(r.layout, exact=True) for r in rough) if p is not None and p.fits(hw.memory)]
     exact.sort(key=lambda p: (p.step_seconds, p.peak))
     return SearchResult(exact[:top], considered, refused, unpriced)
+
+
+def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], count: int,
+                      unpriced: dict[str, int]) -> list[Prediction]:
+    """The first pass: the ``count`` layouts that fit with the shortest step (ties: the smaller
+    peak), each priced with ``exact=False``.
+
+    The step time needs no memory walk (`Planner.step_time`), and the walk (the pipeline's whole
+    schedule table, built and walked per rank) is most of a prediction's cost: so every layout
+    is timed, and only the fastest are walked, in order of their step time, until ``count`` fit
+    and the next one is strictly slower than the last of them. The result is the sort of every
+    layout's prediction by (step, peak), cut to ``count``: a layout not walked is slower than all
+    of those kept.
+    """
+    timed = []
+    for layout in layouts:
+        try:
+            parts, _ = planner.step_time(layout, hw, exact=False)
+        except ProfileError as exc:
+            unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
+            continue
+        timed.append((sum(parts.values()), layout))
+    timed.sort(key=lambda t: t[0])
+    fit: list[Prediction] = []
+    for step, layout in timed:
+        if len(fit) >= count and step > fit[count - 1].step_seconds:
+            break
+        prediction = planner.predict(layout, hw, exact=False)
+        if prediction.fits(hw.memory):
+            fit.append(prediction)
+    fit.sort(key=lambda p: (p.step_seconds, p.peak))
+    return fit[:count]

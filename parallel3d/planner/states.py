@@ -61,7 +61,14 @@ def model_state_bytes(params: RankParams, zero: ZeroSetup, *, dp_rank: int = 0, 
     """``memory_report()`` of the rank after a training step (gradients and optimizer states exist).
 
     Offloaded bytes are counted under ``HOST_CATEGORIES`` (host memory), as ``memory_report`` does.
+    A search asks for the same rank's states many times (once per micro-batch, schedule and
+    recomputation choice): computed once per (params, zero, dp rank, pipelined), a copy returned.
     """
+    return dict(_model_state_bytes(params, zero, dp_rank, pipelined))
+
+
+@lru_cache(maxsize=8192)
+def _model_state_bytes(params: RankParams, zero: ZeroSetup, dp_rank: int, pipelined: bool) -> dict[str, int]:
     total = dict.fromkeys(CATEGORIES, 0)
     rank = 0 if zero.stage == 0 else dp_rank
     full = full_gradients(zero.stage, pipelined, dp=zero.dp)

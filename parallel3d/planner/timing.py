@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from parallel3d.pipeline.schedules import schedule_table
 from parallel3d.pipeline.simulate import Costs, simulate
@@ -50,7 +51,13 @@ def closed_form_makespan(schedule: str, pp: int, m: int, virtual: int, costs: Co
 def pipeline_seconds(schedule: str, pp: int, m: int, virtual: int, costs: Costs, exact: bool) -> float:
     if not exact:
         return closed_form_makespan(schedule, pp, m, virtual, costs)
-    return simulate(schedule_table(schedule, pp, m, virtual, communication=False), costs).makespan
+    return simulate(_compute_table(schedule, pp, m, virtual), costs).makespan
+
+
+@lru_cache(maxsize=256)
+def _compute_table(schedule: str, pp: int, m: int, virtual: int) -> list:
+    """The schedule's compute passes (built once: layouts that differ in ZeRO or dp share it)."""
+    return schedule_table(schedule, pp, m, virtual, communication=False)
 
 
 def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, m: int, hidden_bytes: int,
@@ -69,8 +76,7 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
     exposed = max(dp_seconds(c.params, zero, dp_link, m, pipelined=layout.pp > 1, overlap=overlap,
                              compute=(c.forward, c.backward)) for c in costs)
     per_element = 4 * (2 * zero.optimizer.elementwise + 4) + zero.work_bytes
-    optimizer = max(sum(padded(u, zero) // zero.world for u in units(c.params, zero)) for c in costs) \
-        * per_element / (hw.memory_bandwidth * hw.memory_efficiency)
+    optimizer = max(_shard_numel(c.params, zero) for c in costs) * per_element / (hw.memory_bandwidth * hw.memory_efficiency)
     tied = pp_link.seconds("send", tied_numel * zero.work_bytes, 2) if tied_numel else 0.0
     return {"pipeline": pipeline, "data parallel": exposed, "tied embedding": tied, "optimizer": optimizer}
 
@@ -80,6 +86,42 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipel
     """Seconds of ZeRO's collectives over dp that the step waits for (comm_counter's payloads)."""
     if zero.dp == 1:
         return 0.0
+    calls = _collective_seconds(params, zero, link)
+    after_step = calls["gather persistent"] if zero.stage >= 1 else 0.0
+    fwd, bwd = compute
+    if pipelined:
+        # stages 0-1 reduce a chunk's gradients after its last backward pass, stages 2-3
+        # reduce-scatter them after each pass, both while the schedule goes on; stage 3 gathers
+        # its root units once per step, each embedding table and head once per micro-batch and
+        # each block around each forward and backward
+        full = full_gradients(zero.stage, True, dp=zero.dp)
+        reduce = calls["reduce"] if full else m * calls["reduce_scatter"]
+        busy = bwd if full else m * bwd
+        gather = calls["gather root"] + m * calls["gather once"]
+        blocks = 2 * m * calls["gather blocks"]
+        if overlap:
+            return gather + max(0.0, blocks - m * fwd) + max(0.0, reduce - busy) + after_step
+        return gather + blocks + reduce + after_step
+    if full_gradients(zero.stage, False, dp=zero.dp):  # one reduction, during the window's last backward
+        reduce = calls["reduce"]
+        return (max(0.0, reduce - bwd) if overlap else reduce) + after_step
+    per_mb_bwd = calls["reduce_scatter"] + calls["gather blocks"]
+    per_mb_fwd = calls["gather sharded"]
+    if overlap:
+        return m * (max(0.0, per_mb_fwd - fwd) + max(0.0, per_mb_bwd - bwd)) + after_step
+    return m * (per_mb_fwd + per_mb_bwd) + after_step
+
+
+@lru_cache(maxsize=8192)
+def _shard_numel(params: RankParams, zero: ZeroSetup) -> int:
+    """Elements of the rank's optimizer shard (padded units over the ZeRO world)."""
+    return sum(padded(u, zero) // zero.world for u in units(params, zero))
+
+
+@lru_cache(maxsize=8192)
+def _collective_seconds(params: RankParams, zero: ZeroSetup, link: Link) -> dict[str, float]:
+    """Seconds of each set of ZeRO's dp collectives of one rank, once (the same for every micro-batch
+    count, schedule and compute time that prices it)."""
     plan = units(params, zero)
     n, work = zero.dp, zero.work_bytes
 
@@ -92,28 +134,10 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipel
     # per use) and the head gathered again for zb_h1's weight pass.
     modules = len(params.fetch_modules)
     once = [u for u in sharded if u.module is not None and not params.embeddings <= u.module < modules - params.heads]
-    after_step = calls("all_gather", [u for u in plan if u.persistent]) if zero.stage >= 1 else 0.0
-    reduce_op = "all_reduce" if zero.stage == 0 else "reduce_scatter"
-    fwd, bwd = compute
-    if pipelined:
-        # stages 0-1 reduce a chunk's gradients after its last backward pass, stages 2-3
-        # reduce-scatter them after each pass, both while the schedule goes on; stage 3 gathers
-        # its root units once per step, each embedding table and head once per micro-batch and
-        # each block around each forward and backward
-        full = full_gradients(zero.stage, True, dp=zero.dp)
-        reduce = calls(reduce_op, plan) if full else m * calls("reduce_scatter", plan)
-        busy = bwd if full else m * bwd
-        gather = calls("all_gather", [u for u in sharded if u.root]) + m * calls("all_gather", once)
-        blocks = 2 * m * calls("all_gather", [u for u in sharded if not u.root and u not in once])
-        if overlap:
-            return gather + max(0.0, blocks - m * fwd) + max(0.0, reduce - busy) + after_step
-        return gather + blocks + reduce + after_step
-    if full_gradients(zero.stage, False, dp=zero.dp):  # one reduction, during the window's last backward
-        reduce = calls(reduce_op, plan)
-        return (max(0.0, reduce - bwd) if overlap else reduce) + after_step
-    per_mb_bwd = calls("reduce_scatter", plan) + calls("all_gather", [u for u in sharded
-                                                                     if not u.root and u not in once])
-    per_mb_fwd = calls("all_gather", sharded)
-    if overlap:
-        return m * (max(0.0, per_mb_fwd - fwd) + max(0.0, per_mb_bwd - bwd)) + after_step
-    return m * (per_mb_fwd + per_mb_bwd) + after_step
+    return {"gather persistent": calls("all_gather", [u for u in plan if u.persistent]),
+            "reduce": calls("all_reduce" if zero.stage == 0 else "reduce_scatter", plan),
+            "reduce_scatter": calls("reduce_scatter", plan),
+            "gather root": calls("all_gather", [u for u in sharded if u.root]),
+            "gather once": calls("all_gather", once),
+            "gather blocks": calls("all_gather", [u for u in sharded if not u.root and u not in once]),
+            "gather sharded": calls("all_gather", sharded)}
