@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 _STRIDE = 0x9E3779B97F4A7C15  # odd (golden-ratio) stride: tp ranks' seeds land far apart
 _SEED_RANGE = 1 << 62
@@ -66,7 +67,8 @@ class SplitRegionRNG:
         self._open: list[tuple[int, torch.device, torch.Tensor]] = []
 
     def enter(self, owner: nn.Module, device: torch.device) -> None:
-        base = int(torch.randint(_SEED_RANGE, (1,)).item())  # CPU generator: same on every tp rank
+        with unset_fake_temporarily():  # a real draw also while the planner runs the model on fake tensors
+            base = int(torch.randint(_SEED_RANGE, (1,)).item())  # CPU generator: same on every tp rank
         self._open.append((id(owner), device, _get_state(device)))
         _seed(device, (base + self.tp_rank * _STRIDE) % (1 << 63))
 
