@@ -35,6 +35,7 @@ from parallel3d.gathered import register
 from parallel3d.lifeline import install_exit_guard
 from parallel3d.lr_build import build_lr_scheduler
 from parallel3d.optimizer_check import check_sharded_optimizer
+from parallel3d.peft_model import unwrap_peft
 from parallel3d.mesh import build_mesh
 from parallel3d.world import default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
@@ -242,6 +243,7 @@ def initialize(
     install_worker_errors()  # under torchrun: a ConfigError/UsageError ends a worker with one line
     check_model(model)
     refuse_deepspeed_partitioned(model)
+    model = unwrap_peft(model)  # train the HF model inside a PeftModel (parallel3d/peft_model.py)
     check_distributed_arguments(mpu, mesh_param, dist_init_required, distributed_port)
     config = resolve_config(config, config_params, args)
     device = torch.device(device) if device is not None else default_device()

@@ -25,3 +25,8 @@ def make_peft_model(seed: int = 0, targets=TARGETS, rank: int = 4, **overrides) 
 def frozen_values(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the model's untrained parameters by name."""
     return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def hf_name(peft_name: str) -> str:
+    """A ``PeftModel`` parameter's name inside its HF model (the engine's names)."""
+    return peft_name.removeprefix("base_model.model.")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed
 
-from tests.peft_tiny import frozen_values, make_peft_model
+from tests.peft_tiny import frozen_values, hf_name, make_peft_model
 from tests.tiny import (ds_config, max_rel_param_error, oracle_run, rank_micro_batches, token_batches,
                         train_micro_steps)
 
@@ -29,7 +29,7 @@ def train_peft(stage: int, dp: int, zero_extra: dict) -> tuple[list[float], dict
     losses = train_micro_steps(engine, batches, STEPS, GAS)
     frozen = [p for p in model.parameters() if not p.requires_grad]
     with parallel3d.GatheredParameters(frozen):
-        after = frozen_values(model)
+        after = frozen_values(model.get_base_model())
     return losses, engine.full_parameters(), after, engine.memory_report()
 
 
@@ -38,7 +38,7 @@ def oracle(dp: int):
     model = make_peft_model()
     losses, params = oracle_run("llama", token_batches(STEPS, GAS, dp), model=model)
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    return losses, {n: p for n, p in params.items() if n in trained}
+    return losses, {hf_name(n): p for n, p in params.items() if n in trained}
 
 
 CASES = [(stage, dp, extra) for dp in (2, 4) for stage, extra in (
@@ -50,7 +50,7 @@ CASES = [(stage, dp, extra) for dp in (2, 4) for stage, extra in (
 def test_lora_matches_single_process(dist, stage, dp, extra):
     results = dist.run(dp, train_peft, stage, dp, extra)
     want_losses, want_params = oracle(dp)
-    start = frozen_values(make_peft_model())
+    start = frozen_values(make_peft_model().get_base_model())
     for losses, params, frozen, _ in results:
         assert losses == pytest.approx(want_losses, rel=RTOL)
         err, name = max_rel_param_error(params, want_params)

@@ -60,6 +60,7 @@ from torch.distributed import ProcessGroup
 from models.anatomy import text_blocks
 from models.tp_plans import ModelTPPlan, TPPlanError, base_model_prefix, resolve_tp_plan
 from parallel3d.errors import ConfigError
+from parallel3d.tensor_parallel.adapters import check_adapter, shard_adapter
 from parallel3d.tensor_parallel.comm import all_reduce_grad_hook, copy_to_tp
 from parallel3d.tensor_parallel.forward import causal_lm_forward, check_extra_loss_terms, check_logit_transforms
 from parallel3d.tensor_parallel.experts import expert_hooks, expert_specs
@@ -72,6 +73,7 @@ from parallel3d.tensor_parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelLMHead,
     _linear_parts,
+    is_adapter_layer,
 )
 from parallel3d.tensor_parallel.regions import LeftBehind, find_left_behind, split_params, split_regions
 from parallel3d.tensor_parallel.rng import SplitRegionRNG
@@ -139,6 +141,16 @@ def _check_intermediate(model: nn.Module, world: int) -> None:
         raise ConfigError(f"tensor_parallel.size={world} must divide intermediate_size={inter} of {type(model).__name__}")
 
 
+def _check_vocab_adapters(model: nn.Module) -> None:
+    """Refuse LoRA adapters on the input embedding or the lm head: the vocabulary-parallel layers
+    replace both and would drop them."""
+    for what, module in (("input embedding", model.get_input_embeddings()), ("lm head", model.get_output_embeddings())):
+        if isinstance(module, nn.Module) and (is_adapter_layer(module) or hasattr(module, "lora_embedding_A")):
+            raise ConfigError(f"LoRA adapters on the {what} ({type(module).__name__}) under tensor parallelism: the "
+                              "vocabulary-parallel layer replaces it; leave it out of target_modules or use "
+                              "tensor_parallel.size 1")
+
+
 def _check_embedding(model: nn.Module) -> None:
     """Refuse an input embedding the vocabulary-parallel one would not reproduce: one with
     parameters besides its table (Inkling's norm inside the embedding module)."""
@@ -183,8 +195,10 @@ def _check_row_outputs(model: nn.Module, plan: ModelTPPlan) -> None:
 
 def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: bool, specs: dict[str, ShardSpec],
                   partial: set[nn.Parameter], regions: set[str], kv_layers: dict[str, int],
-                  whole: list[str] = ()) -> list[RowParallelLinear]:
-    """Swap every planned module for its parallel layer; returns the row layers.
+                  whole: list[str] = (), hooks: list[Any] | None = None) -> list[RowParallelLinear]:
+    """Swap every planned module for its parallel layer; returns the row layers. A LoRA layer
+    (``adapters.py``) keeps its place: its base is swapped and its adapters split; ``hooks``
+    receives the hooks that adds.
 
     ``kv_layers``: column layers whose slices are replicated, with their replica count.
     ``whole``: sequence-parallel mixers every rank runs on the whole sequence, whose layers are
@@ -192,6 +206,7 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
     """
     world = dist.get_world_size(group)
     rows = []
+    hooks = hooks if hooks is not None else []
     for name, layer in plan.layers.items():
         module = model.get_submodule(name)
         if layer.kind == "partial_grad":
@@ -199,13 +214,17 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
             continue
         if layer.kind in ("replicate", "experts"):  # experts: their weights are split by expert_specs
             continue
+        adapter = module if is_adapter_layer(module) else None
+        if adapter is not None:
+            check_adapter(name, adapter, sp)
+            module = adapter.base_layer
         try:
             _linear_parts(module)
             parent = name.rpartition(".")[0]
             layer_sp = sp and not any(name.startswith(m + ".") for m in whole)  # checked by _check_sequence_layers
             if layer.kind == "column":
                 new: nn.Module = ColumnParallelLinear(
-                    module, group, input_comm="none" if parent in regions else "copy",
+                    module, group, input_comm="none" if parent in regions or adapter is not None else "copy",
                     gather_output=layer.gather_output, packed=layer.packed, replicas=kv_layers.get(name, 1))
             else:
                 new = RowParallelLinear(module, group, split_input=layer.split_input, packed=layer.packed,
@@ -216,8 +235,17 @@ def _shard_layers(model: nn.Module, plan: ModelTPPlan, group: ProcessGroup, sp: 
         except ValueError as exc:
             raise ConfigError(f"{type(model).__name__}: {name} cannot be split over tensor_parallel.size={world}: "
                               f"{exc}") from None
-        _replace(model, name, new)
-        specs.update({f"{name}.{p}": s for p, s in new.specs.items()})
+        if adapter is None:
+            _replace(model, name, new)
+            specs.update({f"{name}.{p}": s for p, s in new.specs.items()})
+            continue
+        adapter.base_layer = new
+        specs.update({f"{name}.base_layer.{p}": s for p, s in new.specs.items()})
+        adapter_specs, adapter_partial, adapter_hooks = shard_adapter(
+            name, adapter, layer, group, replicas=kv_layers.get(name, 1), region_entered=parent in regions)
+        specs.update(adapter_specs)
+        partial.update(adapter_partial)
+        hooks += adapter_hooks
     return rows
 
 
@@ -266,6 +294,7 @@ def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: boo
     layout = head_layout(model, plan, world)
     _check_intermediate(model, world)
     _check_row_outputs(model, plan)
+    _check_vocab_adapters(model)
     _check_embedding(model)
     _check_head(model)
     check_logit_transforms(model)
@@ -324,7 +353,9 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
     specs: dict[str, ShardSpec] = {}
     partial: set[nn.Parameter] = set()
     whole = prep.whole_mixers
-    rows = _shard_layers(model, plan, tp_group, sequence_parallel, specs, partial, regions, kv_layers, whole)
+    adapter_hooks: list[Any] = []
+    rows = _shard_layers(model, plan, tp_group, sequence_parallel, specs, partial, regions, kv_layers, whole,
+                         adapter_hooks)
     split_params(model, {**left_behind.split, **experts}, rank, world)
     specs.update(left_behind.split)
     specs.update(experts)
@@ -339,6 +370,7 @@ def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_
         for name in regions if not sequence_parallel]
     hooks += [h for path in sorted(plan.experts) for h in expert_hooks(model.get_submodule(path), tp_group, sequence_parallel)]
     hooks += head_input_hooks(model, prep, rank)
+    hooks += adapter_hooks
     rng = SplitRegionRNG(rank)
     if sequence_parallel:
         hooks += sequence_parallel_hooks(model, tp_group, regions, prep.sequence_mixers, whole)

@@ -42,8 +42,19 @@ def is_conv1d(module: nn.Module) -> bool:
     return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "nx")
 
 
+def is_adapter_layer(module: nn.Module) -> bool:
+    """A ``peft`` LoRA layer: a ``base_layer`` with ``lora_A`` / ``lora_B`` adapters beside it
+    (parallel3d/tensor_parallel/adapters.py)."""
+    return (isinstance(getattr(module, "base_layer", None), nn.Module)
+            and isinstance(getattr(module, "lora_A", None), nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), nn.ModuleDict))
+
+
 def _linear_parts(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-    """(weight, bias, which weight dim holds the output features) of a Linear or Conv1D."""
+    """(weight, bias, which weight dim holds the output features) of a Linear or Conv1D (of the
+    base layer of a LoRA layer)."""
+    if is_adapter_layer(module):
+        module = module.base_layer
     if is_conv1d(module):
         return module.weight, module.bias, 1
     if isinstance(module, nn.Linear):

@@ -98,6 +98,13 @@ def _treatment(param: nn.Parameter, owner: nn.Module, layout: HeadLayout | None,
     return None
 
 
+def _planned_owner(owner_name: str, plan: ModelTPPlan, region: str) -> bool:
+    """Whether ``owner_name`` is a module the plan names (other than ``region``) or sits inside one
+    (the base and adapters of a LoRA layer: parallel3d/tensor_parallel/adapters.py)."""
+    parts = owner_name.split(".")
+    return any(".".join(parts[:i]) in plan.layers and ".".join(parts[:i]) != region for i in range(len(parts), 0, -1))
+
+
 def find_left_behind(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout | None, world: int) -> LeftBehind:
     """Classify every parameter of a split region that no planned layer owns; refuse what cannot be handled."""
     found = LeftBehind()
@@ -109,7 +116,7 @@ def find_left_behind(model: nn.Module, plan: ModelTPPlan, layout: HeadLayout | N
         for local, param in module.named_parameters():
             name = f"{region}.{local}"
             owner_name = name.rpartition(".")[0]
-            if owner_name in plan.layers and owner_name != region:  # a parallel layer, or a module the plan names
+            if _planned_owner(owner_name, plan, region):  # a parallel layer, a module the plan names, or inside one
                 continue
             owner = model.get_submodule(owner_name)
             treatment = _treatment(param, owner, layout if region in plan.attention_modules else None, world, upstream)
