@@ -98,6 +98,9 @@ class TokenizerConfig(Section):
     trust_remote_code: bool = False
     """Let the tokenizer directory (tokenizer.path, or model.path's tokenizer) run its own Python
     code (a tokenizer_config.json with auto_map); false refuses such a directory."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template (the template itself, or the path of a .jinja file) that replaces the
+    tokenizer's for data.format chat; unset: the tokenizer's own."""
 
     @field_validator("vocab_size")
     @classmethod
@@ -117,10 +120,18 @@ class DataConfig(Section):
     """Local file(s) or glob(s) for the builder, or a mapping split -> file(s)."""
     path: Optional[str] = None
     """A dataset saved with `save_to_disk` (a Dataset, or a DatasetDict with splits)."""
+    format: Literal["text", "chat"] = "text"
+    """"text": documents in text_column, packed with EOS between them and cut into blocks (a
+    document may span two; attention runs across the block). "chat": conversations ("messages",
+    or "prompt"/"completion") rendered with the tokenizer's chat template, labelled on the
+    assistant's turns only, and packed whole with position_ids restarting at each so that
+    attention does not cross them (parallel3d/job/chat.py, parallel3d/job/packing.py); the engine's
+    loss_normalization defaults to "tokens" then."""
     text_column: str = "text"
-    """The column holding the document text."""
+    """The column holding the document text (data.format text)."""
     seq_len: PositiveInt = 128
-    """Tokens per training block; documents are packed with EOS between them."""
+    """Tokens per training block; documents are packed with EOS between them (data.format text),
+    or whole conversations are packed and a longer one is cut to seq_len (data.format chat)."""
     train_split: str = "train"
     """The split to train on."""
     validation_split: Optional[str] = None
@@ -146,6 +157,9 @@ class DataConfig(Section):
             raise problem('data.data_files: the "pydoc" builder is the bundled corpus and takes no files; '
                           "set data.builder to text, json, csv, parquet or arrow, or remove data.builder to infer "
                           "it from the files' extension")
+        if self.format == "chat" and self.source == "pydoc":
+            raise problem('data.format "chat" needs conversations: JSONL files with "messages" (or "prompt" and '
+                          '"completion") in data.data_files, or a dataset saved with save_to_disk in data.path')
         if self.builder not in (None, "pydoc") and self.data_files is None:
             raise problem(f'data.data_files is required with data.builder "{self.builder}" '
                           "(local files or globs; nothing is downloaded)")
@@ -242,10 +256,13 @@ class JobConfig(Section):
 
 
 def engine_dict(job: JobConfig, total_steps: int | None = None) -> dict:
-    """The engine config as a dict; inline configs get ``"auto"`` scheduler step counts filled in."""
-    if isinstance(job.engine, str):
-        return read_config_file(job.engine)
-    return _fill_auto(job.engine, total_steps or 1)
+    """The engine config as a dict; inline configs get ``"auto"`` scheduler step counts filled in.
+    Chat data, whose label counts differ from row to row, gets ``loss_normalization: "tokens"``
+    unless the config sets it."""
+    data = read_config_file(job.engine) if isinstance(job.engine, str) else _fill_auto(job.engine, total_steps or 1)
+    if job.data.format == "chat" and "loss_normalization" not in data:
+        data = {**data, "loss_normalization": "tokens"}
+    return data
 
 
 def _fill_auto(data: dict, total_steps: int) -> dict:

@@ -5,7 +5,10 @@
 
 Tokenization is ``map(batched=True)``; packing concatenates each batch of tokenized
 documents with EOS after every document and cuts fixed blocks of ``seq_len`` (the tail of
-each map batch that does not fill a block is dropped, as in HF's run_clm). Packed blocks are
+each map batch that does not fill a block is dropped, as in HF's run_clm). Chat data
+(``data.format: chat``) is rendered and labelled by `parallel3d.job.chat` and packed whole,
+documents kept apart, by `parallel3d.job.packing`; its blocks also hold labels and
+position_ids. Packed blocks are
 cached (see `parallel3d.job.cache`) by a hash of the corpus identity (files, sizes, mtimes),
 the split settings, the tokenizer and seq_len, so workers and later runs load them memory-mapped.
 The training order is not decided here: see `parallel3d.job.sampler`.
@@ -18,10 +21,14 @@ import json
 import logging
 import os
 from itertools import chain
+
+import numpy as np
 from pathlib import Path
 
 from parallel3d.errors import ConfigError
 from parallel3d.job.cache import cached_dir, key_of
+from parallel3d.job.chat import chat_columns, conversation, tokenize_conversation
+from parallel3d.job.packing import pack_whole
 from parallel3d.job.config import JobConfig
 from parallel3d.job.corpus import pydoc_documents, pydoc_identity
 
@@ -113,18 +120,24 @@ def load_documents(job: JobConfig) -> tuple[dict, dict]:
         raise ConfigError(f'data.validation_split: "{d.validation_split}" is not a split of the dataset '
                           f'(splits: {", ".join(splits)})')
     train = ds[d.train_split]
-    if column not in train.column_names:
+    if d.format == "chat":
+        column = chat_columns(train.column_names, d.train_split)
+        if d.validation_split is not None:
+            chat_columns(ds[d.validation_split].column_names, d.validation_split)
+    elif column not in train.column_names:
         raise ConfigError(f'data.text_column: "{column}" is not a column of the dataset '
                           f'(columns: {", ".join(train.column_names)})')
-    feature = train.features[column]
-    if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
-        raise ConfigError(f'data.text_column: column "{column}" holds {feature}, not text')
+    if d.format == "text":
+        feature = train.features[column]
+        if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            raise ConfigError(f'data.text_column: column "{column}" holds {feature}, not text')
     if len(train) == 0:
         raise ConfigError(f'data: the "{d.train_split}" split has no documents')
-    train = train.select_columns([column])
+    columns = column if isinstance(column, list) else [column]
+    train = train.select_columns(columns)
     validation = None
     if d.validation_split is not None:
-        validation = ds[d.validation_split].select_columns([column])
+        validation = ds[d.validation_split].select_columns(columns)
     elif d.validation_fraction > 0:
         n_val = round(len(train) * d.validation_fraction)
         if n_val < 1 or n_val >= len(train):
@@ -132,7 +145,7 @@ def load_documents(job: JobConfig) -> tuple[dict, dict]:
                               f"out {n_val}; need at least 1 and fewer than all")
         split = train.train_test_split(test_size=n_val, seed=job.train.seed, shuffle=True)
         train, validation = split["train"], split["test"]
-    identity = {**identity, "text_column": column, "train_split": d.train_split,
+    identity = {**identity, "text_column": column, "format": d.format, "train_split": d.train_split,
                 "validation_split": d.validation_split, "validation_fraction": d.validation_fraction,
                 "seed": job.train.seed if d.validation_split is None and d.validation_fraction > 0 else None}
     return {"train": train, "validation": validation, "column": column}, identity
@@ -171,19 +184,49 @@ def _tokenize_and_pack(dataset, column: str, tokenizer, seq_len: int, num_proc, 
     return blocks, {"documents": len(dataset), "tokens": n_tokens, "blocks": len(blocks)}
 
 
+def _chat_blocks(dataset, split: str, tokenizer, seq_len: int, num_proc, fingerprint: str):
+    """Chat rows rendered, labelled on the assistant's turns and packed whole (with position_ids)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def render(batch, indices):
+        rows = (dict(zip(batch, values)) for values in zip(*batch.values()))
+        pairs = [tokenize_conversation(tokenizer, conversation(row, f"data: {split} row {i}"), f"data: {split} row {i}")
+                 for i, row in zip(indices, rows)]
+        return {"input_ids": [ids for ids, _ in pairs], "labels": [labels for _, labels in pairs],
+                "n": [len(ids) for ids, _ in pairs], "trained": [sum(x != -100 for x in lab[1:]) for _, lab in pairs]}
+
+    def pack(batch):
+        blocks, _ = pack_whole(zip(batch["input_ids"], batch["labels"]), seq_len, pad)
+        return {k: [b[k] for b in blocks] for k in ("input_ids", "labels", "position_ids")}
+
+    docs = dataset.map(render, batched=True, batch_size=MAP_BATCH, with_indices=True, remove_columns=dataset.column_names,
+                       num_proc=num_proc, new_fingerprint=f"{fingerprint}-chat", desc="render chat")
+    lengths = docs.data.column("n").to_numpy() if len(docs) else np.zeros(0, dtype=np.int64)
+    trained = int(docs.data.column("trained").to_numpy().sum()) if len(docs) else 0
+    blocks = docs.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=docs.column_names, num_proc=num_proc,
+                      new_fingerprint=f"{fingerprint}-chat-pack", desc="pack whole")
+    return blocks, {"documents": len(dataset), "tokens": int(lengths.sum()), "blocks": len(blocks),
+                    "trained_tokens_before_cuts": trained, "cut_to_seq_len": int((lengths > seq_len).sum())}
+
+
 def pack_documents(docs: dict, identity: dict, tokenizer, job: JobConfig) -> tuple[dict, dict]:
     """Packed blocks {"train": Dataset, "validation": Dataset | None} (cached) and their stats."""
     import datasets
 
     seq_len = job.data.seq_len
-    key = key_of({"packed": 1, "corpus": identity, "tokenizer": tokenizer_key(tokenizer), "seq_len": seq_len})
+    chat = job.data.format == "chat"
+    key = key_of({"packed": 1, "corpus": identity, "tokenizer": tokenizer_key(tokenizer), "seq_len": seq_len,
+                  **({"chat": 1, "template": tokenizer.chat_template} if chat else {})})
     stats: dict = {}
 
     def build(tmp: Path) -> None:
         logger.info("tokenizing and packing %d training documents into blocks of %d tokens", len(docs["train"]), seq_len)
         out = {}
         for split in ("train", "validation"):
-            if docs[split] is not None:
+            if docs[split] is not None and chat:
+                out[split], stats[split] = _chat_blocks(docs[split], split, tokenizer, seq_len, job.data.num_proc,
+                                                        f"{key}-{split}")
+            elif docs[split] is not None:
                 out[split], stats[split] = _tokenize_and_pack(docs[split], docs["column"], tokenizer, seq_len,
                                                               job.data.num_proc, f"{key}-{split}")
         datasets.DatasetDict(out).save_to_disk(str(tmp))

@@ -20,12 +20,14 @@ from parallel3d.errors import ConfigError
 from parallel3d.job import model as model_lib
 from parallel3d.job.checkpoints import check_resume_model, find_resume
 from parallel3d.job.config import JobConfig, engine_dict
+from parallel3d.job.chat import chat_template_problem, chat_texts
 from parallel3d.job.data import iter_texts, load_documents, pack_documents
 from parallel3d.job.sampler import BlockSampler
 from parallel3d.job.resume_batch import check_resume_batch
 from parallel3d.job.schedule import resumed_schedule
 from parallel3d.meta_init import pretrained_source
-from parallel3d.job.tokenizer import builtin_tokenizer, has_tokenizer, local_tokenizer
+from parallel3d.job.tokenizer import builtin_tokenizer, has_tokenizer, local_tokenizer, with_chat_template
+from models.packed_attention import packing_problem
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +67,27 @@ def _resolve_engine(data: dict, world_size: int) -> Zero3DConfig:
 
 def _tokenizer(job: JobConfig, docs: dict, identity: dict):
     if job.tokenizer.path is not None:
-        return local_tokenizer(job.tokenizer.path, trust_remote_code=job.tokenizer.trust_remote_code)
-    if job.model.path is not None and has_tokenizer(job.model.path):
-        return local_tokenizer(job.model.path, "model.path", job.tokenizer.trust_remote_code)
-    return builtin_tokenizer(iter_texts(docs["train"], docs["column"]), identity, job.tokenizer.vocab_size,
-                             job.tokenizer.max_train_chars)
+        tok = local_tokenizer(job.tokenizer.path, trust_remote_code=job.tokenizer.trust_remote_code)
+    elif job.model.path is not None and has_tokenizer(job.model.path):
+        tok = local_tokenizer(job.model.path, "model.path", job.tokenizer.trust_remote_code)
+    else:
+        texts = chat_texts(docs["train"]) if job.data.format == "chat" else iter_texts(docs["train"], docs["column"])
+        tok = builtin_tokenizer(texts, identity, job.tokenizer.vocab_size, job.tokenizer.max_train_chars)
+    if job.tokenizer.chat_template is not None:
+        tok = with_chat_template(tok, job.tokenizer.chat_template)
+    if job.data.format == "chat" and (problem := chat_template_problem(tok)) is not None:
+        raise ConfigError(f'data.format "chat": {problem}')
+    return tok
+
+
+def _check_packing(job: JobConfig, model, micro: int) -> None:
+    """Chat data is packed with documents kept apart; refuse a model whose attention would not."""
+    if job.data.format != "chat":
+        return
+    problem = packing_problem(model, model.config._attn_implementation, micro)
+    if problem is not None:
+        raise ConfigError(f'data.format "chat" packs conversations into blocks, each attending only to itself: '
+                          f"{problem} (model.attn_implementation)")
 
 
 def _make_output_dir(out: Path) -> None:
@@ -95,6 +113,7 @@ def prepare(job: JobConfig, world_size: int) -> Prepared:
     tokenizer = _tokenizer(job, docs, identity)
     model_lib.fit_to_tokenizer(job, hf_config, tokenizer)
     model = model_lib.check_buildable(job, hf_config)
+    _check_packing(job, model, resolved.train_micro_batch_size_per_gpu)
     if job.model.path is not None:
         pretrained_source(job.model.path, model)  # the safetensors headers against the model, before any worker
     if resume_from is not None:
@@ -127,7 +146,9 @@ def describe(p: Prepared) -> str:
     s, d = p.stats["train"], p.job.data
     val = p.stats.get("validation")
     val_text = f", validation {val['blocks']} blocks" if val else ", no validation"
-    return (f"data: {s['documents']} documents, {s['tokens']:,} tokens -> {s['blocks']} blocks of {d.seq_len}"
+    chat = (f" (chat: whole conversations, {s['cut_to_seq_len']} cut to seq_len, labels on the assistant's turns)"
+            if "cut_to_seq_len" in s else "")
+    return (f"data: {s['documents']} documents, {s['tokens']:,} tokens -> {s['blocks']} blocks of {d.seq_len}{chat}"
             f"{val_text}; tokenizer: {len(p.tokenizer)} tokens; world {p.world_size} (dp {p.dp}), "
             f"global batch {p.resolved.train_batch_size} blocks = {p.tokens_per_step:,} tokens/step; "
             f"{p.total_steps} steps ({p.total_steps / p.steps_per_epoch:.2f} epochs of {p.steps_per_epoch} steps)")

@@ -77,8 +77,19 @@ class BlockSampler:
         self.epoch, self.position, self._perm = int(state["epoch"]), int(state["samples"]) // (self.dp * self.micro), None
 
 
+def model_batch(rows: dict) -> dict:
+    """Model arguments from a slice of blocks: input_ids and labels (the ids themselves unless the
+    blocks hold labels); with position_ids (whole documents packed, parallel3d/job/packing.py) also
+    ``use_cache=False``, without which transformers skips the packed-document mask."""
+    tensors = {k: torch.from_numpy(np.asarray(v, dtype=np.int64)) for k, v in rows.items()}
+    batch = {"input_ids": tensors["input_ids"], "labels": tensors.get("labels", tensors["input_ids"].clone())}
+    if "position_ids" in tensors:
+        batch.update(position_ids=tensors["position_ids"], use_cache=False)
+    return batch
+
+
 class TrainLoader:
-    """Iterator of micro-batch dicts (input_ids, labels) for `Engine.train_batch`."""
+    """Iterator of micro-batch dicts (input_ids, labels[, position_ids]) for `Engine.train_batch`."""
 
     def __init__(self, blocks, sampler: BlockSampler) -> None:
         self.blocks = blocks.with_format("numpy")
@@ -88,8 +99,7 @@ class TrainLoader:
         return self
 
     def __next__(self) -> dict:
-        ids = torch.from_numpy(np.asarray(self.blocks[self.sampler.next_indices()]["input_ids"], dtype=np.int64))
-        return {"input_ids": ids, "labels": ids.clone()}
+        return model_batch(self.blocks[self.sampler.next_indices()])
 
 
 def eval_batches(blocks, micro_batch: int, dp: int, dp_rank: int, max_batches: int | None):
@@ -100,5 +110,4 @@ def eval_batches(blocks, micro_batch: int, dp: int, dp_rank: int, max_batches: i
         n = min(n, max_batches)
     for b in range(n):
         start = (b * dp + dp_rank) * micro_batch
-        ids = torch.from_numpy(np.asarray(blocks[start : start + micro_batch]["input_ids"], dtype=np.int64))
-        yield {"input_ids": ids, "labels": ids.clone()}
+        yield model_batch(blocks[start : start + micro_batch])

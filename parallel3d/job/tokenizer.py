@@ -75,5 +75,14 @@ def local_tokenizer(path: str, key: str = "tokenizer.path", trust_remote_code: b
     return tok
 
 
+def with_chat_template(tokenizer, template: str):
+    """``tokenizer`` with ``template`` as its chat template: the Jinja text, or the path of a file holding it."""
+    path = Path(template).expanduser()
+    if "{" not in template and not path.is_file():
+        raise ConfigError(f'tokenizer.chat_template: "{template}" is neither a Jinja template nor an existing file')
+    tokenizer.chat_template = path.read_text() if "{" not in template else template
+    return tokenizer
+
+
 def has_tokenizer(path: str) -> bool:
     return any((Path(path) / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"))
