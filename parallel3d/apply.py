@@ -143,6 +143,7 @@ def apply_zero(
         isolated_params=[t.param for t in pipe.tied] if pipe else (),
         param_names={p: n for n, p in (pipe.hf_named_parameters() if pipe else model.named_parameters())},
         frozen_params=frozen,
+        replica_group=mesh.groups.zero_replicate if mesh.size("dp_replicate") > 1 else None,
     )
 
 

@@ -120,14 +120,16 @@ def _pieces(engine):
 
 
 def _chunks_to_save(engine) -> list[Chunk]:
-    """This rank's chunks of masters and optimizer states (each written by one holder)."""
+    """This rank's chunks of masters and optimizer states (each written by one holder: under hybrid
+    sharding the first replica, the others holding the same shards)."""
     chunks: list[Chunk] = []
     for (e, master, chunks_of), state in zip(_pieces(engine), engine.optimizer.piece_states(), strict=True):
         if e.save:
             chunks += chunks_of(f"model/{e.name}", master.detach())
             for key, value in state.items():
                 chunks += _state_value_chunks(key, value, e, master, chunks_of)
-    return chunks
+    # made on every rank all the same: a state no checkpoint can hold is refused everywhere alike
+    return chunks if engine.mesh.local_rank("dp_replicate") == 0 else []
 
 
 def _chunks_to_load(engine, metadata, manifest: dict, optimizer_states: bool) -> tuple[list[Chunk], list[dict]]:
@@ -310,7 +312,8 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dic
         OPTIMIZER_TYPE: type(engine.optimizer.inner).__name__,
         "lr_scheduler": encode_value(scheduler, "lr_scheduler.state_dict()"),
         "client_state": client,
-        "written_by": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "zero_stage": engine.optimizer.settings.stage,
+        "written_by": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "dp_shard": mesh.size("dp_shard"),
+                       "zero_stage": engine.optimizer.settings.stage,
                        "train_batch_size": engine.config.train_batch_size},
     }
     chunks = _chunks_to_save(engine)  # refuses unstorable optimizer state before any collective

@@ -206,6 +206,11 @@ class Zero3DConfig(Section):
                               f"pipeline.stages {pp} = {tp * pp}")
         given = self._given_batch or tuple(getattr(self, key) for key in BATCH_KEYS)
         batch = resolve_batch_sizes(*given, data_parallel_size=world_size // (tp * pp))
+        dp, shard = world_size // (tp * pp), self.zero_optimization.mics_shard_size
+        if shard != -1 and dp % shard:
+            raise ConfigError(f"zero_optimization.mics_shard_size {shard} does not divide the data-parallel size {dp} "
+                              f"(world {world_size} / (tensor_parallel.size {tp} x pipeline.stages {pp})); allowed: "
+                              f"a divisor of {dp}, or -1 for one group of all {dp}")
         if self.zero_optimization.offloads_params and world_size // (tp * pp) == 1:
             raise ConfigError('zero_optimization.offload_param with device "cpu" needs at least 2 data-parallel '
                               "ranks: with one, ZeRO stage 3 keeps every parameter whole on the device (nothing is "

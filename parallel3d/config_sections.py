@@ -323,7 +323,7 @@ class ZeroConfig(Section):
     ds_unimplemented = {
         "zenflow": None, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
         "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
-        "mics_shard_size": NOT_SET, "mics_hierarchical_params_gather": NOT_SET, "zeropp_loco_param": NOT_SET,
+        "zeropp_loco_param": NOT_SET,
         "use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True, "load_from_fp32_weights": True,
         "elastic_checkpoint": False, "legacy_stage1": False,
         "parameter_alignment": False, "memory_efficient_linear": True, "pipeline_loading_checkpoint": False,
@@ -373,6 +373,13 @@ class ZeroConfig(Section):
     stage3_gather_16bit_weights_on_model_save: bool = False
     """Stage 3: gather full 16-bit weights when the model is saved."""
 
+    mics_shard_size: Int = -1
+    """Hybrid sharding (DeepSpeed's MiCS, FSDP's HSDP): shard states over groups of this many
+    data-parallel ranks and replicate across the groups, at stages 1-3 (DeepSpeed: stage 3 only).
+    -1: every data-parallel rank is one group (flat ZeRO). Must divide the data-parallel size."""
+    mics_hierarchical_params_gather: bool = False
+    """DeepSpeed's two-hop gather for a shard group that spans nodes; not implemented (refused)."""
+
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     """Optimizer states and fp32 master weights in CPU memory, stepped there (ZeRO-Offload), stages 1-3."""
     offload_param: Optional[OffloadParamConfig] = None
@@ -400,6 +407,35 @@ class ZeroConfig(Section):
     @property
     def offloads_params(self) -> bool:
         return self.offload_param is not None and self.offload_param.enabled
+
+    @field_validator("mics_shard_size", mode="after")
+    @classmethod
+    def _shard_size_positive(cls, size: int) -> int:
+        if size != -1 and size < 1:
+            raise rule(f"must be -1 (flat ZeRO over every data-parallel rank) or a positive number of ranks, "
+                       f"got {size}")
+        return size
+
+    @field_validator("mics_hierarchical_params_gather", mode="after")
+    @classmethod
+    def _no_hierarchical_gather(cls, value: bool) -> bool:
+        if value:
+            raise rule("is not supported: Zero3D gathers parameters inside a shard group in one collective; "
+                       "choose mics_shard_size so that a group stays inside a node (at most its GPUs), where "
+                       "that gather already runs over the node's links; allowed: false")
+        return value
+
+    @model_validator(mode="after")
+    def _hybrid_needs_sharding(self) -> "ZeroConfig":
+        if self.mics_shard_size != -1 and self.stage == 0:
+            raise problem(f"zero_optimization.mics_shard_size {self.mics_shard_size} needs ZeRO stage 1, 2 or 3: "
+                          "stage 0 shards nothing, so there is nothing to shard inside a group; set "
+                          "zero_optimization.stage or remove the key")
+        return self
+
+    def shard_size(self, data_parallel_size: int) -> int:
+        """Ranks of one shard group (the whole data-parallel size unless ``mics_shard_size`` is set)."""
+        return data_parallel_size if self.mics_shard_size == -1 else self.mics_shard_size
 
     @field_validator("stage", mode="after")
     @classmethod

@@ -268,7 +268,9 @@ def initialize(
         detach_from_meta(model, buffer_values(replay, source), device)
     elif weights is not None:
         load_in_place(model, weights)
-    mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s)
+    dp = cfg.data_parallel_size
+    mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s,
+                      dp_replicate=dp // cfg.zero_optimization.shard_size(dp))
     install_exit_guard()  # the mesh's gloo groups must not outlive the interpreter's teardown
     if source is None:
         model.to(device)

@@ -49,7 +49,8 @@ def _engine(kind: str, layout: dict, seed: int):
     pp, tp = layout.get("pp", 1), layout.get("tp", 1)
     dp = world // (pp * tp)
     gas = MICRO_PER_STEP // dp
-    config = ds_config(layout["stage"], gas, dp, stage3_param_persistence_threshold=0, reduce_bucket_size=3000)
+    config = ds_config(layout["stage"], gas, dp, stage3_param_persistence_threshold=0, reduce_bucket_size=3000,
+                       mics_shard_size=layout.get("shard", -1))
     config["scheduler"] = SCHEDULER
     two_groups = layout.get("groups", False)
     if two_groups:
@@ -122,6 +123,9 @@ CASES = {
                                              {"stage": 0, "pp": 2, "tp": 2, "schedule": "interleaved_1f1b",
                                               "virtual": 2}),
     "dp4-z3 -> dp2-z3": ("llama", 4, {"stage": 3}, 2, {"stage": 3}),
+    # hybrid sharding: the first replica writes; the shards are read back into any grouping
+    "dp4 as 2 replicas x 2-z3 -> dp4 flat-z2": ("llama", 4, {"stage": 3, "shard": 2}, 4, {"stage": 2}),
+    "dp4 flat-z1 -> dp4 as 2 replicas x 2-z2": ("llama", 4, {"stage": 1}, 4, {"stage": 2, "shard": 2}),
     # 2 kv heads on 4 tp ranks: each kv head held by two ranks, written once
     "tp4 (kv heads replicated)-z1 -> dp2-z2": ("llama", 4, {"stage": 1, "tp": 4}, 2, {"stage": 2}),
     # ZeRO cuts the replicas of the one kv head differently on the two tp ranks: one writes it

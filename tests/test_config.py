@@ -172,7 +172,12 @@ def test_defaults_are_deepspeeds(deepspeed_config):
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
     ds_zero, ours = DeepSpeedZeroConfig(), ZeroConfig()
+    # DeepSpeed 0.19 removed MiCS and now refuses its keys; its last defaults were -1 and false
+    removed = {"mics_shard_size": -1, "mics_hierarchical_params_gather": False}
     for name, value in ours.model_dump().items():
+        if name in removed:
+            assert value == removed[name], name
+            continue
         ds_name = name.replace("stage3_", "") if name.startswith("stage3_") else name
         assert getattr(ds_zero, ds_name) == value, name
     assert ZeroConfig(stage=3).overlap_comm and DeepSpeedZeroConfig(stage=3).overlap_comm

@@ -97,13 +97,16 @@ def full_grad(optimizer: ZeroOptimizer, param: nn.Parameter) -> torch.Tensor | N
     """
     unit, index = locate(optimizer, param)
     received = optimizer.reducer.received[optimizer.units.index(unit)][index]
-    if optimizer.dp_world > 1:  # a param may get a gradient on some ranks only
+    if optimizer.dp.world > 1:  # a param may get a gradient on some ranks only
         flag = torch.tensor([int(received)], dtype=torch.int32, device=unit.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=optimizer.group)
+        optimizer.dp.all_reduce(flag, op=dist.ReduceOp.MAX)
         received = bool(flag.item())
     shard = _grad_shard(optimizer, unit)
     if not received or shard is None:
         return None
+    if optimizer.dp.replicas > 1:  # the step averages the shard over the replicas; so does this copy
+        shard = shard.clone()
+        dist.all_reduce(shard, op=dist.ReduceOp.AVG, group=optimizer.dp.replica)
     if unit.dtype == torch.float16:
         return _assemble(optimizer, unit, index, shard.float() / optimizer.loss_scale)
     return _assemble(optimizer, unit, index, shard)

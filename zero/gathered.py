@@ -119,9 +119,9 @@ class GatheredParams:
     def _changed_anywhere(self) -> bool:
         changed = any((p.data_ptr(), p._version) != seen for (p, _, _), seen in zip(self.located, self._versions))
         opt = self.optimizer
-        if opt.dp_world > 1:
+        if opt.dp.world > 1:
             flag = torch.tensor([int(changed)], dtype=torch.int32, device=opt.units[0].device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=opt.group)
+            opt.dp.all_reduce(flag, op=dist.ReduceOp.MAX)
             changed = bool(flag.item())
         return changed
 
@@ -135,18 +135,16 @@ class GatheredParams:
 
     def _keep_changes(self) -> None:
         opt = self.optimizer
-        if not 0 <= self.modifier_rank < opt.dp_world:
+        if not 0 <= self.modifier_rank < opt.dp.world:
             raise GatherError(f"modifier_rank {self.modifier_rank} is not a rank of the data-parallel group "
-                              f"(0 to {opt.dp_world - 1})")
+                              f"(0 to {opt.dp.world - 1})")
         for p, unit, index in self.located:
             value = p.data
             if value.shape != unit.shapes[index]:
                 raise GatherError(f"a parameter of shape {tuple(unit.shapes[index])} was given a value of shape "
                                   f"{tuple(value.shape)} inside GatheredParameters; keep its shape")
             value = value.to(device=unit.device, dtype=unit.dtype).contiguous()
-            if opt.dp_world > 1:
-                src = dist.get_global_rank(opt.group, self.modifier_rank) if opt.group is not None else self.modifier_rank
-                dist.broadcast(value, src=src, group=opt.group)
+            opt.dp.broadcast(value, src=self.modifier_rank)
             if unit.is_materialized:
                 unit.point_params_at(unit.full)  # a param given a new .data views the unit again
             write_back(opt, unit, index, value)

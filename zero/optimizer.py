@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero.comm import gather_shards
+from zero.comm import AVG, gather_shards
+from zero.dp_groups import DataParallelGroups
 from zero.flat import FlatUnit
 from zero.grads import GradientReducer, UnusedParametersError
 from zero.loss_scaler import LossScaler
@@ -158,6 +159,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             sharded, gathered with their fetch module and released after its use, but with no
             gradient, no fp32 master and no optimizer state (``frozen_units``). Their initial
             values come as the trainable ones' do.
+        replica_group: hybrid sharding (MiCS, HSDP): ``group`` is one replica's shard group and
+            this is the group of the ranks that hold the same shard in the other replicas; the
+            reduced gradient shards are averaged over it before each step (``zero.dp_groups``).
     """
 
     def __init__(
@@ -181,10 +185,12 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         isolated_params: Iterable[nn.Parameter] = (),
         param_names: Mapping[nn.Parameter, str] | None = None,
         frozen_params: Iterable[nn.Parameter] = (),
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.settings = settings
         self.param_names = dict(param_names or {})  # for messages
         self.group = group
+        self.dp = DataParallelGroups(group, replica_group)
         self.dtype = dtype
         self.loss_scaler = loss_scaler or LossScaler()
         self.norm_groups = list(norm_groups)
@@ -297,11 +303,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
 
     def _install_values(self) -> None:
         """Broadcast initial values from dp rank 0 (so every replica starts equal) and shard them."""
-        src = dist.get_global_rank(self.group, 0) if self.dp_world > 1 and self.group is not None else 0
         for unit in self.layout.units:
             full = unit.flatten_current()
-            if self.dp_world > 1:
-                dist.broadcast(full, src=src, group=self.group)
+            self.dp.broadcast(full, src=0)
             unit.install(full)
 
     def _install_given(self, provide: ValueProvider) -> None:
@@ -475,11 +479,11 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     def _received_anywhere(self) -> list[list[bool]]:
         """Per unit, which params got a gradient on some dp rank in this window (a MAX over dp)."""
         local = self.reducer.received
-        if self.dp_world == 1 or not local:
+        if self.dp.world == 1 or not local:
             return local
         flat = [flag for flags in local for flag in flags]
         agreed = torch.tensor(flat, dtype=torch.int32, device=self.units[0].device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        self.dp.all_reduce(agreed, op=dist.ReduceOp.MAX)
         values = iter(agreed.tolist())
         return [[bool(next(values)) for _ in flags] for flags in local]
 
@@ -518,8 +522,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         received = self._received_anywhere()
         if not self.settings.ignore_unused_parameters:
             self._refuse_unused_parameters(received)
+        self._average_across_replicas()
         grads = self._master_grads()
-        factor = (self.dp_world if self.settings.gradient_sum else 1) / self.loss_scaler.scale
+        factor = (self.dp.world if self.settings.gradient_sum else 1) / self.loss_scaler.scale
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
         clip = self.settings.gradient_clipping
@@ -541,6 +546,16 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self.publish_params()
         self.zero_grad()
         return not overflow
+
+    def _average_across_replicas(self) -> None:
+        """Hybrid sharding: average each reduced gradient shard over the replicas that hold the same
+        shard (1/S of the gradient crosses replicas, once per step, after the in-replica reduction)."""
+        if self.dp.replicas == 1:
+            return
+        self.reducer.ensure_buffers()
+        works = [dist.all_reduce(u.grad_shard, op=AVG, group=self.dp.replica, async_op=True) for u in self.units]
+        for work in works:
+            work.wait()
 
     def _refuse_unused_parameters(self, received: list[list[bool]]) -> None:
         """Raise on every rank if a parameter got no gradient on any dp rank (``received``, agreed

@@ -1,0 +1,120 @@
+"""Hybrid sharding (``zero_optimization.mics_shard_size``): ZeRO inside groups of S data-parallel
+ranks, replicas across them, against the single-process AdamW oracle (fp32), with tp and pp."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from parallel3d.comm_counter import count_collectives
+from parallel3d.config import load_config
+from parallel3d.errors import ConfigError
+from tests.tiny import ds_config, make_model, max_rel_param_error, oracle_run, rank_micro_batches, token_batches
+
+STEPS, GAS = 4, 2
+RTOL = 1e-5
+
+
+def _config(stage: int, dp: int, shard: int, tp: int = 1, pp: int = 1) -> dict:
+    config = ds_config(stage, GAS, dp, stage3_param_persistence_threshold=0, reduce_bucket_size=3000,
+                       mics_shard_size=shard)
+    if tp > 1:
+        config["tensor_parallel"] = {"size": tp}
+    if pp > 1:
+        config["pipeline"] = {"stages": pp, "schedule": "1f1b"}
+    return config
+
+
+def _model(pp: int):
+    return make_model("llama", num_hidden_layers=4) if pp > 1 else make_model("llama")
+
+
+def train(stage: int, dp: int, shard: int, tp: int = 1, pp: int = 1) -> tuple[list[float], dict, dict]:
+    import parallel3d
+
+    engine, _, _, _ = parallel3d.initialize(model=_model(pp), config=_config(stage, dp, shard, tp, pp))
+    assert (engine.mesh.size("dp_shard"), engine.mesh.size("dp_replicate")) == (shard, dp // shard)
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
+    losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
+    return losses, engine.full_parameters(), engine.memory_report()
+
+
+@functools.cache
+def oracle(dp: int, pp: int):
+    return oracle_run("llama", token_batches(STEPS, GAS, dp), model=_model(pp))
+
+
+def _assert_matches(results, dp: int, pp: int) -> None:
+    want_losses, want_params = oracle(dp, pp)
+    seen = set()
+    for losses, params, _ in results:
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        err, name = max_rel_param_error(params, {n: want_params[n] for n in params})
+        assert err < RTOL, f"{name} differs by {err:.2e}"
+        seen |= set(params)
+    assert seen == set(want_params)
+
+
+@pytest.mark.parametrize("stage,shard", [(1, 2), (2, 2), (3, 2), (3, 1)])
+def test_two_replicas_of_two_match_single_process(dist, stage, shard):
+    _assert_matches(dist.run(4, train, stage, 4, shard), dp=4, pp=1)
+
+
+@pytest.mark.parametrize("stage,tp,pp", [(3, 2, 1), (2, 1, 2)])
+def test_hybrid_sharding_with_tp_and_pp_on_8_ranks(dist, stage, tp, pp):
+    dp = 8 // (tp * pp)
+    _assert_matches(dist.run(8, train, stage, dp, 2, tp, pp), dp=dp, pp=pp)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_state_bytes_are_those_of_flat_zero_over_the_shard_group(dist, stage):
+    """4 ranks as 2 x 2 hold per rank what flat ZeRO over 2 ranks holds (the formula with S for dp)."""
+    hybrid = dist.run(4, train, stage, 4, 2)
+    flat = dist.run(2, train, stage, 2, 2)
+    keys = ("params", "gradients", "master_params", "optimizer_states")
+    for rank, (_, _, report) in enumerate(hybrid):
+        assert {k: report[k] for k in keys} == {k: flat[rank % 2][2][k] for k in keys}
+
+
+def _one_step_volumes(stage: int) -> dict:
+    import parallel3d
+
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=_config(stage, 4, 2))
+    data_iter = iter(rank_micro_batches(token_batches(2, GAS, 4), engine.mesh.local_rank("dp")))
+    engine.train_batch(data_iter)  # stage 3 records its fetch order in the first step
+    with count_collectives(engine.mesh) as counter:
+        engine.train_batch(data_iter)
+    across = sum(c.nbytes for c in counter.calls if c.group == "dp_replicate")
+    units = engine.optimizer.units
+    shards = sum(u.shard_size for u in units) * 4  # fp32 gradient shards
+    flags = sum(len(u.params) for u in units) * 4  # which params got gradients: one int32 each
+    inside = {c.group for c in counter.calls if c.op in ("all_gather", "broadcast", "reduce_scatter")}
+    return {"across": across, "expected": shards + flags, "gather_groups": inside}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_replicas_exchange_one_gradient_shard_per_step(dist, stage):
+    for result in dist.run(4, _one_step_volumes, stage):
+        assert result["across"] == result["expected"]  # 1/S of the gradient and the received flags
+        assert "dp_replicate" not in result["gather_groups"]  # parameters are gathered inside a group
+
+
+@pytest.mark.parametrize("zero, world, message", [
+    ({"stage": 2, "mics_shard_size": 3}, 4, "mics_shard_size 3 does not divide the data-parallel size 4"),
+    ({"stage": 0, "mics_shard_size": 2}, 4, "mics_shard_size 2 needs ZeRO stage 1, 2 or 3"),
+    ({"stage": 3, "mics_shard_size": 0}, 4, "must be -1 .* or a positive number of ranks, got 0"),
+    ({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}, 4,
+     "mics_hierarchical_params_gather.*is not supported"),
+])
+def test_bad_shard_sizes_are_refused(zero, world, message):
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}
+    with pytest.raises(ConfigError, match=message):
+        load_config(config, world)
+
+
+def test_a_shard_size_of_all_ranks_is_flat_zero():
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "mics_shard_size": 4}}, 4)
+    assert config.zero_optimization.shard_size(config.data_parallel_size) == 4
+    assert load_config({"train_micro_batch_size_per_gpu": 1}, 4).zero_optimization.shard_size(4) == 4
