@@ -41,11 +41,12 @@ from torch import nn
 
 from parallel3d.agreement import raise_on_every_rank
 from parallel3d.checkpoint_chunks import Chunk, piece_chunks
-from parallel3d.checkpoint_manifest import (OPTIMIZER_TYPE, SAVE_ID, check_fields, check_for_engine, check_pair,
+from parallel3d.checkpoint_manifest import (OPTIMIZER_TYPE, PEFT, SAVE_ID, check_fields, check_for_engine, check_pair,
                                             new_save_id)
 from parallel3d.checkpoint_storage import (DTYPES_BY_NAME, disk_full_text, plan_load, read_metadata, read_planned,
                                            save_chunks, write_json_atomically)
 from parallel3d.errors import ConfigError
+from parallel3d.peft_model import adapter_configs
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
 logger = logging.getLogger(__name__)
@@ -316,6 +317,8 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dic
                        "zero_stage": engine.optimizer.settings.stage,
                        "train_batch_size": engine.config.train_batch_size},
     }
+    if (adapters := adapter_configs(engine.module)) is not None:
+        manifest[PEFT] = adapters  # zero3d export writes a PEFT adapter directory from it
     chunks = _chunks_to_save(engine)  # refuses unstorable optimizer state before any collective
     hf_config = getattr(engine.module, "config", None)
     config_json = hf_config.to_json_string() if hasattr(hf_config, "to_json_string") else None

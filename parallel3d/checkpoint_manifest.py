@@ -25,6 +25,7 @@ from parallel3d.errors import ConfigError
 SAVE_ID = "dcp_save_id"
 """The manifest key of the save id that its ``dcp.json`` carries too."""
 OPTIMIZER_TYPE = "optimizer_type"
+PEFT = "peft"  # adapter name -> its adapter_config.json content, for a PEFT model (parallel3d/peft_model.py)
 """The manifest key of the inner optimizer's class name (``AdamW``, ``SGD``)."""
 IMPLEMENTATION_OPTIONS = frozenset({"fused", "capturable", "foreach", "differentiable"})
 """Group options of how a step is computed; they may differ between the saving and loading run."""
@@ -93,6 +94,9 @@ def check_fields(doc: dict, path: Path) -> None:
     for field in (SAVE_ID, OPTIMIZER_TYPE):
         if field in doc and not isinstance(doc[field], str):
             raise _bad(path, field, "must be a string")
+    adapters = doc.get(PEFT)
+    if PEFT in doc and not (isinstance(adapters, dict) and adapters and all(isinstance(c, dict) for c in adapters.values())):
+        raise _bad(path, PEFT, "must be a dict of adapter name -> adapter config")
 
 
 def check_pair(doc: dict, metadata_save_id: str | None, path: Path) -> None:

@@ -8,6 +8,9 @@ needs names, dtypes and shapes, so each parameter is assembled from its chunks (
 verified) and written before the next is read. Memory stays at the largest tensor plus one
 chunk.
 
+A checkpoint of a PEFT model exports as an adapter directory (or merged into its base with
+``--merged --base DIR``): parallel3d/export_adapter.py.
+
 What is exported: the fp32 master weights of every trainable parameter. Frozen parameters are
 not in a checkpoint (they have no master); they are reported and ``from_pretrained`` will
 initialize them. Tied weights (GPT-2's ``lm_head`` = ``wte``) are stored once, as in the
@@ -30,8 +33,10 @@ from pathlib import Path
 import torch
 
 from parallel3d.checkpoint import MANIFEST, check_tag, read_manifest
+from parallel3d.checkpoint_manifest import PEFT
 from parallel3d.checkpoint_storage import read_chunk, read_metadata
 from parallel3d.errors import ConfigError
+from parallel3d.export_adapter import merge_into_base, remove, scratch_dir, write_adapters
 from parallel3d.export_guard import check_output
 from parallel3d.remote_code import check_remote_code
 from parallel3d.export_report import describe_export
@@ -76,6 +81,7 @@ class Entry:
 
     name: str
     shape: tuple[int, ...]
+    key: str = ""  # the name written to the file, when not ``name`` (an adapter file's peft keys)
 
     @property
     def numel(self) -> int:
@@ -117,7 +123,7 @@ def write_safetensors(path: Path, entries: list[Entry], tag_dir: Path, metadata,
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for e in entries:
-        header[e.name] = {"dtype": code, "shape": list(e.shape), "data_offsets": [offset, offset + e.numel * itemsize]}
+        header[e.key or e.name] = {"dtype": code, "shape": list(e.shape), "data_offsets": [offset, offset + e.numel * itemsize]}
         offset += e.numel * itemsize
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
@@ -161,10 +167,49 @@ def _model_order(config, names: list[str], trust_remote_code: bool = False) -> l
     return [n for n in expected if n in names] + extra
 
 
+def _write_model(tmp: Path, entries: list[Entry], tag_dir: Path, metadata, dtype: str, max_shard_size: int) -> int:
+    """The model's safetensors files (an index when there are several); returns their tensor bytes."""
+    itemsize = torch.empty((), dtype=DTYPES[dtype][0]).element_size()
+    shards = plan_shards(entries, itemsize, max_shard_size)
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    total = 0
+    for name, shard in zip(names, shards):
+        total += write_safetensors(tmp / name, shard, tag_dir, metadata, dtype)
+        logger.info("wrote %s (%d tensors)", name, len(shard))
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {e.name: n for n, shard in zip(names, shards) for e in shard}}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def _export_adapters(tag_dir: Path, metadata, shapes: dict[str, tuple], adapters: dict[str, dict], tmp: Path,
+                     dtype: str, max_shard_size: int, trust: bool, base: str | None) -> None:
+    """A PEFT checkpoint: its adapter directory under ``tmp``, or with ``base`` the base with the
+    adapters merged (parallel3d/export_adapter.py)."""
+    def write(path: Path, named: list[tuple[str, str]]) -> None:
+        write_safetensors(path, [Entry(n, shapes[n], key) for n, key in named], tag_dir, metadata, dtype)
+
+    if base is None:
+        write_adapters(tmp, adapters, list(shapes), write)
+        return
+    scratch = scratch_dir(tmp)
+    try:
+        write_adapters(scratch, adapters, list(shapes), write)
+        merge_into_base(scratch, base, tmp, DTYPES[dtype][0], max_shard_size, trust)
+    finally:
+        remove(scratch)
+
+
 def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str = "fp32",
                       tokenizer: str | None = None, max_shard_size: int = 2 << 30,
-                      overwrite: bool = False, trust_remote_code: bool = False) -> Path:
+                      overwrite: bool = False, trust_remote_code: bool = False, merged: bool = False,
+                      base: str | None = None) -> Path:
     """Write ``out`` as a ``from_pretrained`` directory from the checkpoint ``ckpt``; returns ``out``.
+
+    A checkpoint of a PEFT model gives a PEFT adapter directory (``PeftModel.from_pretrained(base,
+    out)``), or with ``merged`` the ``base`` directory's model with the adapters merged into it.
 
     Written into a temporary sibling and renamed at the end, so a failed export leaves nothing
     half-written under ``out``.
@@ -187,31 +232,32 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
         raise
     except Exception as exc:
         raise ConfigError(f"{tag_dir / 'config.json'} is not a valid Hugging Face config: {exc}") from exc
-    read_manifest(tag_dir)
+    adapters = read_manifest(tag_dir).get(PEFT)
+    if merged and adapters is None:
+        raise ConfigError(f"--merged merges PEFT adapters into their base, and {tag_dir} is a checkpoint of a model "
+                          "without adapters (its export is the whole model already)")
+    if merged and base is None:
+        raise ConfigError("--merged needs --base DIR: the checkpoint holds the adapters only, the base weights "
+                          "come from the from_pretrained directory the run started from (its model.path)")
     metadata = read_metadata(tag_dir)
     shapes = {fqn[len("model/") :]: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
               if fqn.startswith("model/")}
-    entries = [Entry(n, shapes[n]) for n in _model_order(config, list(shapes), trust)]
     tok = _find_tokenizer(tag_dir, tokenizer)
 
     tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        itemsize = torch.empty((), dtype=DTYPES[dtype][0]).element_size()
-        shards = plan_shards(entries, itemsize, max_shard_size)
-        names = ["model.safetensors"] if len(shards) == 1 else [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        total = 0
-        for name, shard in zip(names, shards):
-            total += write_safetensors(tmp / name, shard, tag_dir, metadata, dtype)
-            logger.info("wrote %s (%d tensors)", name, len(shard))
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {e.name: n for n, shard in zip(names, shards) for e in shard}}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-        config.dtype = DTYPES[dtype][0]
-        save_model_configs(config, tmp, tag_dir, tok, trust)  # config.json, generation_config.json
+        if adapters is not None:
+            _export_adapters(tag_dir, metadata, shapes, adapters, tmp, dtype, max_shard_size, trust,
+                             base if merged else None)
+            total = sum(p.stat().st_size for p in tmp.rglob("*.safetensors"))
+            entries = list(shapes)
+        else:
+            entries = [Entry(n, shapes[n]) for n in _model_order(config, list(shapes), trust)]
+            total = _write_model(tmp, entries, tag_dir, metadata, dtype, max_shard_size)
+            config.dtype = DTYPES[dtype][0]
+            save_model_configs(config, tmp, tag_dir, tok, trust)  # config.json, generation_config.json
         if tok is not None:
             for f in tok.iterdir():
                 if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES):
@@ -249,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="tokenizer directory to copy (default: <run_dir>/tokenizer if present)")
     p.add_argument("--max-shard-size", type=_size, default=2 << 30, help="largest safetensors file (default 2GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUT")
+    p.add_argument("--merged", action="store_true",
+                   help="a PEFT checkpoint: write the base (--base) with the adapters merged, not the adapter directory")
+    p.add_argument("--base", help="with --merged: the from_pretrained directory of the base model the run trained on")
     p.add_argument("--trust-remote-code", action="store_true",
                    help="let a checkpoint whose config.json has auto_map run its own Python code (default: refuse it)")
     try:
@@ -258,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         out = export_checkpoint(args.ckpt, args.out, dtype=args.dtype, tokenizer=args.tokenizer,
                                 max_shard_size=args.max_shard_size, overwrite=args.overwrite,
-                          trust_remote_code=args.trust_remote_code)
+                                trust_remote_code=args.trust_remote_code, merged=args.merged, base=args.base)
     except ConfigError as exc:
         print(f"zero3d export: error: {exc}", file=sys.stderr)
         return 2

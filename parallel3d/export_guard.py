@@ -36,8 +36,9 @@ def why_not_an_export(out: Path) -> str | None:
     if folders or run_files:
         shown = folders + run_files
         return f"it holds {', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}"
-    if not (out / "config.json").is_file() or not any(any(out.glob(g)) for g in WEIGHT_PATTERNS):
-        return "it has no config.json with weight files (*.safetensors)"
+    configs = (out / "config.json").is_file() or (out / "adapter_config.json").is_file()  # a model or a PEFT adapter
+    if not configs or not any(any(out.glob(g)) for g in WEIGHT_PATTERNS):
+        return "it has no config.json (or adapter_config.json) with weight files (*.safetensors)"
     return None
 
 

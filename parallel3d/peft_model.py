@@ -40,3 +40,28 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
                           "changes the model's inputs in PeftModel.forward; zero3d trains adapters that peft injects "
                           "into the model's layers (LoRA and its kind)")
     return model.get_base_model()
+
+
+def adapter_configs(model: nn.Module) -> dict[str, dict] | None:
+    """The JSON form of each adapter's ``peft`` config (``adapter_config.json``'s content) of the HF
+    model inside a ``PeftModel`` (``peft`` keeps them on it as ``peft_config``); None for a model
+    without adapters."""
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict) or not any(is_adapter_module(m) for m in model.modules()):
+        return None
+    return {name: _json_config(config) for name, config in configs.items()}
+
+
+def is_adapter_module(module: nn.Module) -> bool:
+    """A module ``peft`` injected (its layers carry ``base_layer`` and adapter dicts)."""
+    return isinstance(getattr(module, "base_layer", None), nn.Module) and hasattr(module, "active_adapters")
+
+
+def _json_config(config: Any) -> dict:
+    """``config.to_dict()`` as ``PeftConfig.save_pretrained`` writes it (sets as lists, enums as values)."""
+    out = {}
+    for key, value in config.to_dict().items():
+        if isinstance(value, set):
+            value = sorted(value)
+        out[key] = getattr(value, "value", value) if type(value).__module__.startswith("peft") else value
+    return out

@@ -11,12 +11,14 @@ from tests.tiny import make_model
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 
 
-def make_peft_model(seed: int = 0, targets=TARGETS, rank: int = 4, **overrides) -> torch.nn.Module:
-    """The tiny Llama (``tests.tiny.make_model``) wrapped by ``peft.get_peft_model`` with LoRA."""
+def make_peft_model(seed: int = 0, targets=TARGETS, rank: int = 4, adapter_seed: int | None = None,
+                    **overrides) -> torch.nn.Module:
+    """The tiny Llama (``tests.tiny.make_model``) wrapped by ``peft.get_peft_model`` with LoRA, its
+    adapters drawn under ``adapter_seed`` (default ``seed + 1``)."""
     from peft import LoraConfig, get_peft_model
 
     base = make_model("llama", seed=seed, **overrides)
-    torch.manual_seed(seed + 1)
+    torch.manual_seed(seed + 1 if adapter_seed is None else adapter_seed)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=list(targets),
                         init_lora_weights=False)
     return get_peft_model(base, config)
