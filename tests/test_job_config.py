@@ -45,7 +45,7 @@ def test_quickstart_yaml_equals_builtin_default():
     assert read_config_file(ROOT / "configs" / "quickstart.yaml") == QUICKSTART
 
 
-@pytest.mark.parametrize("name", ["quickstart.yaml", "llama-zero3.yaml"])
+@pytest.mark.parametrize("name", ["quickstart.yaml", "llama-zero3.yaml", "chat-sft.yaml"])
 def test_example_configs_validate(name):
     cfg = load_job_config(ROOT / "configs" / name)
     assert cfg.model.model_type == "llama" and cfg.train.max_steps > 0
