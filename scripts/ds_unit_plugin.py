@@ -1,7 +1,9 @@
 """pytest plugin for DeepSpeed's own unit tests, loaded by scripts/ds_unit_tests.py (``-p ds_unit_plugin``).
 
 Environment (set by the runner):
-  ZERO3D_DS_ENGINE   "deepspeed" (DeepSpeed itself, the baseline) or "zero3d" (the shim)
+  ZERO3D_DS_ENGINE   "deepspeed" (DeepSpeed itself, the baseline), "zero3d" (the shim), or
+                     "fp16-probe" (fp16 reported unsupported and deepspeed.initialize refused:
+                     a test that skips needs fp16 on the CPU, found without training anything)
   ZERO3D_DS_RECORD   a directory: ``results.jsonl`` gets one line per test phase,
                      ``collected.json`` the collected test ids, ``calls`` the test ids
                      during which ``deepspeed.initialize`` was called (by any process)
@@ -91,7 +93,12 @@ def _pin_accelerator() -> None:
     """The CPU accelerator's machine-dependent answers that decide which tests run (module docstring)."""
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
-    CPU_Accelerator.is_fp16_supported = lambda self: True
+    fp16 = ENGINE != "fp16-probe"
+    CPU_Accelerator.is_fp16_supported = lambda self: fp16
+
+
+def _refused(*args, **kwargs):
+    raise RuntimeError("fp16 probe: the test reached deepspeed.initialize without fp16 (it does not need it)")
 
 
 def _install() -> None:
@@ -107,6 +114,8 @@ def _install() -> None:
         for theirs, ours in SHIMMED.items():
             owner, _, name = theirs.rpartition(".")
             setattr(_resolve(owner), name, _resolve(ours))
+    if ENGINE == "fp16-probe":
+        deepspeed.initialize = _refused
     deepspeed.initialize = _recording(deepspeed.initialize)
 
 

@@ -232,6 +232,22 @@ def shim_run(tests: Path, subset: dict[str, list[str]], work: Path, timeout: int
     return report
 
 
+def probe_fp16(tests: Path, subset: dict[str, list[str]], work: Path, timeout: int) -> int:
+    """Print, per file, how many of the subset's tests skip without fp16 on the CPU (``--probe-fp16``)."""
+    total = needs = 0
+    for file, ids in subset.items():
+        if not ids:
+            continue
+        record = work / "fp16-probe" / file.replace("/", "__")
+        shutil.rmtree(record, ignore_errors=True)
+        results = run_file(tests, file, "fp16-probe", record, ids, [], timeout)
+        skipped = sum(results[t]["outcome"] == "skipped" for t in ids)
+        total, needs = total + len(ids), needs + skipped
+        print(f"  {skipped:4d} of {len(ids):<4d} need fp16: {file}", flush=True)
+    print(f"fp16 probe: {needs} of {total} tests of the subset skip without fp16 on the CPU")
+    return 0
+
+
 def stored_report(work: Path, subset: dict[str, list[str]]) -> dict:
     """The latest stored result of every test of ``subset`` (a test never run: outcome "not run")."""
     store_path = work / "zero3d.json"
@@ -259,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="measure the subset of --files with DeepSpeed itself and pin it into --subset")
     parser.add_argument("--baseline-only", action="store_true", help="stop after --rebaseline")
     parser.add_argument("--no-run", action="store_true", help="run nothing: report the stored results")
+    parser.add_argument("--probe-fp16", action="store_true",
+                        help="count the subset's tests that need fp16 on the CPU (they skip where DeepSpeed's CPU "
+                             "accelerator has none): run them with fp16 reported unsupported and initialize refused")
     parser.add_argument("--report", help="also write the results as JSON here")
     parser.add_argument("--docs", help="write the report over every pinned file (stored results) into this "
                                        "Markdown file, between its ds-unit-report markers")
@@ -281,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if opts.match:
         subset = {f: [t for t in ids if any(m in t for m in opts.match)] for f, ids in subset.items()}
+    if opts.probe_fp16:
+        return probe_fp16(tests, subset, work, opts.timeout)
     if not opts.no_run:
         report = shim_run(tests, subset, work, opts.timeout, opts.pytest_args)
         ds_unit_report.print_report(report, sys.stdout)

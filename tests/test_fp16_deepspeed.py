@@ -45,8 +45,15 @@ def _batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS * GAS)]
 
 
+def _scaler_state(engine) -> tuple:
+    """The loss-scale state read through DeepSpeed's names, which Zero3D's optimizer answers to as well."""
+    optimizer, scaler = engine.optimizer, engine.optimizer.loss_scaler
+    return (optimizer.cur_scale, optimizer.dynamic_loss_scale, scaler.loss_scale, scaler.cur_iter,
+            scaler.last_overflow_iter, scaler.scale_window, scaler.cur_hysteresis)
+
+
 def _train(engine, rank: int, scale_of) -> dict:
-    skipped, scales, losses = [], [], []
+    skipped, scales, losses, states = [], [], [], []
     for i, (x, y) in enumerate(_batches(rank)):
         loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
@@ -55,7 +62,8 @@ def _train(engine, rank: int, scale_of) -> dict:
             skipped.append(engine.skipped_steps)
             scales.append(float(scale_of(engine)))
             losses.append(float(loss))
-    return {"skipped": skipped, "scales": scales, "losses": losses}
+            states.append(_scaler_state(engine))
+    return {"skipped": skipped, "scales": scales, "losses": losses, "states": states}
 
 
 def zero3d_run(stage: int, dp: int) -> dict:
@@ -86,6 +94,7 @@ def test_fp16_skips_the_steps_deepspeed_skips(dist, dp, stage):
     for mine, ds in zip(ours, theirs):
         assert mine["skipped"] == ds["skipped"]
         assert mine["scales"] == ds["scales"]
+        assert mine["states"] == ds["states"]
     # the schedule is not trivial: the first step overflows at 2**16 and later ones after the scale regrows
     skips = ours[0]["skipped"]
     assert skips[0] == 1 and skips[-1] > 2, skips

@@ -5,6 +5,12 @@ the gradients) is skipped; the scale is divided by two unless ``hysteresis`` sti
 more overflows, in which case only the hysteresis counter drops. After ``loss_scale_window``
 overflow-free steps in a row the scale doubles (and hysteresis is refilled). With
 ``consecutive_hysteresis`` the counter refills on every good step instead.
+
+Both scalers also answer to DeepSpeed's read-only names for the same state (its ``LossScaler`` and
+the ``LossScaleConfig`` its fp16 optimizer exposes as ``loss_scale_config``): ``loss_scale`` and
+``cur_scale`` (the scale), ``dynamic_loss_scale``, ``cur_iter`` (steps counted by the scaler,
+skipped ones included), ``scale_window``, ``last_overflow_iter``, ``min_loss_scale`` and
+``scale_factor``; a static scale has DeepSpeed's values for those (0 and None).
 """
 
 from __future__ import annotations
@@ -18,6 +24,20 @@ class LossScaler:
     """A fixed loss scale (1.0 disables scaling: bf16 and fp32)."""
 
     dynamic = False
+    cur_iter = 0
+    scale_window = last_overflow_iter = min_loss_scale = scale_factor = None
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scale
+
+    @property
+    def cur_scale(self) -> float:
+        return self.scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.dynamic
 
     def __init__(self, scale: float = 1.0) -> None:
         self.scale = float(scale)
@@ -53,6 +73,12 @@ class DynamicLossScaler(LossScaler):
         self.cur_hysteresis = hysteresis
         self.iteration = 0
         self.last_overflow_iteration = -1
+
+    scale_factor = 2.0
+    cur_iter = property(lambda self: self.iteration)
+    scale_window = property(lambda self: self.window)
+    last_overflow_iter = property(lambda self: self.last_overflow_iteration)
+    min_loss_scale = property(lambda self: self.min_scale)
 
     def update(self, overflow: bool) -> None:
         if overflow:

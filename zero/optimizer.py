@@ -349,6 +349,19 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
 
+    # DeepSpeed's names for the loss scale on the optimizer initialize returns (its ZeRO optimizers'
+    # ``cur_scale`` and ``dynamic_loss_scale``, its fp16 optimizer's ``loss_scale_config``), read-only
+    cur_scale = loss_scale
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self.loss_scaler.dynamic
+
+    @property
+    def loss_scale_config(self) -> LossScaler:
+        """The scaler, which answers to the names of DeepSpeed's ``LossScaleConfig`` (zero/loss_scaler.py)."""
+        return self.loss_scaler
+
     def start_backward(self, boundary: bool) -> None:
         self.reducer.start_backward(boundary)
 
