@@ -11,6 +11,7 @@ config's ``tensor_parallel.size`` and ``pipeline.stages``.
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import torch.distributed as dist
@@ -22,7 +23,11 @@ from parallel3d.errors import ConfigError, NoModelError
 def check_model(model: Any) -> None:
     """``model`` must be a module (NoModelError, an AssertionError as DeepSpeed's, otherwise)."""
     if not isinstance(model, nn.Module):
-        raise NoModelError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        hint = ""
+        if isinstance(model, argparse.Namespace):  # deepspeed.initialize(args, model, ...): its first is args
+            hint = ("; initialize's first positional argument is the model (DeepSpeed's is args): pass args=... "
+                    "and model=... by keyword")
+        raise NoModelError(f"model must be a torch.nn.Module, got {type(model).__name__}{hint}")
 
 
 def resolve_config(config: Any, config_params: Any, args: Any) -> Any:

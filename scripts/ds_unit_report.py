@@ -55,6 +55,14 @@ RULES: tuple[Rule, ...] = (
          "a model partitioned by deepspeed.zero.Init (build it on the meta device instead)"),
     Rule(UNSUPPORTED, r"offload_param with device \\?\"cpu\\?\" needs ZeRO stage 3|offload_param.*one data-parallel rank",
          "offload_param below stage 3 or with one data-parallel rank (nothing sharded to offload)"),
+    Rule(UNSUPPORTED, r"TestNoModel::test\n.*DID NOT RAISE",
+         "initialize(model, config=...): Zero3D's first positional argument is the model, DeepSpeed's is args "
+         "(so there the model is missing); DeepSpeed's keywords work in both"),
+    Rule(UNSUPPORTED, r"unknown config key 'optimizer\.torch_adam'",
+         "torch_adam beside the optimizer's type, where DeepSpeed ignores it (it reads optimizer.params.torch_adam); "
+         "Zero3D refuses a key it would ignore, naming the keys it knows"),
+    Rule(UNSUPPORTED, r"expert_parallel is a DeepSpeed key Zero3D does not implement",
+         "expert parallelism (AutoEP): not implemented, refused with a message"),
     Rule(UNSUPPORTED, r"engine\.step\(\) without engine\.backward",
          "gradients assigned to .grad by the script, then engine.step() without engine.backward() (Zero3D's "
          "gradients come from its backward hooks; refused with a message)"),

@@ -8,6 +8,8 @@ into a collective while its peer raised would fail the test instead of hanging i
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 import torch.distributed
@@ -183,6 +185,8 @@ def test_no_model_is_also_an_assertion_error_as_deepspeeds():
     with pytest.raises(AssertionError, match="model must be a torch.nn.Module, got NoneType") as info:
         parallel3d.initialize(model=None, config=_cfg())
     assert isinstance(info.value, ConfigError)
+    with pytest.raises(ConfigError, match="first positional argument is the model .DeepSpeed's is args.: pass args="):
+        parallel3d.initialize(argparse.Namespace(deepspeed_config="ds.json"), _model())
 
 # --- checks that depend on the world size: 2 ranks ---------------------------------------------
 
