@@ -12,6 +12,11 @@ no copy of the batch): ``input_ids`` must lie in ``[0, vocab_size)``; ``labels``
 ``IGNORE_INDEX`` (-100, Hugging Face's "no loss here"). Models without a ``config.vocab_size``
 are checked for empty and non-integer ids only.
 
+Packed documents (``position_ids`` that restart inside a row, no ``attention_mask``) are kept
+apart by transformers only without a key/value cache: a model whose config has ``use_cache``
+makes one in training too, and then builds a plain causal mask, so the documents attend to each
+other. `packed_cache_problem` asks for ``use_cache=False`` in such a batch.
+
 A micro-batch given as a tuple or list (``engine(*batch)``: the model's positional arguments)
 is read by the names of the model forward's positional parameters (`positional_names`), so
 ``(input_ids, attention_mask, ..., labels)`` is checked as the dict with those keys is.
@@ -103,10 +108,26 @@ def batch_problem(batch: Any, vocab_size: int | None, names: Sequence[str] = ())
     return None
 
 
-def first_problem(batches: list, vocab_size: int | None, names: Sequence[str] = ()) -> str | None:
-    """The first micro-batch's problem in ``batches``, named by its position, or None."""
+def packed_cache_problem(batch: Any) -> str | None:
+    """Why a dict micro-batch of packed documents would let them attend to each other, or None."""
+    if not isinstance(batch, dict) or batch.get("use_cache") is False or batch.get("attention_mask") is not None:
+        return None
+    positions = batch.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.shape[-1] < 2:
+        return None
+    if not bool((positions[..., 1:] - positions[..., :-1] != 1).any()):
+        return None
+    return ("position_ids restart inside a row (packed documents) but use_cache is not False: transformers then "
+            "builds a key/value cache and a plain causal mask, so the documents attend to each other; pass "
+            "use_cache=False with packed micro-batches")
+
+
+def first_problem(batches: list, vocab_size: int | None, names: Sequence[str] = (),
+                  cache_on: bool = False) -> str | None:
+    """The first micro-batch's problem in ``batches``, named by its position, or None. ``cache_on``:
+    the model makes a key/value cache unless told not to (`packed_cache_problem`)."""
     for index, batch in enumerate(batches):
-        problem = batch_problem(batch, vocab_size, names)
+        problem = batch_problem(batch, vocab_size, names) or (packed_cache_problem(batch) if cache_on else None)
         if problem is not None:
             return f"micro-batch {index}: {problem}" if len(batches) > 1 else problem
     return None

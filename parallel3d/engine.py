@@ -92,6 +92,8 @@ class Engine(DeepSpeedSurface):
         self.watchdog = watchdog
         self._vocab_size = vocab_size_of(module)  # token ids are checked against it (parallel3d/batch_check.py)
         self._arg_names = positional_names(module)  # how a tuple micro-batch's items are named there
+        # packed batches need use_cache=False where the model would make a cache (a pipeline's stages never do)
+        self._cache_on = pipe is None and bool(getattr(getattr(module, "config", None), "use_cache", False))
         self._batches_checked = False  # inside train_batch/eval_batch: forward need not check again
         if watchdog is not None:
             weakref.finalize(self, watchdog.close)  # the heartbeat thread ends with the engine
@@ -112,7 +114,8 @@ class Engine(DeepSpeedSurface):
     def forward(self, *args, **kwargs):
         self._per_micro_batch_call("forward (engine(...))")
         if not self._batches_checked and (problem := first_problem(
-                [call_arguments(args, kwargs, self._arg_names)], self._vocab_size)) is not None:
+                [call_arguments(args, kwargs, self._arg_names)], self._vocab_size,
+                cache_on=self._cache_on)) is not None:
             raise ConfigError(f"engine(...): {problem}")
         self.optimizer.gather_for_forward()
         if torch.is_grad_enabled():  # gradients may arrive from here on (see GradientReducer.start_backward)
@@ -272,7 +275,7 @@ class Engine(DeepSpeedSurface):
     def _check_batches(self, batches: list, what: str) -> None:
         """Raise one ConfigError on every rank if any rank's micro-batches hold token ids outside the
         vocabulary, or are empty (one all-reduce of a flag; the batches are checked where they are)."""
-        problem = first_problem(batches, self._vocab_size, self._arg_names)
+        problem = first_problem(batches, self._vocab_size, self._arg_names, self._cache_on)
         if problem is None and self.token_mean:
             problem = next((p for p in map(token_mean.batch_problem, batches) if p is not None), None)
         rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""

@@ -226,3 +226,20 @@ def test_chat_job_trains_with_the_token_mean(tmp_path):
     summary = run_job(job)
     records = [r for r in summary["records"] if "loss" in r]
     assert len(records) == 4 and all(r["loss"] > 0 for r in records)
+
+
+def test_engine_refuses_packed_rows_that_a_cache_would_join():
+    """Packed position_ids without use_cache=False: transformers would make a cache and drop the
+    packed-document mask, so the engine stops (train_batch and engine(...) alike)."""
+    import parallel3d
+    from tests.tiny import ds_config, make_model
+
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=ds_config(0, 1, 1))
+    block = pack_whole(_two_documents(), 16, pad_id=0)[0][0]
+    batch = model_batch({k: [block[k]] * 2 for k in block})
+    leaky = {k: v for k, v in batch.items() if k != "use_cache"}
+    with pytest.raises(ConfigError, match="position_ids restart inside a row .* pass use_cache=False"):
+        engine.train_batch(iter([leaky]))
+    with pytest.raises(ConfigError, match="position_ids restart inside a row"):
+        engine(**leaky)
+    assert engine.train_batch(iter([batch])) > 0

@@ -71,7 +71,7 @@ def oracle() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def train_layout(dp: int, micro: int, stage: int, tp: int = 1, pp: int = 1, normalization: str = "tokens",
-                 manual: bool = False) -> tuple[list[float], dict]:
+                 manual: bool = False, sequence_parallel: bool = False) -> tuple[list[float], dict]:
     import parallel3d
     from parallel3d.token_mean import global_label_tokens
 
@@ -80,7 +80,7 @@ def train_layout(dp: int, micro: int, stage: int, tp: int = 1, pp: int = 1, norm
     config.update(train_batch_size=ROWS, train_micro_batch_size_per_gpu=micro, loss_normalization=normalization)
     config["optimizer"]["params"]["eps"] = EPS
     if tp > 1:
-        config["tensor_parallel"] = {"size": tp}
+        config["tensor_parallel"] = {"size": tp, "sequence_parallel": sequence_parallel}
     if pp > 1:
         config["pipeline"] = {"stages": pp}
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
@@ -129,6 +129,10 @@ def test_manual_loop_with_num_items_in_batch(dist):
 
 def test_tensor_parallel_vocab_loss(dist):
     _check(dist.run(2, train_layout, 1, 4, 1, tp=2))
+
+
+def test_tensor_parallel_with_sequence_parallel(dist):
+    _check(dist.run(2, train_layout, 1, 4, 2, tp=2, sequence_parallel=True))
 
 
 def test_pipeline_last_stage_loss(dist):
