@@ -46,15 +46,17 @@ def label_tokens(batch: dict) -> torch.Tensor:
     return (shifted != IGNORE_INDEX).sum()
 
 
-def global_label_tokens(batches: list[dict], group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+def global_label_tokens(batches: list[dict], group: dist.ProcessGroup | None, device: torch.device,
+                        at_least_one: bool = True) -> torch.Tensor:
     """The label tokens of every micro-batch of the step on every rank of ``group`` (one all-reduce).
 
-    At least 1, so a step whose labels are all -100 has a loss (and gradient) of 0, not NaN.
+    At least 1 (unless ``at_least_one`` is False), so a step whose labels are all -100 has a loss
+    (and gradient) of 0, not NaN.
     """
     count = torch.stack([label_tokens(b).to(device) for b in batches]).sum()
     if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(count, group=group)
-    return count.clamp_min(1)
+    return count.clamp_min(1) if at_least_one else count
 
 
 def with_num_items(batches: list[dict], count: torch.Tensor) -> list[dict]:

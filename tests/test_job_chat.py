@@ -243,3 +243,25 @@ def test_engine_refuses_packed_rows_that_a_cache_would_join():
     with pytest.raises(ConfigError, match="position_ids restart inside a row"):
         engine(**leaky)
     assert engine.train_batch(iter([batch])) > 0
+
+
+def test_validation_loss_is_the_token_mean_of_the_split():
+    """evaluate() weights each window by its label tokens under the token mean: the loss of the whole
+    validation split, whatever its windows hold."""
+    import datasets
+
+    import parallel3d
+    from parallel3d.job.trainer import evaluate
+    from tests.tiny import ds_config, make_model
+
+    model = make_model("llama")
+    rows = [pack_whole(_two_documents(seed), 16, pad_id=0)[0][0] for seed in range(3)]
+    rows[2]["labels"] = [-100] * 14 + rows[2]["labels"][14:]  # windows with very different label counts
+    blocks = datasets.Dataset.from_list(rows)
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        losses = torch.cat([_token_losses(reference(**model_batch({k: [r[k]] for k in r})).logits,
+                                          torch.tensor([r["labels"]])) for r in rows])
+    engine, _, _, _ = parallel3d.initialize(model=model, config={**ds_config(0, 2, 1), "train_batch_size": 4,
+                                                                  "loss_normalization": "tokens"})
+    assert evaluate(engine, blocks, 1, None) == pytest.approx(losses.mean().item(), rel=1e-6)

@@ -27,6 +27,7 @@ from parallel3d.job.prepare import Prepared, describe
 from parallel3d.job.sampler import BlockSampler, TrainLoader, eval_batches
 from parallel3d.job.schedule import STATE_KEY, schedule_state
 from parallel3d.job.stop import JobStopped, StopSignals
+from parallel3d.token_mean import global_label_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ def seed_everything(seed: int) -> None:
 
 
 def evaluate(engine, blocks, micro: int, max_batches: int | None) -> float:
-    """Mean validation loss over every dp rank's share (each batch has the same token count).
+    """Mean validation loss over every dp rank's share: over its micro-batches (each holds the same
+    tokens), or under ``loss_normalization: "tokens"`` over its label tokens.
 
     Every dp rank gets the same number of batches; they go through ``engine.eval_batch`` a
     window of ``gradient_accumulation_steps`` at a time (the last window may be shorter),
@@ -55,8 +57,10 @@ def evaluate(engine, blocks, micro: int, max_batches: int | None) -> float:
     engine.eval()
     for start in range(0, len(batches), window):
         part = batches[start : start + window]
-        total += engine.eval_batch(iter(part), num_micro_batches=len(part)) * len(part)
-        count += len(part)
+        # a window's weight: its micro-batches, or under the token mean its label tokens (all dp ranks')
+        weight = (int(global_label_tokens(part, mesh.dp_group, engine.device, at_least_one=False)) if engine.token_mean else len(part))
+        total += engine.eval_batch(iter(part), num_micro_batches=len(part)) * weight
+        count += weight
     engine.train()
     return total / count  # prepare() refused a validation split with fewer than dp x micro blocks
 
