@@ -164,6 +164,16 @@ def _raising_line(longrepr: str) -> str:
     return f"{file}:{line}: {code.strip()}"
 
 
+def pytest_collectreport(report) -> None:
+    """A module skipped as a whole (``pytest.skip(allow_module_level=True)``) is recorded under its own id."""
+    if RECORD is not None and report.skipped:
+        reason = str(report.longrepr[2]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        line = {"id": report.nodeid, "when": "collect", "outcome": "skipped", "reason": reason, "seconds": 0,
+                "time": time.time()}
+        with open(RECORD / "results.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def pytest_runtest_logreport(report) -> None:
     if RECORD is None:
         return
