@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from parallel3d.errors import ConfigError
+from parallel3d.peft_meta import AdapterSource, base_names, draw_adapters, has_adapters, plain_model
 from parallel3d.storageless import storageless
 from parallel3d.tensor_parallel.sharding import ShardSpec
 
@@ -43,20 +44,24 @@ def take_source(model: nn.Module):
     """The values a meta model starts from: those eager construction would give (same seed)."""
     from models.materialize import InitReplay, MaterializeError
 
+    adapters = has_adapters(model)  # a PEFT model: the plain model's replay, adapters drawn (peft_meta.py)
     try:
-        return InitReplay(model)
+        replay = InitReplay(plain_model(model) if adapters else model)
     except MaterializeError as exc:
         raise ConfigError(f"cannot initialize the meta-device model: {exc}") from None
+    return AdapterSource(replay, base_names(model), draw_adapters(model)) if adapters else replay
 
 
 def pretrained_source(directory, model: nn.Module):
     """A Hugging Face safetensors directory as a source, checked against ``model`` (names, shapes, dtypes)."""
     from models.pretrained import CheckpointError, SafetensorsSource
 
+    adapters = has_adapters(model)  # a PEFT model: the base's weights under peft's names (peft_meta.py)
     try:
-        return SafetensorsSource.for_model(directory, model)
+        source = SafetensorsSource.for_model(directory, plain_model(model) if adapters else model)
     except CheckpointError as exc:
         raise ConfigError(f"pretrained: {exc}") from None
+    return AdapterSource(source, base_names(model), draw_adapters(model)) if adapters else source
 
 
 def buffer_values(replay, weights) -> Iterator[tuple[str, torch.Tensor]]:

@@ -114,3 +114,39 @@ def _prompt_tuning() -> str:
 
 def test_prompt_learning_is_refused(dist):
     assert "a prompt-learning method" in dist.run(1, _prompt_tuning)[0]
+
+
+def train_meta(base_dir: str, stage: int, dp: int, tp: int) -> tuple[list[float], dict]:
+    """The PEFT model built on the meta device, the base read from ``base_dir``; as train_layout."""
+    import parallel3d
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
+        model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL), init_lora_weights="gaussian"))
+    config = ds_config(stage, GAS, dp, stage3_param_persistence_threshold=0)
+    config["tensor_parallel"] = {"size": tp}
+    torch.manual_seed(11)  # the adapters are drawn as get_peft_model draws them from this state
+    engine, _, _, _ = parallel3d.initialize(model=model, config=config, pretrained=base_dir)
+    data = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
+    return [float(engine.train_batch(data)) for _ in range(STEPS)], engine.full_parameters()
+
+
+@pytest.mark.parametrize("stage,dp,tp", [(3, 2, 1), (3, 1, 2)])
+def test_meta_start_reads_the_base_and_draws_the_adapters(dist, tmp_path, stage, dp, tp):
+    from peft import LoraConfig, get_peft_model
+    from tests.tiny import make_model
+
+    make_model("llama", num_hidden_layers=LAYERS).save_pretrained(tmp_path)
+    base = make_model("llama", num_hidden_layers=LAYERS)
+    torch.manual_seed(11)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=list(ALL), init_lora_weights="gaussian"))
+    want_losses, want = oracle_run("llama", token_batches(STEPS, GAS, dp), model=model)
+    want = {hf_name(n): p for n, p in want.items() if model.get_parameter(n).requires_grad}
+    got: dict[str, torch.Tensor] = {}
+    for losses, params in dist.run(dp * tp, train_meta, str(tmp_path), stage, dp, tp):
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        got.update(params)
+    err, name = max_rel_param_error(got, want)
+    assert err < RTOL, f"{name} differs by {err:.2e}"
