@@ -5,7 +5,9 @@ so the mean of micro-batch means differs from the token mean of the concatenated
 oracle is one process running the tiny Llama on all eight rows at once (HF's loss is then the
 token mean of the whole batch) with AdamW; every layout -- dp 2 x micro 2 x accumulation 2 at
 ZeRO 0-3, dp 1 x micro 8, tp 2, pp 2, tp 2 x dp 2 at stage 3 -- must give its losses and
-parameters to 1e-5 after several steps (the engine keeps fp32 master weights, so fp32 here).
+parameters to 1e-5 after several steps (the engine keeps fp32 master weights, so fp32 here),
+and each step's gradient norm before clipping: Adam's steps and clipping hide a gradient that is
+off by a constant factor (a dp or accumulation factor), the norm does not.
 """
 
 from __future__ import annotations
@@ -56,22 +58,22 @@ def rank_windows(dp: int, dp_rank: int, micro: int) -> list[list[dict]]:
 
 
 @functools.cache
-def oracle() -> tuple[list[float], dict[str, torch.Tensor]]:
+def oracle() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     model = make_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=EPS)
-    losses = []
+    losses, norms = [], []
     for batch in global_batches():
         loss = model(**batch).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
 def train_layout(dp: int, micro: int, stage: int, tp: int = 1, pp: int = 1, normalization: str = "tokens",
-                 manual: bool = False, sequence_parallel: bool = False) -> tuple[list[float], dict]:
+                 manual: bool = False, sequence_parallel: bool = False) -> tuple[list[float], dict, list[float]]:
     import parallel3d
     from parallel3d.token_mean import global_label_tokens
 
@@ -85,10 +87,11 @@ def train_layout(dp: int, micro: int, stage: int, tp: int = 1, pp: int = 1, norm
         config["pipeline"] = {"stages": pp}
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
     dp_rank = engine.mesh.local_rank("dp")
-    losses = []
+    losses, norms = [], []
     for window in rank_windows(dp, dp_rank, micro):
         if not manual:
             losses.append(engine.train_batch(iter(window)))
+            norms.append(engine.get_global_grad_norm())
             continue
         count = global_label_tokens(window, engine.mesh.dp_group, engine.device)  # HF's num_items_in_batch
         total = torch.zeros(())
@@ -100,17 +103,19 @@ def train_layout(dp: int, micro: int, stage: int, tp: int = 1, pp: int = 1, norm
         if dp > 1:
             dist.all_reduce(total, group=engine.mesh.dp_group)
         losses.append(total.item())
-    return losses, engine.full_parameters()
+        norms.append(engine.get_global_grad_norm())
+    return losses, engine.full_parameters(), norms
 
 
 def _check(results: list) -> None:
     """Every rank's losses and parameters (a pipeline rank holds its stage's) against the oracle's."""
-    want_losses, want_params = oracle()
-    for losses, params in results:
+    want_losses, want_params, want_norms = oracle()
+    for losses, params, norms in results:
         assert losses == pytest.approx(want_losses, rel=RTOL)
+        assert norms == pytest.approx(want_norms, rel=RTOL)
         err, name = max_rel_param_error(params, {n: want_params[n] for n in params})
         assert err < RTOL, f"{name} differs by {err:.2e}"
-    assert set().union(*(params for _, params in results)) == set(want_params)
+    assert set().union(*(params for _, params, _ in results)) == set(want_params)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -149,7 +154,7 @@ def test_pp2_dp2_stage1(dist):
 
 def test_micro_batch_mean_differs_on_this_data(dist):
     """The default (mean of micro-batch means) does not give the token mean here: the data tests something."""
-    losses, _ = dist.run(2, train_layout, 2, 2, 0, normalization="micro_batch")[0]
+    losses, _, _ = dist.run(2, train_layout, 2, 2, 0, normalization="micro_batch")[0]
     assert abs(losses[0] - oracle()[0][0]) > 1e-3
 
 
