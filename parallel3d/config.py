@@ -28,8 +28,9 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from parallel3d.config_sections import (
-    NOT_SET, BF16Config, CheckpointConfig, CommConfig, DataTypesConfig, FP16Config, NonNegFloat, OptimizerConfig,
-    PipelineConfig, PositiveFloat, PositiveInt, SchedulerConfig, Section, TensorParallelConfig, ZeroConfig,
+    NOT_SET, BF16Config, CheckpointConfig, CommConfig, ContextParallelConfig, DataTypesConfig, FP16Config,
+    NonNegFloat, OptimizerConfig, PipelineConfig, PositiveFloat, PositiveInt, SchedulerConfig, Section,
+    TensorParallelConfig, ZeroConfig,
     describe_validation_error, disabled_block, problem)
 from parallel3d.errors import ConfigError
 
@@ -52,7 +53,7 @@ _DS_TOP_LEVEL_UNIMPLEMENTED: dict[str, Any] = {
     # training semantics Zero3D does not offer: accepted at DeepSpeed's default only
     "managed_gradient_accumulation": True, "disable_allgather": False, "disable_python_gc": False,
     "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
-    "use_data_before_expert_parallelism": False, "sequence_parallel_size": 1,
+    "use_data_before_expert_parallelism": False,
     "vocabulary_size": None, "aio": {}, "datastates_ckpt": {},
     "compile": {}, "activation_checkpointing": NOT_SET, "weight_quantization": NOT_SET,
     "expert_parallel": NOT_SET,
@@ -127,6 +128,11 @@ class Zero3DConfig(Section):
     """Tensor-parallel size of the mesh."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline stages of the mesh."""
+    context_parallel: ContextParallelConfig = Field(default_factory=ContextParallelConfig)
+    """Context-parallel size of the mesh and its attention method (docs/context_parallel.md)."""
+    sequence_parallel_size: PositiveInt = 1
+    """DeepSpeed's spelling of ``context_parallel: {"size": N, "method": "ulysses"}``; when above 1
+    it sets context_parallel (giving both with different sizes is refused)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """How checkpoints are written (`async_save`)."""
     comm: CommConfig = Field(default_factory=CommConfig)
@@ -147,6 +153,18 @@ class Zero3DConfig(Section):
             raise problem('loss_normalization "tokens" with gradient_allreduce_op "sum": the token mean already sums '
                           'the gradients over data-parallel ranks (each loss is divided by the global token count); '
                           'leave gradient_allreduce_op at "mean"')
+        return self
+
+    @model_validator(mode="after")
+    def _deepspeed_sequence_parallel(self) -> "Zero3DConfig":
+        """``sequence_parallel_size: N`` is DeepSpeed-Ulysses over N ranks: context_parallel's axis."""
+        n, cp = self.sequence_parallel_size, self.context_parallel
+        if n == 1:
+            return self
+        if "context_parallel" in self.model_fields_set and cp.size not in (1, n):
+            raise problem(f"sequence_parallel_size {n} and context_parallel.size {cp.size} are the same axis; give "
+                          "one of them, or the same size")
+        self.context_parallel = ContextParallelConfig(size=n, method=cp.method)
         return self
 
     @field_validator("gradient_allreduce_op", mode="before")
@@ -188,8 +206,9 @@ class Zero3DConfig(Section):
 
     @property
     def data_parallel_size(self) -> int:
-        """world_size // (tensor_parallel.size * pipeline.stages)."""
-        return self.world_size // (self.tensor_parallel.size * self.pipeline.stages)
+        """world_size // (tensor_parallel.size * pipeline.stages * context_parallel.size): the ranks
+        given different micro-batches (a context-parallel group shares its micro-batch)."""
+        return self.world_size // (self.tensor_parallel.size * self.pipeline.stages * self.context_parallel.size)
 
     @property
     def precision(self) -> str:
@@ -200,17 +219,22 @@ class Zero3DConfig(Section):
         """A copy with the mesh checked against world_size and all three batch sizes set."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size: {world_size!r} must be a positive integer")
-        tp, pp = self.tensor_parallel.size, self.pipeline.stages
+        tp, pp, cp = self.tensor_parallel.size, self.pipeline.stages, self.context_parallel.size
         if world_size % (tp * pp):
             raise ConfigError(f"world size {world_size} is not divisible by tensor_parallel.size {tp} x "
                               f"pipeline.stages {pp} = {tp * pp}")
+        if (world_size // (tp * pp)) % cp:
+            raise ConfigError(f"context_parallel.size {cp} does not divide world size {world_size} / "
+                              f"(tensor_parallel.size {tp} x pipeline.stages {pp}) = {world_size // (tp * pp)}: the "
+                              "context-parallel ranks are taken from the data-parallel ones")
         given = self._given_batch or tuple(getattr(self, key) for key in BATCH_KEYS)
-        batch = resolve_batch_sizes(*given, data_parallel_size=world_size // (tp * pp))
-        dp, shard = world_size // (tp * pp), self.zero_optimization.mics_shard_size
+        batch = resolve_batch_sizes(*given, data_parallel_size=world_size // (tp * pp * cp))
+        dp, shard = world_size // (tp * pp * cp), self.zero_optimization.mics_shard_size
         if shard != -1 and dp % shard:
+            with_cp = f" x context_parallel.size {cp}" if cp > 1 else ""
             raise ConfigError(f"zero_optimization.mics_shard_size {shard} does not divide the data-parallel size {dp} "
-                              f"(world {world_size} / (tensor_parallel.size {tp} x pipeline.stages {pp})); allowed: "
-                              f"a divisor of {dp}, or -1 for one group of all {dp}")
+                              f"(world {world_size} / (tensor_parallel.size {tp} x pipeline.stages {pp}{with_cp})); "
+                              f"allowed: a divisor of {dp}, or -1 for one group of all {dp}")
         if self.zero_optimization.offloads_params and world_size // (tp * pp) == 1:
             raise ConfigError('zero_optimization.offload_param with device "cpu" needs at least 2 data-parallel '
                               "ranks: with one, ZeRO stage 3 keeps every parameter whole on the device (nothing is "

@@ -531,6 +531,31 @@ class PipelineConfig(Section):
     (stage 2's memory saving given up for one reduction per step). Stages 0-1 always do."""
 
 
+class ContextParallelConfig(Section):
+    """`context_parallel`: the cp dimension of the mesh (docs/context_parallel.md).
+
+    Each rank of a cp group is handed the same micro-batch and keeps 1/size of every
+    sequence's tokens through the whole model; attention gathers what it needs from the
+    others. DeepSpeed's top-level `sequence_parallel_size` sets the same axis with Ulysses."""
+
+    size: PositiveInt = 1
+    """Ranks a sequence is split over; it must divide world / (tensor_parallel.size x
+    pipeline.stages), and every micro-batch's sequence length must divide by it."""
+
+    method: Literal["ulysses", "ring"] = "ulysses"
+    """How attention runs across the split: "ulysses" (all-to-all from sequence-split to
+    head-split around the model's own attention kernel, DeepSpeed-Ulysses). "ring" (ring
+    attention) is not implemented yet and is refused."""
+
+    @field_validator("method")
+    @classmethod
+    def _ring_not_yet(cls, value: str) -> str:
+        if value == "ring":
+            raise rule('ring attention is not implemented yet; "ulysses" is available (the number of attention '
+                       'heads after tensor parallelism must divide by context_parallel.size)')
+        return value
+
+
 class CheckpointConfig(Section):
     """`checkpoint`: how `engine.save_checkpoint` writes (DeepSpeed's section, plus async_save)."""
 

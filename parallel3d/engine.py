@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d import checkpoint
+from parallel3d.context_parallel import SequenceSplit
 from parallel3d.agreement import raise_on_every_rank
 from parallel3d.batch_check import call_arguments, first_problem, positional_names, vocab_size_of
 from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface
@@ -70,6 +71,7 @@ class Engine(DeepSpeedSurface):
         pipe: PipelineModel | None = None,
         client_optimizer: torch.optim.Optimizer | None = None,
         watchdog: Watchdog | None = None,
+        sequence_split: SequenceSplit | None = None,
     ) -> None:
         self.module = module
         self.client_optimizer = client_optimizer
@@ -95,6 +97,7 @@ class Engine(DeepSpeedSurface):
         # packed batches need use_cache=False where the model would make a cache (a pipeline's stages never do)
         self._cache_on = pipe is None and bool(getattr(getattr(module, "config", None), "use_cache", False))
         self._batches_checked = False  # inside train_batch/eval_batch: forward need not check again
+        self.sequence_split = sequence_split  # cp > 1: forward cuts each micro-batch (parallel3d/context_parallel)
         if watchdog is not None:
             weakref.finalize(self, watchdog.close)  # the heartbeat thread ends with the engine
 
@@ -120,7 +123,10 @@ class Engine(DeepSpeedSurface):
         self.optimizer.gather_for_forward()
         if torch.is_grad_enabled():  # gradients may arrive from here on (see GradientReducer.start_backward)
             self.optimizer.start_backward(self._reduces_now())
-        output = self.module(*args, **kwargs)
+        if self.sequence_split is not None:
+            output = self.sequence_split.run(self.module, call_arguments(args, kwargs, self._arg_names))
+        else:
+            output = self.module(*args, **kwargs)
         self.optimizer.end_forward()
         return output
 
@@ -278,6 +284,8 @@ class Engine(DeepSpeedSurface):
         problem = first_problem(batches, self._vocab_size, self._arg_names, self._cache_on)
         if problem is None and self.token_mean:
             problem = next((p for p in map(token_mean.batch_problem, batches) if p is not None), None)
+        if problem is None and self.sequence_split is not None:
+            problem = next((p for p in map(self.sequence_split.problem, batches) if p is not None), None)
         rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
         raise_on_every_rank(ConfigError(f"{what}{rank}: {problem}") if problem is not None else None, self.device)
 

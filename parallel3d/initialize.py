@@ -6,8 +6,8 @@ talking to other ranks (config, optimizer options, a pretrained directory agains
 collective, that every rank has the same resolved config, world size and model signature, or
 that one rank's input was bad (parallel3d/agreement.py), so every rank stops with the same
 message; (3) a meta model gets its buffers and storage-less params (parallel3d/meta_init.py);
-(4) build the pp x dp x tp mesh; (5) ``apply_tp`` -> ``apply_pipeline`` -> ``apply_zero``
-(parallel3d/apply.py).
+(4) build the pp x dp x cp x tp mesh; (5) ``apply_tp`` -> context parallelism's attention
+(parallel3d/context_parallel) -> ``apply_pipeline`` -> ``apply_zero`` (parallel3d/apply.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from parallel3d.config import Zero3DConfig, load_config
 from parallel3d.ds_arguments import (check_distributed_arguments, check_model, refuse_deepspeed_partitioned,
                                      resolve_config)
 from parallel3d.config_sections import CommConfig
+from parallel3d.context_parallel import apply_context_parallel, check_context_parallel
 from parallel3d.engine import Engine
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.gathered import register
@@ -177,6 +178,7 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
     cfg = load_config(resolve_auto(config, model, world, device), world)
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
+    check_context_parallel(model, cfg)
     groups = _param_groups(model, model_parameters)
     names = {p: n for n, p in model.named_parameters()}
     named_groups = [dict(g, params=[names[p] for p in g["params"]]) for g in groups]
@@ -269,12 +271,13 @@ def initialize(
     elif weights is not None:
         load_in_place(model, weights)
     dp = cfg.data_parallel_size
-    mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s,
+    mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s, cp=cfg.context_parallel.size,
                       dp_replicate=dp // cfg.zero_optimization.shard_size(dp))
     install_exit_guard()  # the mesh's gloo groups must not outlive the interpreter's teardown
     if source is None:
         model.to(device)
     tp_info = apply_tp(model, cfg.tensor_parallel, mesh)
+    sequence_split = apply_context_parallel(model, cfg, mesh)
     pipe = apply_pipeline(model, cfg.pipeline, mesh, tp_info)
     zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source)
     if (notice := persistence_notice(zero_opt)) is not None and (not dist.is_initialized() or dist.get_rank() == 0):
@@ -283,5 +286,5 @@ def initialize(
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
     client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe, client_optimizer=client,
-                    watchdog=Watchdog.for_default_group(timeout_s))
+                    watchdog=Watchdog.for_default_group(timeout_s), sequence_split=sequence_split)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

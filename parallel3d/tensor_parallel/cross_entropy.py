@@ -76,9 +76,12 @@ def causal_lm_loss(local_logits: torch.Tensor, labels: torch.Tensor | None, grou
     Position t predicts label t+1 (labels shifted left, the last position gets
     ``ignore_index``); the mean is over tokens whose label is not ``ignore_index``, or the
     sum divided by ``num_items_in_batch`` when the trainer passes it (gradient accumulation
-    over uneven micro-batches), exactly as transformers does.
+    over uneven micro-batches), exactly as transformers does. ``shift_labels``, when given, are
+    the targets as they are (transformers' rule: context parallelism shifts before it cuts).
     """
-    shifted = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].to(local_logits.device)
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    shifted = shift_labels.to(local_logits.device)
     per_token = vocab_parallel_cross_entropy(local_logits, shifted, group, vocab_start=vocab_start,
                                              vocab_size=vocab_size, ignore_index=ignore_index)
     total = per_token.sum()

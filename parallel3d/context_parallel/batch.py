@@ -1,0 +1,123 @@
+"""Cutting a micro-batch along the sequence for one context-parallel rank, and its loss divisor.
+
+Every rank of a cp group is handed the same micro-batch (the whole sequences), as the ranks of
+a tp group are, so a data loader does not change; the engine cuts it here before the forward:
+
+* ``input_ids`` / ``inputs_embeds`` and the labels are cut into cp equal contiguous slices
+  along the sequence, rank r keeping slice r. The labels are shifted over the whole sequence
+  first (``shift_labels``, which transformers' causal LM loss takes as given), so the last
+  token of a slice keeps its target, the first token of the next slice.
+* ``position_ids`` are the global positions of the rank's slice (RoPE sees the positions one
+  process would). Position ids that restart inside a row (packed documents) are refused: the
+  attention runs one causal mask over the whole row.
+* An ``attention_mask`` of ones is dropped (it means no mask); one with zeros (padding) is
+  refused: Ulysses runs the model's kernel with a plain causal mask.
+
+The loss: a rank's loss is its slice's summed token loss divided by ``num_items_in_batch``.
+Under the default normalization (the mean per micro-batch) the divisor is the micro-batch's
+label tokens over the whole sequence divided by cp, so each rank's loss is cp times its share
+and the engine's mean over ``dp_cp`` (of losses and of gradients) is the one-process mean,
+with the cp gradients summed. Under ``loss_normalization: "tokens"`` the divisor is already
+the global count and the engine's factor ``dp_cp`` turns the mean into the sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallel3d.context_parallel.ulysses import UlyssesAttention
+from parallel3d.errors import ConfigError
+
+IGNORE_INDEX = -100
+_SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")
+
+
+def _sequence_length(batch: dict) -> int | None:
+    for key in ("input_ids", "inputs_embeds"):
+        if isinstance(batch.get(key), torch.Tensor):
+            return batch[key].shape[1]
+    return None
+
+
+class SequenceSplit:
+    """This rank's cut of each micro-batch (``cut``) and the forward around it (``run``)."""
+
+    def __init__(self, attention: UlyssesAttention, rank: int, token_mean: bool, layers: int) -> None:
+        self.attention = attention
+        self.size = attention.size
+        self.rank = rank
+        self.token_mean = token_mean
+        self.layers = layers
+
+    def problem(self, batch: Any) -> str | None:
+        """Why ``batch`` cannot be cut (the same answer on every rank of the cp group), or None."""
+        if not isinstance(batch, dict):
+            return ("context_parallel needs each micro-batch as a dict of keyword arguments (input_ids, labels, ...), "
+                    f"got a {type(batch).__name__}")
+        length = _sequence_length(batch)
+        if length is None:
+            return "context_parallel needs input_ids or inputs_embeds in each micro-batch"
+        if length % self.size:
+            return (f"the sequence length {length} is not divisible by context_parallel.size {self.size}; pad or "
+                    f"cut the sequences to a multiple of {self.size}")
+        for key in _SEQUENCE_KEYS:
+            value = batch.get(key)
+            if isinstance(value, torch.Tensor) and (value.dim() < 2 or value.shape[1] != length):
+                return f"context_parallel: {key} has shape {tuple(value.shape)}, not [batch, {length}, ...]"
+        mask = batch.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
+            return ("context_parallel does not support an attention_mask with zeros (padding): the attention runs "
+                    "a plain causal mask over the whole sequence; pack or cut the sequences to one length instead")
+        positions = batch.get("position_ids")
+        if isinstance(positions, torch.Tensor):
+            steps = positions[:, 1:] - positions[:, :-1]
+            if not bool((steps == 1).all()):
+                return ("context_parallel needs position_ids that rise by 1 along each row; position ids that restart "
+                        "(packed documents) are not supported: the attention would not keep the documents apart")
+        return None
+
+    def cut(self, batch: dict) -> dict:
+        """This rank's keyword arguments for the model (see the module docstring)."""
+        problem = self.problem(batch)
+        if problem is not None:
+            raise ConfigError(problem)
+        length = _sequence_length(batch)
+        piece = slice(self.rank * length // self.size, (self.rank + 1) * length // self.size)
+        out = {k: v for k, v in batch.items() if k not in _SEQUENCE_KEYS}
+        for key in ("input_ids", "inputs_embeds"):
+            if isinstance(batch.get(key), torch.Tensor):
+                out[key] = batch[key][:, piece]
+        device = out.get("input_ids", out.get("inputs_embeds")).device
+        positions = batch.get("position_ids")
+        if not isinstance(positions, torch.Tensor):
+            positions = torch.arange(length, device=device)[None]
+        out["position_ids"] = positions[:, piece]
+        shifted = batch.get("shift_labels")
+        if not isinstance(shifted, torch.Tensor) and isinstance(batch.get("labels"), torch.Tensor):
+            shifted = nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
+        if isinstance(shifted, torch.Tensor):
+            out["shift_labels"] = out["labels"] = shifted[:, piece].contiguous()
+            out["num_items_in_batch"] = self._divisor(shifted, batch.get("num_items_in_batch"))
+        out["use_cache"] = False  # a cache of this rank's keys would be a slice of the sequence's
+        return out
+
+    def _divisor(self, shifted: torch.Tensor, given: Any) -> Any:
+        """``num_items_in_batch`` for this rank's loss (see the module docstring)."""
+        if self.token_mean:
+            return given
+        count = given if given is not None else int((shifted != IGNORE_INDEX).sum().clamp_min(1))
+        return count / self.size
+
+    def run(self, module: Callable, kwargs: dict) -> Any:
+        """The model's forward on this rank's cut; every attention layer must have gone through Ulysses."""
+        self.attention.reset()
+        output = module(**self.cut(kwargs))
+        if self.attention.calls != self.layers:
+            raise ConfigError(f"context_parallel: {self.attention.calls} of the model's {self.layers} attention layers "
+                              f"went through the Ulysses attention ({self.attention.model_type}); layers that "
+                              "bypass transformers' AttentionInterface would attend within a slice only")
+        return output

@@ -1,0 +1,103 @@
+"""Which models run under context parallelism, and switching one to Ulysses attention.
+
+Fail closed: a model is taken only when everything its attention does is reproduced by
+running its own kernel (sdpa or eager) on the full sequence with a plain causal mask. Refused,
+with the model type and the reason: attention that does not go through transformers'
+``AttentionInterface``, an encoder-decoder or bidirectional attention, sliding-window, chunked
+or linear-attention layers (``layer_types``, ``attention_chunk_size``), attention logit
+softcapping, alibi, attention sinks, a loss that does not take pre-shifted labels, and head
+counts the cp size does not divide. What only shows at run time (a sliding window shorter
+than the sequence, a mask or position bias added to the scores, layers that bypass the
+interface) is refused by the attention function and by the call count after each forward.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+
+from torch import nn
+
+from parallel3d.context_parallel.ulysses import UlyssesAttention
+from parallel3d.errors import ConfigError
+from parallel3d.mesh import ParallelMesh
+
+_KERNELS = ("sdpa", "eager")
+_names = itertools.count()
+
+
+def _text_config(model: nn.Module):
+    config = getattr(model, "config", None)
+    return config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+
+
+def _local_heads(total: int, tp: int) -> int:
+    """Heads one tensor-parallel rank holds (a kv head is replicated when there are fewer than tp)."""
+    return total // tp if total >= tp else 1
+
+
+def check_model(model: nn.Module, cp: int, tp: int, pp: int) -> None:
+    """Raise ConfigError if ``model`` cannot run Ulysses context parallelism over ``cp`` ranks."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ConfigError(f"context_parallel.size {cp} needs a transformers PreTrainedModel (its attention is "
+                          f"replaced through transformers' AttentionInterface), got {type(model).__name__}")
+    config = _text_config(model)
+    kind = getattr(model.config, "model_type", type(model).__name__)
+
+    def refuse(reason: str) -> ConfigError:
+        return ConfigError(f"context_parallel (ulysses) does not support {kind} ({type(model).__name__}): {reason}")
+
+    if pp > 1:
+        raise ConfigError(f"context_parallel.size {cp} with pipeline.stages {pp} is not supported yet; use "
+                          "context parallelism with tensor parallelism and ZeRO, or pipeline stages without it")
+    implementation = model.config._attn_implementation
+    if implementation not in _KERNELS:
+        raise refuse(f'its attention implementation is {implementation!r}; load it with attn_implementation "sdpa" '
+                     'or "eager"')
+    if not type(model)._can_set_attn_implementation():
+        raise refuse("its attention does not go through transformers' AttentionInterface")
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "use_bidirectional_attention", False):
+        raise refuse("it has bidirectional (non-causal) attention")
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention"}:
+        raise refuse(f"its layer_types include {sorted(layer_types - {'full_attention'})}: only full causal "
+                     "attention layers are reproduced")
+    for key, what in (("attention_chunk_size", "chunked attention"), ("attn_logit_softcapping", "attention logit "
+                      "softcapping"), ("alibi", "alibi position biases")):
+        if getattr(config, key, None):
+            raise refuse(what)
+    if getattr(config, "position_embedding_type", None) == "alibi":
+        raise refuse("alibi position biases")
+    if any(name.endswith("sinks") for name, _ in model.named_parameters()):
+        raise refuse("attention sinks")
+    if "self.loss_function(" not in inspect.getsource(type(model).forward):
+        raise refuse("its forward computes the loss itself; the labels must be shifted before the sequence is cut, "
+                     "which transformers' loss_function (shift_labels) allows")
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int):
+        raise refuse("its config names no num_attention_heads")
+    q_local, kv_local = _local_heads(heads, tp), _local_heads(kv_heads, tp)
+    if q_local % cp:
+        raise refuse(f"{q_local} attention heads per tensor-parallel rank (num_attention_heads {heads} / "
+                     f"tensor_parallel.size {tp}) do not divide by context_parallel.size {cp}")
+    if kv_local % cp and cp % kv_local:
+        raise refuse(f"{kv_local} key/value heads per tensor-parallel rank neither divide by context_parallel.size "
+                     f"{cp} nor divide it (then each would be repeated cp / kv-heads times)")
+
+
+def install_ulysses(model: nn.Module, mesh: ParallelMesh) -> UlyssesAttention:
+    """Register this model's Ulysses attention with transformers and switch the model to it."""
+    from transformers import AttentionInterface
+
+    attention = UlyssesAttention(mesh.groups.cp, model.config._attn_implementation,
+                                 getattr(model.config, "model_type", type(model).__name__))
+    name = f"zero3d_ulysses_{next(_names)}"
+    AttentionInterface.register(name, attention)
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise ConfigError(f"context_parallel: {type(model).__name__} did not accept the attention implementation "
+                          f"{name!r} (transformers kept {model.config._attn_implementation!r})")
+    return attention

@@ -1,0 +1,184 @@
+"""Context parallelism (Ulysses) against one process (docs/context_parallel.md).
+
+The tiny Llama has 4 query and 2 key/value heads, so cp 2 splits both and cp 4 repeats each kv
+head twice (DeepSpeed's replication); under tp 2 x cp 2 each tp rank holds 2 query heads and 1
+kv head. Every layout trains several AdamW steps from the same weights on the same global batch
+as the one-process oracle (fp32, fp32 master weights): losses and every parameter to 1e-5. One
+step's gradient is compared in float64 without the optimizer, to rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.tiny import SEQ, ds_config, make_model, max_rel_param_error, oracle_run, rank_micro_batches, token_batches
+
+STEPS = 3
+RTOL = 1e-5
+
+
+@functools.cache
+def _data(gas: int, dp: int) -> torch.Tensor:
+    return token_batches(STEPS, gas, dp)
+
+
+@functools.cache
+def _oracle(gas: int, dp: int, kind: str = "llama") -> tuple[list[float], dict[str, torch.Tensor]]:
+    return oracle_run(kind, _data(gas, dp))
+
+
+def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalization: str = "micro_batch",
+             deepspeed_key: bool = False) -> tuple[list[float], dict]:
+    import parallel3d
+
+    config = ds_config(stage, gas, dp, stage3_param_persistence_threshold=0)
+    config["loss_normalization"] = normalization
+    if deepspeed_key:
+        config["sequence_parallel_size"] = cp
+    else:
+        config["context_parallel"] = {"size": cp, "method": "ulysses"}
+    if tp > 1:
+        config["tensor_parallel"] = {"size": tp}
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+    assert engine.mesh.cp == cp and engine.mesh.dp == dp
+    batches = rank_micro_batches(_data(gas, dp), engine.mesh.local_rank("dp"))
+    losses = [engine.train_batch(iter(batches[s * gas:(s + 1) * gas])) for s in range(STEPS)]
+    return losses, engine.full_parameters()
+
+
+def _check(results: list, gas: int, dp: int) -> None:
+    want_losses, want_params = _oracle(gas, dp)
+    for losses, params in results:
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        err, name = max_rel_param_error(params, want_params)
+        assert err < RTOL, f"{name} differs by {err:.2e}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_cp2_equals_one_process(dist, stage):
+    _check(dist.run(2, train_cp, 2, stage, 1), 2, 1)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_cp4_repeats_kv_heads(dist, stage):
+    _check(dist.run(4, train_cp, 4, stage, 1), 2, 1)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_dp2_cp2(dist, stage):
+    _check(dist.run(4, train_cp, 2, stage, 2), 2, 2)
+
+
+def test_tp2_cp2(dist):
+    _check(dist.run(4, train_cp, 2, 2, 1, tp=2), 2, 1)
+
+
+def test_deepspeed_sequence_parallel_size(dist):
+    _check(dist.run(2, train_cp, 2, 0, 1, deepspeed_key=True), 2, 1)
+
+
+def test_token_mean_dp2_cp2(dist):
+    """Equal label counts per micro-batch here, so the token mean is the oracle's mean too."""
+    _check(dist.run(4, train_cp, 2, 2, 2, normalization="tokens"), 2, 2)
+
+
+def _float64_gradient(cp: int) -> tuple[dict, float]:
+    """One forward/backward of a float64 model through the cp cut and Ulysses attention; the
+    gradients summed over cp (each rank's loss is cp times its share, so the mean is the loss)."""
+    from parallel3d.config import load_config
+    from parallel3d.context_parallel import apply_context_parallel, check_context_parallel
+    from parallel3d.mesh import build_mesh
+
+    model = make_model("llama").double()
+    config = load_config({"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": cp}}, cp)
+    check_context_parallel(model, config)
+    split = apply_context_parallel(model, config, build_mesh(1, 1, torch.device("cpu"), cp=cp))
+    ids = _data(1, 1)[0, 0, 0]
+    loss = split.run(model, {"input_ids": ids, "labels": ids}).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    for g in grads.values():
+        dist.all_reduce(g)
+        g /= cp
+    dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
+    return grads, float(loss)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_float64_gradient(dist, cp):
+    model = make_model("llama").double()
+    ids = _data(1, 1)[0, 0, 0]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    for grads, got_loss in dist.run(cp, _float64_gradient, cp):
+        assert got_loss == pytest.approx(loss.item(), rel=1e-12)
+        for n, p in model.named_parameters():
+            assert torch.allclose(grads[n], p.grad, rtol=1e-10, atol=1e-13), n
+
+
+def _bad_batch(batch: dict) -> str:
+    import parallel3d
+    from parallel3d.errors import ConfigError
+
+    config = ds_config(0, 1, 1)
+    config["context_parallel"] = {"size": 2}
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+    with pytest.raises(ConfigError) as info:
+        engine.train_batch(iter([batch]))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: {k: v[:, :SEQ - 1] for k, v in b.items()}, "sequence length 15 is not divisible by context_parallel"),
+    (lambda b: {**b, "attention_mask": torch.ones_like(b["input_ids"]).index_fill(1, torch.tensor([0]), 0)},
+     "attention_mask with zeros"),
+    (lambda b: {**b, "position_ids": torch.arange(SEQ).remainder(8).expand(2, SEQ)}, "packed documents"),
+])
+def test_bad_batches(dist, change, message):
+    ids = _data(1, 1)[0, 0, 0]
+    for got in dist.run(2, _bad_batch, change({"input_ids": ids, "labels": ids})):
+        assert message in got
+
+
+def _initialize_error(config_changes: dict, model_changes: dict, world: int) -> str:
+    import parallel3d
+    from parallel3d.errors import ConfigError
+
+    config = {**ds_config(0, 1, 1), **config_changes}
+    config.pop("train_batch_size")
+    with pytest.raises(ConfigError) as info:
+        parallel3d.initialize(model=make_model("llama", **model_changes), config=config)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("config, model, message", [
+    ({"context_parallel": {"size": 4}}, {"num_attention_heads": 2, "num_key_value_heads": 2},
+     "2 attention heads per tensor-parallel rank"),
+    ({"context_parallel": {"size": 4}}, {"num_key_value_heads": 3, "num_attention_heads": 12, "hidden_size": 48},
+     "3 key/value heads per tensor-parallel rank"),
+    ({"context_parallel": {"size": 2}, "pipeline": {"stages": 2}}, {}, "with pipeline.stages 2 is not supported"),
+    ({"context_parallel": {"size": 4}}, {"layer_types": ["full_attention", "sliding_attention"]},
+     "layer_types include ['sliding_attention']"),
+])
+def test_refused_models_and_layouts(dist, config, model, message):
+    for got in dist.run(4, _initialize_error, config, model, 4):
+        assert message in got
+
+
+def test_config_errors():
+    from parallel3d.config import load_config
+    from parallel3d.errors import ConfigError
+
+    base = {"train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(ConfigError, match='"ulysses" is available'):
+        load_config({**base, "context_parallel": {"size": 2, "method": "ring"}}, 2)
+    with pytest.raises(ConfigError, match="context_parallel.size 3 does not divide world size 4"):
+        load_config({**base, "context_parallel": {"size": 3}}, 4)
+    with pytest.raises(ConfigError, match="are the same axis"):
+        load_config({**base, "context_parallel": {"size": 2}, "sequence_parallel_size": 4}, 8)
+    config = load_config({**base, "sequence_parallel_size": 2}, 8)
+    assert (config.context_parallel.size, config.context_parallel.method, config.data_parallel_size) == (2, "ulysses", 4)
