@@ -120,6 +120,8 @@ def apply_zero(
         gradient_sum=cfg.gradient_allreduce_op == "sum",
         offload=_offload_settings(z),
         ignore_unused_parameters=z.ignore_unused_parameters,
+        quantized_weights=z.zero_quantized_weights,
+        quantized_gradients=z.zero_quantized_gradients,
     )
     blocks = fetch_unit_modules(model) if z.stage == 3 else []
     heads = standalone_head(model, blocks) if z.stage == 3 and blocks else []

@@ -321,8 +321,7 @@ class ZeroConfig(Section):
     """`zero_optimization`: which states are sharded over the data-parallel group, and how."""
 
     ds_unimplemented = {
-        "zenflow": None, "zero_hpz_partition_size": 1, "zero_quantized_weights": False,
-        "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
+        "zenflow": None, "zero_hpz_partition_size": 1, "zero_quantized_nontrainable_weights": False,
         "zeropp_loco_param": NOT_SET,
         "use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True, "load_from_fp32_weights": True,
         "elastic_checkpoint": False, "legacy_stage1": False,
@@ -379,6 +378,11 @@ class ZeroConfig(Section):
     -1: every data-parallel rank is one group (flat ZeRO). Must divide the data-parallel size."""
     mics_hierarchical_params_gather: bool = False
     """DeepSpeed's two-hop gather for a shard group that spans nodes; not implemented (refused)."""
+    zero_quantized_weights: bool = False
+    """Stage 3: gather parameters as int8 with one scale per 256 elements (ZeRO++'s qwZ)."""
+    zero_quantized_gradients: bool = False
+    """Stages 1-3: reduce gradients into shards as int8 with block scales in one all-to-all (ZeRO++'s
+    qgZ; DeepSpeed: stage 3)."""
 
     offload_optimizer: Optional[OffloadOptimizerConfig] = None
     """Optimizer states and fp32 master weights in CPU memory, stepped there (ZeRO-Offload), stages 1-3."""
@@ -424,6 +428,17 @@ class ZeroConfig(Section):
                        "choose mics_shard_size so that a group stays inside a node (at most its GPUs), where "
                        "that gather already runs over the node's links; allowed: false")
         return value
+
+    @model_validator(mode="after")
+    def _quantized_stages(self) -> "ZeroConfig":
+        if self.zero_quantized_weights and self.stage != 3:
+            raise problem(f"zero_optimization.zero_quantized_weights needs ZeRO stage 3 (only there are parameters "
+                          f"gathered before each use), got stage {self.stage}; set zero_optimization.stage to 3 or "
+                          "remove the key")
+        if self.zero_quantized_gradients and self.stage == 0:
+            raise problem("zero_optimization.zero_quantized_gradients needs ZeRO stage 1, 2 or 3: stage 0 all-reduces "
+                          "whole gradients and reduce-scatters none; set zero_optimization.stage or remove the key")
+        return self
 
     @model_validator(mode="after")
     def _hybrid_needs_sharding(self) -> "ZeroConfig":

@@ -217,6 +217,17 @@ def setup_zero3d(model, spec, stage):
     return engine_step(engine), engine.memory_report
 
 
+def setup_zero3d_zero_options(model, spec, stage, **zero):
+    """Zero3D with more ``zero_optimization`` keys: hybrid sharding (``mics_shard_size``), ZeRO++'s
+    int8 collectives (``zero_quantized_weights``, ``zero_quantized_gradients``)."""
+    import parallel3d
+
+    config = ds_config(spec, stage)
+    config["zero_optimization"].update(zero)
+    engine = parallel3d.initialize(model=model, config=config)[0]
+    return engine_step(engine), engine.memory_report
+
+
 TP = 2  # tensor-parallel runners: tp 2 over dp world/2
 
 
@@ -259,6 +270,10 @@ RUNNERS = {
     **{f"ds{s}": (setup_deepspeed, s) for s in (1, 2, 3)},
     **{f"z{s}": (setup_zero3d, s) for s in (0, 1, 2, 3)},
     **{f"z{s}-pp2": (setup_zero3d_pipeline, s) for s in (0, 1, 2, 3)},
+    # hybrid sharding over groups of 2 (run with --nproc 4: 2 replicas of 2), and ZeRO++'s int8 collectives
+    **{f"z{s}-mics2": (functools.partial(setup_zero3d_zero_options, mics_shard_size=2), s) for s in (1, 2, 3)},
+    "z3-qwz-qgz": (functools.partial(setup_zero3d_zero_options, zero_quantized_weights=True,
+                                     zero_quantized_gradients=True), 3),
     "ztp": (setup_zero3d_tp, 0),
     "ztp-sp": (functools.partial(setup_zero3d_tp, sp=True), 0),
     # stages 2-3 as before per-pass reduction: full gradients through the step

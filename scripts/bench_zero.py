@@ -30,10 +30,13 @@ sys.path.insert(0, ROOT)
 ALL = ["ddp", "fsdp2", "ds1", "ds2", "ds3", "z0", "z1", "z2", "z3"]
 # pp 2 x dp world/2, 1F1B (run with --nproc 4): ZeRO inside pipelines, and with full gradients kept
 PIPELINE = [f"z{s}-pp2" for s in range(4)] + ["z2-pp2-full", "z3-pp2-full"]
+# hybrid sharding in groups of 2 (run with --nproc 4) and ZeRO++'s int8 collectives
+ZERO_OPTIONS = [f"z{s}-mics2" for s in (1, 2, 3)] + ["z3-qwz-qgz"]
 LABEL = {"ddp": "DDP", "fsdp2": "FSDP2", "ds1": "DeepSpeed Z1", "ds2": "DeepSpeed Z2", "ds3": "DeepSpeed Z3",
          **{f"z{s}": f"Zero3D Z{s}" for s in range(4)},
          **{f"z{s}-pp2": f"Zero3D Z{s} pp2" for s in range(4)},
-         **{f"z{s}-pp2-full": f"Zero3D Z{s} pp2 full grads" for s in (2, 3)}}
+         **{f"z{s}-pp2-full": f"Zero3D Z{s} pp2 full grads" for s in (2, 3)},
+         **{f"z{s}-mics2": f"Zero3D Z{s} 2 x 2 hybrid" for s in (1, 2, 3)}, "z3-qwz-qgz": "Zero3D Z3 int8 qwZ+qgZ"}
 # Set by torchrun in the driver's own environment; a child job must not inherit them.
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                 "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
@@ -46,7 +49,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, help="timed steps per run (default: model's)")
     ap.add_argument("--warmup", type=int, help="untimed steps before them (default: model's)")
     ap.add_argument("--rounds", type=int, default=2, help="times every runner is run, interleaved")
-    ap.add_argument("--only", default=",".join(ALL), help="comma-separated runners, of: " + ",".join(ALL + PIPELINE))
+    ap.add_argument("--only", default=",".join(ALL), help="comma-separated runners, of: " + ",".join(ALL + PIPELINE + ZERO_OPTIONS))
     ap.add_argument("--interleave", action="store_true",
                     help="time all runners in one job, taking steps in turn (same load for all; no memory)")
     ap.add_argument("--nproc", type=int, help="ranks per runner (default: torchrun's world size, else 2)")
@@ -94,7 +97,7 @@ def launch(name: str, args, nproc: int, out: str, log: str, script: str = __file
 def collect(results: list[dict], names: list[str] | None = None) -> dict[str, dict]:
     """Per runner: pooled median step time, round medians, peak RSS (max over ranks, median over rounds)."""
     out: dict[str, dict] = {}
-    for name in names or ALL + PIPELINE:
+    for name in names or ALL + PIPELINE + ZERO_OPTIONS:
         runs = [r for r in results if r["runner"] == name]
         if not runs:
             continue
@@ -187,9 +190,9 @@ def print_header(args, r0: dict, wall_s: float, load0: float) -> None:
 def drive(args) -> None:
     nproc = args.nproc or int(os.environ.get("WORLD_SIZE", 2))
     names = [n for n in args.only.split(",") if n]
-    unknown = set(names) - set(ALL + PIPELINE)
+    unknown = set(names) - set(ALL + PIPELINE + ZERO_OPTIONS)
     if unknown:
-        sys.exit(f"unknown runners {sorted(unknown)}; choose from {ALL + PIPELINE}")
+        sys.exit(f"unknown runners {sorted(unknown)}; choose from {ALL + PIPELINE + ZERO_OPTIONS}")
     load0 = os.getloadavg()
     tmp = tempfile.mkdtemp(prefix="bench_zero_")
     out = os.path.join(tmp, "results.jsonl")

@@ -74,6 +74,8 @@ class GradientReducer:
         on_unit_reduced: called with a unit once its gradients are handed to the
             collective (stage 3 releases the gathered params there).
         launch_order: unit indices in the order their collectives start (default: as listed).
+        reduce: how a full buffer is averaged into the shard (``zero.comm.reduce_to_shard``, or
+            ``zero.quantized_comm.reduce_to_shard_int8``).
     """
 
     MAX_IN_FLIGHT = 2
@@ -87,8 +89,10 @@ class GradientReducer:
         on_unit_reduced: Callable[[FlatUnit], None] | None = None,
         accumulate_full: bool | None = None,
         launch_order: Sequence[int] | None = None,
+        reduce: Callable[..., Pending] = reduce_to_shard,
     ) -> None:
         self.units = list(units)
+        self._reduce_to_shard = reduce  # or zero.quantized_comm's int8 one (zero_quantized_gradients)
         self.launch_order = list(range(len(self.units))) if launch_order is None else list(launch_order)
         if sorted(self.launch_order) != list(range(len(self.units))):
             raise ValueError("launch_order must list every unit index exactly once")
@@ -342,12 +346,12 @@ class GradientReducer:
             self._zero_missing(ui, staging)
             return None, lambda: unit.grad_shard.add_(staging)
         if self.accumulate_full:
-            return reduce_to_shard(unit.grad_full, unit.grad_shard, self.group, accumulate=False), None
+            return self._reduce_to_shard(unit.grad_full, unit.grad_shard, self.group, accumulate=False), None
         staging = self._staging_for(ui)
         self._staging[ui] = None
         self._zero_missing(ui, staging)
         fresh, self._shard_fresh[ui] = self._shard_fresh[ui], False
-        return reduce_to_shard(staging, unit.grad_shard, self.group, accumulate=not fresh), None
+        return self._reduce_to_shard(staging, unit.grad_shard, self.group, accumulate=not fresh), None
 
     def _drain(self, keep: int = 0) -> None:
         """Complete the oldest pending collectives until at most ``keep`` remain."""

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero.comm import AVG, gather_shards
+from zero.comm import AVG, gather_shards, reduce_to_shard
 from zero.dp_groups import DataParallelGroups
+from zero.quantized_comm import gather_shards_int8, reduce_to_shard_int8
 from zero.flat import FlatUnit
 from zero.grads import GradientReducer, UnusedParametersError
 from zero.loss_scaler import LossScaler
@@ -68,6 +69,10 @@ class ZeroSettings:
     """Step with the sum of the data-parallel ranks' gradients instead of their mean."""
     offload: OffloadSettings = OffloadSettings()
     """What lives in host memory (ZeRO-Offload; zero/offload.py)."""
+    quantized_weights: bool = False
+    """Stage 3: gather parameters as int8 with block scales (ZeRO++'s qwZ, zero.quantized_comm)."""
+    quantized_gradients: bool = False
+    """Reduce gradients into shards as int8 with block scales in one all-to-all (ZeRO++'s qgZ)."""
     ignore_unused_parameters: bool = True
     """False: a step raises :class:`~zero.grads.UnusedParametersError` when a parameter got no
     gradient in the whole window on every data-parallel rank (DeepSpeed's key of that name)."""
@@ -255,6 +260,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 held_to_backward=held_to_backward,
                 release_early=list(release_early),
                 settle=lambda units: self.reducer.settle(units),  # the reducer is made below
+                gather=gather_shards_int8 if settings.quantized_weights else gather_shards,
             )
         # one dp rank shards nothing: accumulating into full buffers then saves the staging copies
         full = settings.stage <= 1 or self.dp_world == 1 or (settings.pipelined and settings.keep_full_gradients)
@@ -266,6 +272,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             on_unit_reduced=self._release_after_reduce if self.fetcher and not self._hold_all else None,
             accumulate_full=full,
             launch_order=launch_order(self.units, param_order or [p for ps in params for p in ps]),
+            reduce=reduce_to_shard_int8 if settings.quantized_gradients else reduce_to_shard,
         )
         # Full gradients of a tied copy are summed across stages before they are reduced, so
         # their units wait for finish_window; reduced shards are summed after (same layout).

@@ -96,8 +96,10 @@ class ParamFetcher:
         held_to_backward: Sequence[nn.Module] = (),
         settle: Callable[[Sequence[FlatUnit]], None] | None = None,
         release_early: Sequence[nn.Module] = (),
+        gather: Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup | None], Pending] = gather_shards,
     ) -> None:
         self.module_units = list(module_units)
+        self._gather = gather  # gather_shards, or zero.quantized_comm's int8 one (zero_quantized_weights)
         self.root_units = list(root_units)
         self.group = group
         self.prefetch_numel = prefetch_numel
@@ -173,7 +175,7 @@ class ParamFetcher:
     def _start_gather(self, unit: FlatUnit) -> None:
         if unit.is_materialized or id(unit) in self._in_flight:
             return
-        work = gather_shards(unit.allocate_full(), unit.shard, self.group)
+        work = self._gather(unit.allocate_full(), unit.shard, self.group)
         self._in_flight[id(unit)] = (work, unit)
 
     def gather(self, units: Sequence[FlatUnit]) -> None:

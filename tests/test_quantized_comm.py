@@ -1,0 +1,86 @@
+"""ZeRO++'s int8 collectives (zero/quantized_comm.py): exact against their definition, the bytes they
+move, and the config's rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel3d.comm_counter import count_collectives
+from parallel3d.config import load_config
+from parallel3d.errors import ConfigError
+from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
+from zero.quantized_comm import BLOCK, dequantize, gather_shards_int8, quantize, reduce_to_shard_int8
+
+
+def test_quantization_error_is_at_most_half_a_step_of_each_block():
+    x = torch.randn(3 * BLOCK + 17, dtype=torch.float64) * torch.logspace(-3, 2, 3 * BLOCK + 17, dtype=torch.float64)
+    values, scales = quantize(x)
+    assert values.dtype == torch.int8 and scales.numel() == 4
+    error = (dequantize(values, scales).double() - x).abs()
+    step = scales.double().repeat_interleave(BLOCK)[: x.numel()]
+    # the scale is computed in fp32, so allow its rounding on top of half a step
+    assert bool((error <= step * (0.5 + 1e-6) + x.abs() * 2**-23).all())
+    assert torch.equal(dequantize(*quantize(torch.zeros(5))), torch.zeros(5))  # an all-zero block stays zero
+
+
+def _shard_data(rank: int, n: int) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def _collectives(n: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    full = torch.empty(world * n)
+    gather_shards_int8(full, _shard_data(rank, n), None).wait()
+    want_full = torch.cat([dequantize(*quantize(_shard_data(r, n))) for r in range(world)])
+    grads = [torch.randn(world * n, generator=torch.Generator().manual_seed(7 + r)) for r in range(world)]
+    shard = torch.ones(n)
+    reduce_to_shard_int8(grads[rank].clone(), shard, None, accumulate=True).wait()
+    chunks = [dequantize(*quantize(g.view(world, n)[rank])) for g in grads]
+    want_shard = 1 + sum(chunks) / world
+    return {"gather": torch.equal(full, want_full), "reduce": (shard - want_shard).abs().max().item()}
+
+
+@pytest.mark.parametrize("n", [BLOCK * 2, 300])
+def test_gather_and_reduce_equal_their_definition(dist, n):
+    for result in dist.run(2, _collectives, n):
+        assert result["gather"]
+        assert result["reduce"] < 1e-6  # the same fp32 sum, possibly in another order
+
+
+def _step_bytes(quantized: bool) -> dict:
+    import parallel3d
+
+    config = ds_config(3, 1, 2, stage3_param_persistence_threshold=0, reduce_bucket_size=3000,
+                       zero_quantized_weights=quantized, zero_quantized_gradients=quantized)
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+    data = iter(rank_micro_batches(token_batches(2, 1, 2), engine.mesh.local_rank("dp")))
+    engine.train_batch(data)  # the first step records stage 3's fetch order
+    with count_collectives(engine.mesh) as counter:
+        loss = engine.train_batch(data)
+    gathers = [c for c in counter.calls if c.op == "broadcast"]
+    # gradients: gloo's reduce-scatter is an all-reduce of the full buffer; qgZ's is all-to-alls (the
+    # scales' small ones included); left out: the few-element all-reduces of flags and the token check
+    reduces = [c for c in counter.calls if c.op == "all_to_all" or (c.op == "all_reduce" and c.numel > 64)]
+    return {"loss": loss, "gather": [c.numel for c in gathers], "gather_bytes": sum(c.nbytes for c in gathers),
+            "reduce_bytes": sum(c.nbytes for c in reduces)}
+
+
+def test_int8_collectives_move_a_quarter_of_fp32s_bytes(dist):
+    full = dist.run(2, _step_bytes, False)[0]
+    int8 = dist.run(2, _step_bytes, True)[0]
+    # each fp32 chunk of n elements becomes n int8 values and ceil(n / BLOCK) fp32 scales
+    assert int8["gather_bytes"] == sum(n + 4 * -(-n // BLOCK) for n in full["gather"])
+    assert 0.25 < int8["gather_bytes"] / full["gather_bytes"] < 0.26
+    assert 0.25 < int8["reduce_bytes"] / full["reduce_bytes"] < 0.26
+    assert int8["loss"] == pytest.approx(full["loss"], rel=1e-2)  # int8 weights and gradients: close, not equal
+
+
+@pytest.mark.parametrize("zero, message", [
+    ({"stage": 2, "zero_quantized_weights": True}, "zero_quantized_weights needs ZeRO stage 3"),
+    ({"stage": 0, "zero_quantized_gradients": True}, "zero_quantized_gradients needs ZeRO stage 1, 2 or 3"),
+])
+def test_quantized_collectives_need_their_stage(zero, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, 2)
