@@ -147,15 +147,18 @@ def markdown(report: dict, rev: str, measured_with: dict, unmeasured: Sequence[s
                   + ", ".join(f"`{f}`" for f in unmeasured) + "."]
     lines += ["", "Every failure (class, why, the message):", ""]
     for file, results in report.items():
-        failures = [(t, r) for t, r in results.items() if r["outcome"] not in ("passed", "not run")]
-        if not failures:
+        groups: dict[tuple[str, str], list[tuple[str, str]]] = {}
+        for test, r in results.items():
+            if r["outcome"] not in ("passed", "not run"):
+                cls, why = classify(test, r["reason"])
+                groups.setdefault((cls, why or _short(r["reason"])), []).append((test.split("::", 1)[1], r["reason"]))
+        if not groups:
             continue
         lines.append(f"- `{file}`")
-        for test, r in failures:
-            cls, why = classify(test, r["reason"])
-            name = test.split("::", 1)[1]
-            lines.append(f"  - `{name}`: **{cls}**{': ' + why if why else ''} "
-                         f"(`{_short(r['reason']).replace('`', chr(39))}`)")
+        for (cls, why), tests in groups.items():
+            names = ", ".join(f"`{name}`" for name, _ in tests)
+            example = _short(tests[0][1]).replace("`", "'")
+            lines.append(f"  - **{cls}** ({len(tests)}): {why}. Tests: {names}. Message: `{example}`")
     return "\n".join(lines) + "\n"
 
 

@@ -189,7 +189,8 @@ def test_the_report_counts_each_file_and_classifies_every_failure(tmp_path):
     assert "**1 of 4 pass**; failed: 1 DeepSpeed internal, 0 not supported, 0 wrong behaviour, 1 unclassified; " \
            "not run yet: 1." in text
     assert "| `unit/a.py` | 4 | 1 | 1 | 0 | 0 | 1 | 1 |" in text
-    assert "`t2`: **DeepSpeed internal**: DeepSpeed's buffers" in text and "`t3`: **unclassified**" in text
+    assert "**DeepSpeed internal** (1): DeepSpeed's buffers. Tests: `t2`." in text
+    assert "**unclassified** (1): call: AssertionError: 1 != 2. Tests: `t3`." in text
     assert "no test in the subset (1): `unit/b.py`" in text
     written = docs.read_text()
     assert written.startswith("intro\n") and written.endswith(f"{ds_unit_report.END}\nrest\n") and "old" not in written
