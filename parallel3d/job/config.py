@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -225,6 +225,43 @@ class TrainConfig(Section):
         return self
 
 
+class LoraSection(Section):
+    """`lora`: train LoRA adapters (peft) on the frozen model; the keys are `peft.LoraConfig`'s
+    (axolotl's `lora_r`/`lora_alpha`/`lora_dropout`/`lora_target_modules` are accepted too).
+    The base is sharded like any frozen weight (ZeRO stage 3: 1/dp per rank), checkpoints hold
+    the adapters only, and `zero3d export` writes a PEFT adapter directory."""
+
+    renames: ClassVar[dict[str, str]] = {"lora_r": "r", "lora_target_modules": "target_modules"}
+
+    r: PositiveInt = 8
+    """The adapters' rank."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """The adapters' output is scaled by lora_alpha / r (/ sqrt(r) with use_rslora)."""
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input."""
+    target_modules: Union[str, list[str]] = "all-linear"
+    """The modules to adapt: names (a module whose name is one of them or ends in "." + one of
+    them: q_proj, v_proj, ...), one regular expression matched against whole module names, or
+    "all-linear" (every Linear but the lm head)."""
+    exclude_modules: Optional[list[str]] = None
+    """Module names (as target_modules) left out."""
+    layers_to_transform: Optional[list[NonNegInt]] = None
+    """Only the blocks of these indices get adapters."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train as well: none, all, or those of the adapted layers."""
+    use_rslora: bool = False
+    """Rank-stabilized scaling lora_alpha / sqrt(r)."""
+    init_lora_weights: Union[bool, Literal["gaussian"]] = True
+    """true: lora_A as nn.Linear (Kaiming), lora_B zero; "gaussian": lora_A normal(1/r); false: both random."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_targets(cls, value: Union[str, list[str]]) -> Union[str, list[str]]:
+        if not value or (isinstance(value, list) and not all(isinstance(v, str) and v for v in value)):
+            raise rule('must name modules (a list such as [q_proj, v_proj], a regular expression or "all-linear")')
+        return value
+
+
 class JobConfig(Section):
     """A whole `zero3d train` job."""
 
@@ -238,6 +275,8 @@ class JobConfig(Section):
     """The DeepSpeed-style engine config inline, or the path of a ds_config.json/.yaml used unchanged."""
     train: TrainConfig
     """The training loop."""
+    lora: Optional[LoraSection] = None
+    """Train LoRA adapters on the frozen model (unset: train every parameter)."""
 
     @field_validator("engine")
     @classmethod

@@ -22,6 +22,7 @@ import yaml
 import parallel3d
 from parallel3d.job.checkpoints import Pruner, checkpoint_root
 from parallel3d.job.metrics import Metrics, summary_text
+from parallel3d.job.lora import apply_lora
 from parallel3d.job.model import build_model, weights_note
 from parallel3d.job.prepare import Prepared, describe
 from parallel3d.job.sampler import BlockSampler, TrainLoader, eval_batches
@@ -95,7 +96,7 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
     if rank == 0:
         logger.info(describe(prep))
     seed_everything(cfg.seed)
-    model = build_model(job, prep.hf_config)
+    model = apply_lora(job, build_model(job, prep.hf_config))
     engine, _, _, _ = parallel3d.initialize(model=model, config=prep.engine_config, pretrained=job.model.path)
     if rank == 0 and job.model.path is not None:
         logger.info(weights_note(job.model.path))
