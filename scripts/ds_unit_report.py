@@ -63,6 +63,12 @@ RULES: tuple[Rule, ...] = (
          "Zero3D refuses a key it would ignore, naming the keys it knows"),
     Rule(UNSUPPORTED, r"expert_parallel is a DeepSpeed key Zero3D does not implement",
          "expert parallelism (AutoEP): not implemented, refused with a message"),
+    Rule(UNSUPPORTED, r"is a DeepSpeed key Zero3D does not implement",
+         "a DeepSpeed config key Zero3D does not implement, refused with a message naming it"),
+    Rule(UNSUPPORTED, r"is a DeepSpeed optimizer Zero3D does not implement",
+         "a DeepSpeed optimizer type Zero3D does not implement (Adam, AdamW and SGD are), refused with a message"),
+    Rule(UNSUPPORTED, r"(ConfigError|UsageError): [^\n]* is not supported",
+         "a DeepSpeed feature or argument Zero3D refuses with a message saying what it allows"),
     Rule(UNSUPPORTED, r"engine\.step\(\) without engine\.backward",
          "gradients assigned to .grad by the script, then engine.step() without engine.backward() (Zero3D's "
          "gradients come from its backward hooks; refused with a message)"),
