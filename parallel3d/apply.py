@@ -118,6 +118,7 @@ def apply_zero(
         keep_full_gradients=cfg.pipeline.keep_full_gradients,
         check_overflow=not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow),
         gradient_sum=cfg.gradient_allreduce_op == "sum",
+        data_parallel_size=mesh.dp,
         offload=_offload_settings(z),
         ignore_unused_parameters=z.ignore_unused_parameters,
         quantized_weights=z.zero_quantized_weights,

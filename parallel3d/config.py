@@ -235,11 +235,12 @@ class Zero3DConfig(Section):
             raise ConfigError(f"zero_optimization.mics_shard_size {shard} does not divide the data-parallel size {dp} "
                               f"(world {world_size} / (tensor_parallel.size {tp} x pipeline.stages {pp}{with_cp})); "
                               f"allowed: a divisor of {dp}, or -1 for one group of all {dp}")
-        if self.zero_optimization.offloads_params and world_size // (tp * pp) == 1:
-            raise ConfigError('zero_optimization.offload_param with device "cpu" needs at least 2 data-parallel '
-                              "ranks: with one, ZeRO stage 3 keeps every parameter whole on the device (nothing is "
-                              "sharded, so nothing would be offloaded); run more data-parallel ranks, or remove the "
-                              "key (offload_optimizer works with one)")
+        if self.zero_optimization.offloads_params and self.zero_optimization.shard_size(dp) * cp == 1:
+            raise ConfigError('zero_optimization.offload_param with device "cpu" needs at least 2 ranks to shard over '
+                              "(data-parallel ranks, or with zero_optimization.mics_shard_size the ranks of one shard "
+                              "group): with one, ZeRO stage 3 keeps every parameter whole on the device (nothing is "
+                              "sharded, so nothing would be offloaded); run more data-parallel ranks, raise "
+                              "mics_shard_size, or remove the key (offload_optimizer works with one)")
         if pp > 1:  # interleaving's rule on the micro-batch count, before any process group exists
             from parallel3d.pipeline.schedules import validate_schedule_args
 

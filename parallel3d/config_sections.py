@@ -425,8 +425,9 @@ class ZeroConfig(Section):
     def _no_hierarchical_gather(cls, value: bool) -> bool:
         if value:
             raise rule("is not supported: Zero3D gathers parameters inside a shard group in one collective; "
-                       "choose mics_shard_size so that a group stays inside a node (at most its GPUs), where "
-                       "that gather already runs over the node's links; allowed: false")
+                       "choose mics_shard_size so that a group stays inside a node (a group spans mics_shard_size "
+                       "x tensor_parallel.size x context_parallel.size consecutive ranks: keep that at most the "
+                       "node's GPUs), where that gather already runs over the node's links; allowed: false")
         return value
 
     @model_validator(mode="after")

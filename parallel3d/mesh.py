@@ -6,7 +6,7 @@ fastest links, i.e. the GPUs of one node), then cp, then dp_shard, dp_replicate,
 parallel ranks are ``dp = dp_replicate x dp_shard``: ZeRO shards inside a ``dp_shard`` group
 and replicates across ``dp_replicate`` (hybrid sharding). An axis of size 1 costs nothing but a
 trivial group; with ``dp_replicate = cp = 1`` the layout is the pp x dp x tp mesh of before.
-Expert parallelism is a view folded over ``dp_shard x cp`` (docs/design.md, "The mesh").
+Expert parallelism is to be a view folded over ``dp_shard x cp`` (docs/design.md, "The mesh").
 """
 
 from __future__ import annotations

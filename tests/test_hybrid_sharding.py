@@ -78,11 +78,11 @@ def test_model_state_bytes_are_those_of_flat_zero_over_the_shard_group(dist, sta
         assert {k: report[k] for k in keys} == {k: flat[rank % 2][2][k] for k in keys}
 
 
-def _one_step_volumes(stage: int) -> dict:
+def _one_step_volumes(stage: int, dp: int = 4) -> dict:
     import parallel3d
 
-    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=_config(stage, 4, 2))
-    data_iter = iter(rank_micro_batches(token_batches(2, GAS, 4), engine.mesh.local_rank("dp")))
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=_config(stage, dp, 2))
+    data_iter = iter(rank_micro_batches(token_batches(2, GAS, dp), engine.mesh.local_rank("dp")))
     engine.train_batch(data_iter)  # stage 3 records its fetch order in the first step
     with count_collectives(engine.mesh) as counter:
         engine.train_batch(data_iter)
@@ -91,7 +91,10 @@ def _one_step_volumes(stage: int) -> dict:
     shards = sum(u.shard_size for u in units) * 4  # fp32 gradient shards
     flags = sum(len(u.params) for u in units) * 4  # which params got gradients: one int32 each
     inside = {c.group for c in counter.calls if c.op in ("all_gather", "broadcast", "reduce_scatter")}
-    return {"across": across, "expected": shards + flags, "gather_groups": inside}
+    shard_group = "dp_shard" if dp > 2 else "dp"  # flat over 2: the one data-parallel group
+    in_group = {op: sum(c.numel for c in counter.calls if c.group == shard_group and c.op == op and c.numel > 2)
+                for op in ("all_reduce", "broadcast")}  # gloo's reduce-scatter and gather (zero/comm.py)
+    return {"across": across, "expected": shards + flags, "gather_groups": inside, "in_group": in_group}
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -99,12 +102,17 @@ def test_replicas_exchange_one_gradient_shard_per_step(dist, stage):
     for result in dist.run(4, _one_step_volumes, stage):
         assert result["across"] == result["expected"]  # 1/S of the gradient and the received flags
         assert "dp_replicate" not in result["gather_groups"]  # parameters are gathered inside a group
+    # inside a group: the elements flat ZeRO over 2 ranks moves (reductions, gathers), no more
+    flat = dist.run(2, _one_step_volumes, stage, 2)[0]
+    hybrid = dist.run(4, _one_step_volumes, stage)[0]
+    assert hybrid["in_group"] == flat["in_group"] and hybrid["in_group"]["broadcast"] > 0
 
 
 @pytest.mark.parametrize("zero, world, message", [
     ({"stage": 2, "mics_shard_size": 3}, 4, "mics_shard_size 3 does not divide the data-parallel size 4"),
     ({"stage": 0, "mics_shard_size": 2}, 4, "mics_shard_size 2 needs ZeRO stage 1, 2 or 3"),
     ({"stage": 3, "mics_shard_size": 0}, 4, "must be -1 .* or a positive number of ranks, got 0"),
+    ({"stage": 3, "mics_shard_size": 1, "offload_param": {"device": "cpu"}}, 4, "needs at least 2 ranks to shard over"),
     ({"stage": 3, "mics_shard_size": 2, "mics_hierarchical_params_gather": True}, 4,
      "mics_hierarchical_params_gather.*is not supported"),
 ])
@@ -118,3 +126,24 @@ def test_a_shard_size_of_all_ranks_is_flat_zero():
     config = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "mics_shard_size": 4}}, 4)
     assert config.zero_optimization.shard_size(config.data_parallel_size) == 4
     assert load_config({"train_micro_batch_size_per_gpu": 1}, 4).zero_optimization.shard_size(4) == 4
+
+
+def _summed_norm_ratio(stage: int) -> float:
+    """The gradient norm the step sees with gradient_allreduce_op "sum" over the one with "mean"."""
+    import parallel3d
+
+    norms = []
+    for op in ("sum", "mean"):
+        config = ds_config(stage, 1, 2, stage3_param_persistence_threshold=0)
+        config.update(gradient_allreduce_op=op, context_parallel={"size": 2})
+        engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+        engine.train_batch(iter(rank_micro_batches(token_batches(1, 1, 2), engine.mesh.local_rank("dp"))))
+        norms.append(engine.optimizer.last_grad_norm)
+    return norms[0] / norms[1]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_summed_gradient_counts_data_parallel_ranks_not_context_parallel_ones(dist, stage):
+    """dp 2 x cp 2: ZeRO shards over all four ranks, but the sum is over the two given different data."""
+    for ratio in dist.run(4, _summed_norm_ratio, stage):
+        assert ratio == pytest.approx(2.0, rel=1e-6)

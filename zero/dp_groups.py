@@ -6,7 +6,8 @@ the same shards (``replica``, the ranks at one shard position, size dp / S). Gra
 reduced inside a replica and their shard averaged across replicas; parameters are gathered
 inside a replica only, over the fast links of a node.
 
-A data-parallel rank's index is ``replica_rank x S + shard_rank`` (the mesh's ``dp`` view).
+A rank's index over all of them is ``replica_rank x S + shard_rank``: the mesh's ``dp`` view,
+or with context parallelism (whose ranks share ZeRO's shard group) its ``dp_cp`` view.
 What must hold over all of them (a start from equal values, an agreement on which params got
 gradients) goes in two hops: inside the replica, then across replicas.
 """

@@ -67,6 +67,10 @@ class ZeroSettings:
     ``bf16.check_grad_overflow`` turns it off for bf16)."""
     gradient_sum: bool = False
     """Step with the sum of the data-parallel ranks' gradients instead of their mean."""
+    data_parallel_size: int | None = None
+    """The ranks given different data (``gradient_sum`` steps with their sum: the mean times this);
+    None: every rank of the shard and replica groups. Context-parallel ranks share ZeRO's shard
+    group but not data, so they are not counted."""
     offload: OffloadSettings = OffloadSettings()
     """What lives in host memory (ZeRO-Offload; zero/offload.py)."""
     quantized_weights: bool = False
@@ -544,7 +548,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self._refuse_unused_parameters(received)
         self._average_across_replicas()
         grads = self._master_grads()
-        factor = (self.dp.world if self.settings.gradient_sum else 1) / self.loss_scaler.scale
+        ranks = self.settings.data_parallel_size or self.dp.world
+        factor = (ranks if self.settings.gradient_sum else 1) / self.loss_scaler.scale
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
         clip = self.settings.gradient_clipping
