@@ -14,14 +14,15 @@ from __future__ import annotations
 import ast
 import builtins
 import copy
+import functools
+import importlib
 import inspect
 import textwrap
 from typing import Any, Callable, Iterable
 
 __all__ = [
-    "MethodSource", "SourceError", "compile_function", "fold_output_flags", "free_names", "is_validator", "loads",
-    "mentions_self_attr",
-    "method_source", "parse_statement", "stores",
+    "MethodSource", "SourceError", "check_called_as_written", "compile_function", "fold_output_flags", "free_names",
+    "is_validator", "loads", "mentions_self_attr", "method_source", "parse_statement", "stores",
 ]
 
 
@@ -29,8 +30,67 @@ class SourceError(Exception):
     """A forward the pipeline cannot cut; the message says why (the caller adds the family)."""
 
 
+# transformers' own decorators of a ``forward``, which change nothing a piece of it computes:
+# docstrings, tuple outputs when ``return_dict`` is off, flags filled from the config, outputs
+# captured by hooks when asked for, renamed deprecated keyword arguments, accelerate's offload
+# hooks fired early. (module, name); a name a transformers release lacks is left out.
+_KNOWN_DECORATORS = (
+    ("transformers.utils", "auto_docstring"), ("transformers.utils", "add_start_docstrings_to_model_forward"),
+    ("transformers.utils", "replace_return_docstrings"), ("transformers.utils", "add_code_sample_docstrings"),
+    ("transformers.utils.generic", "can_return_tuple"), ("transformers.utils.generic", "merge_with_config_defaults"),
+    ("transformers.utils.generic", "check_model_inputs"), ("transformers.utils.output_capturing", "capture_outputs"),
+    ("transformers.utils.deprecation", "deprecate_kwarg"),
+    ("transformers.integrations.accelerate", "force_accelerate_hooks"),
+)
+
+
+@functools.lru_cache(1)
+def _known_decorators() -> tuple[dict[int, str], frozenset[str]]:
+    """({id of the decorator: its name}, the files their wrappers are defined in)."""
+    found: dict[int, str] = {}
+    files: set[str] = set()
+    for module_name, name in _KNOWN_DECORATORS:
+        try:
+            obj = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError):
+            continue
+        found[id(obj)] = name
+        files.add(inspect.getsourcefile(obj) or "")
+    return found, frozenset(files)
+
+
+def _check_decorators(cls: type, name: str, owner: str, node: ast.FunctionDef, globals_: dict[str, Any]) -> None:
+    """SourceError for a decorator zero3d would drop without knowing what it does: reading the
+    method's statements skips whatever a decorator adds around them (``@torch.no_grad()``, a
+    user's ``@scale_output``), both where it is written and where it is applied afterwards
+    (``Model.forward = wrap(Model.forward)``)."""
+    known, files = _known_decorators()
+    allowed = ", ".join(sorted(set(known.values())))
+    for deco in node.decorator_list:
+        target = deco.func if isinstance(deco, ast.Call) else deco
+        try:
+            obj = eval(compile(ast.Expression(body=target), "<decorator>", "eval"), globals_)  # noqa: S307 - a name
+        except Exception:  # noqa: BLE001 - any failure to resolve it: unknown
+            obj = None
+        if obj is None or id(obj) not in known:
+            raise SourceError(f"{owner} (line {deco.lineno}) is decorated with `@{ast.unparse(deco)}`, which zero3d "
+                              f"does not run when it runs this forward's statements itself; allowed: transformers' "
+                              f"{allowed}")
+    layer = getattr(cls, name)
+    while hasattr(layer, "__wrapped__"):
+        code = getattr(layer, "__code__", None)
+        where = code.co_filename if code is not None else type(layer).__qualname__
+        if where not in files:
+            wrapper = f"{code.co_qualname} ({where}:{code.co_firstlineno})" if code is not None else where
+            raise SourceError(f"{owner} is wrapped by {wrapper}, which zero3d "
+                              f"does not run when it runs this forward's statements itself; allowed: transformers' "
+                              f"{allowed}")
+        layer = layer.__wrapped__
+
+
 class MethodSource:
-    """The parsed source of one method (decorators and annotations dropped)."""
+    """The parsed source of one method (decorators and annotations dropped: only transformers'
+    own, which change nothing the statements compute, are accepted)."""
 
     def __init__(self, cls: type, name: str) -> None:
         func = inspect.unwrap(getattr(cls, name))
@@ -46,6 +106,7 @@ class MethodSource:
         node = tree.body[0]
         if not isinstance(node, ast.FunctionDef):
             raise SourceError(f"{self.owner} is not a plain function")
+        _check_decorators(cls, name, self.owner, node, func.__globals__)
         node.decorator_list = []
         node.returns = None
         for arg in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs, node.args.vararg, node.args.kwarg):
@@ -62,6 +123,37 @@ class MethodSource:
 
     def is_global(self, name: str) -> bool:
         return name not in self.local_names and (name in self.globals or hasattr(builtins, name))
+
+
+def check_called_as_written(module: Any, owner: str) -> None:
+    """SourceError when calling ``module`` would do more than its class's ``forward``: code that
+    runs the forward's statements itself (the pipeline's stage programs) never calls the module,
+    so a ``forward`` set on the instance, a class ``__call__`` of its own, or forward hooks on
+    it (or global ones) would be skipped. A replacement ``forward`` that marks itself with
+    ``replaces_forward = True`` (tensor parallelism's, which has its own reader) is allowed."""
+    from torch import nn
+    from torch.nn.modules import module as module_globals
+
+    what = f"{owner} ({type(module).__name__})"
+    replaced = vars(module).get("forward")
+    if replaced is not None:
+        target = getattr(replaced, "__func__", replaced)
+        target = getattr(target, "func", target)  # a functools.partial
+        if not getattr(target, "replaces_forward", False):
+            raise SourceError(f"{what} has a forward of its own set on the instance ({replaced!r}); zero3d runs the "
+                              f"statements of {type(module).__name__}.forward. Subclass the model and override "
+                              "forward instead")
+    if type(module).__call__ is not nn.Module.__call__:
+        raise SourceError(f"{what} overrides __call__, which zero3d does not call; it runs the statements of "
+                          f"{type(module).__name__}.forward")
+    hooks = {kind: getattr(module, kind, None) for kind in ("_forward_hooks", "_forward_pre_hooks")}
+    hooks.update({f"global {kind}": getattr(module_globals, f"_global{kind}", None)
+                  for kind in ("_forward_hooks", "_forward_pre_hooks")})
+    found = sorted(kind for kind, table in hooks.items() if table)
+    if found:
+        raise SourceError(f"{what} has {', '.join(found)} registered; zero3d runs the statements of "
+                          f"{type(module).__name__}.forward without calling the module, so they would not run. "
+                          "Hooks on its submodules (blocks, norms, head) are fine")
 
 
 def method_source(cls: type, name: str = "forward") -> MethodSource:

@@ -45,12 +45,12 @@ def draw_pieces(numel: int, row: int, itemsize: int, chunk_bytes: int | None = N
     return pieces
 
 
-def _chunkable(func, args, kwargs) -> torch.Tensor | None:
+def _chunkable(func, args, kwargs, chunk_bytes: int) -> torch.Tensor | None:
     """The tensor a draw writes, if it may be drawn in pieces and is worth it."""
     if func not in _CHUNKABLE_DRAWS or kwargs.get("generator") is not None:
         return None
     t = args[0]
-    if not t.is_contiguous() or t.numel() * t.element_size() <= 2 * DRAW_CHUNK_BYTES:
+    if not t.is_contiguous() or t.numel() * t.element_size() <= 2 * chunk_bytes:
         return None
     return t
 
@@ -93,8 +93,11 @@ class Executor(Trace):
     rank's shards are all filled, and added the whole tensor to the rank's peak.
     """
 
-    def __init__(self, records: list[OpRecord], the_plan: Plan, emit, stream=None) -> None:
+    def __init__(self, records: list[OpRecord], the_plan: Plan, emit, stream=None,
+                 chunk_bytes: int | None = None) -> None:
         super().__init__()
+        # smaller in the self-check, so a small model's draws are cut in pieces too
+        self.chunk_bytes = DRAW_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self.records = records
         self.the_plan = the_plan
         self.emit = emit
@@ -204,7 +207,7 @@ class Executor(Trace):
         Only for a chunkable draw that writes a whole storage which is final right after it
         (the usual ``normal_`` of ``_init_weights``); returns its storage id, else ``None``.
         """
-        t = _chunkable(func, args, kwargs) if self.stream is not None else None
+        t = _chunkable(func, args, kwargs, self.chunk_bytes) if self.stream is not None else None
         if t is None or not covers_storage(t) or rec.overwrites != rec.writes or len(rec.writes) != 1:
             return None
         sid = rec.writes[0]
@@ -219,7 +222,7 @@ class Executor(Trace):
 
     def _in_pieces(self, func, t: torch.Tensor, row: int, args, kwargs, each=None) -> None:
         """Run draw ``func`` over ``t``'s elements piece by piece in one reused scratch buffer."""
-        pieces = draw_pieces(t.numel(), row, t.element_size())
+        pieces = draw_pieces(t.numel(), row, t.element_size(), self.chunk_bytes)
         largest = max(r1 - r0 for r0, r1 in pieces) * row
         buffer = self._take(largest * t.element_size())
         self._track(buffer.nbytes())
@@ -233,7 +236,7 @@ class Executor(Trace):
 
     def _draw(self, rec, func, args, kwargs) -> None:
         """A random op nobody needs: draw into scratch so the generator advances as in eager."""
-        t = _chunkable(func, args, kwargs)
+        t = _chunkable(func, args, kwargs, self.chunk_bytes)
         if t is not None:
             self._in_pieces(func, t, 1, args, kwargs)
             return

@@ -52,7 +52,26 @@ class TraceError(RuntimeError):
 
 
 _LITERALS = frozenset({torch.tensor, torch.as_tensor, torch.asarray, torch.scalar_tensor})
-_IS_META = torch._C.TensorBase.__dict__["is_meta"]
+_IS_META = torch._C.TensorBase.__dict__.get("is_meta")
+
+
+def missing_torch_details() -> list[str]:
+    """The private torch details the replay relies on that this torch lacks (empty: none).
+
+    Checked before a replay starts, so a torch release that renamed one is refused with its name
+    rather than failing (or worse, tracing something else) halfway through a construction."""
+    import torch.utils._python_dispatch as dispatch
+
+    missing = [] if _IS_META is not None else ["torch._C.TensorBase.is_meta (a descriptor the replay answers)"]
+    try:
+        from torch.utils._device import _device_constructors  # noqa: F401 - checked for presence
+    except ImportError:
+        missing.append("torch.utils._device._device_constructors (the factory functions sent to meta)")
+    if not hasattr(dispatch, "_disable_current_modes"):
+        missing.append("torch.utils._python_dispatch._disable_current_modes")
+    if not hasattr(torch._C, "DisableTorchFunction"):
+        missing.append("torch._C.DisableTorchFunction")
+    return missing
 
 
 @functools.lru_cache(1)

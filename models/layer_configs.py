@@ -9,7 +9,7 @@ the count alone leaves the others describing layers that no longer exist; settin
 one fails. :func:`layer_entries` gives the stored entries for a choice of layers, and
 :func:`with_layers` builds the config anew (``from_dict``) with them, so its own validation and
 properties see a consistent whole. Used by the planner (a pipeline chunk's first layers) and by
-the coverage script's tiny configs (``scripts/coverage_tiny.py``: one layer of each kind).
+the coverage script's tiny configs (``models/tiny_config.py``: one layer of each kind).
 """
 
 from __future__ import annotations

@@ -63,9 +63,15 @@ def _scales_loss(node: ast.AST) -> bool:
             and not isinstance(node.op, ast.Add))
 
 
+def _rebinds_loss(node: ast.AST) -> bool:
+    """``loss = 0.1 * router_z + loss``, ``loss = torch.add(loss, t)``: the loss bound from itself
+    in another form than an added term, a change of it rather than its computation."""
+    return _sets_loss(node) and node.value is not None and _reads_value(node.value, _TOKEN_LOSS)
+
+
 def _involved(node: ast.AST) -> bool:
     """Whether ``node`` adds to the loss, changes it otherwise, or reads or binds the auxiliary loss."""
-    return (any(adds_to_loss(n) or _scales_loss(n) for n in ast.walk(node))
+    return (any(adds_to_loss(n) or _scales_loss(n) or _rebinds_loss(n) for n in ast.walk(node))
             or _AUX in loads(node) | stores(node))
 
 
@@ -76,7 +82,7 @@ def _kind(stmt: ast.stmt) -> str:
     nodes = list(ast.walk(stmt))
     term = any(adds_to_loss(n) for n in nodes) or _AUX in loads(stmt) | stores(stmt)
     token = any(_sets_loss(n) for n in nodes)
-    if any(_scales_loss(n) for n in nodes) or (term and token):
+    if any(_scales_loss(n) or _rebinds_loss(n) for n in nodes) or (term and token):
         return "mixed"
     return "term" if term else "token" if token else "other"
 

@@ -51,7 +51,8 @@ from models.init_programs import (
     _plain_program,
     _structure,
 )
-from models.init_trace import MetaConstructors, NeedsValues, Recorder, TraceError, plan
+from models.init_self_check import verify_replay
+from models.init_trace import MetaConstructors, NeedsValues, Recorder, TraceError, missing_torch_details, plan
 from models.tensor_source import Rect, Requests, normalize_rect, rect_shape, whole
 
 
@@ -147,6 +148,12 @@ class InitReplay:
     generator where eager construction leaves it, so the caller's next random draw (dropout,
     data order) is the one a single process would make.
 
+    Before it is trusted, the replay checks itself once per process and family against an eager
+    build of a tiny model of the same family (:mod:`models.init_self_check`; ``self_check=False``
+    skips that, as the check itself does): :class:`~models.init_self_check.ReplaySelfCheckError`
+    when a torch release changed what it relies on. A torch lacking a private detail it uses is
+    refused with its name before anything runs.
+
     Hugging Face models are rebuilt with ``type(model)._from_config(model.config)``; other
     modules are initialized by calling ``reset_parameters()`` on every module owning tensors,
     in ``modules()`` order (a module owning parameters without one raises
@@ -158,10 +165,21 @@ class InitReplay:
     """
 
     def __init__(
-        self, meta_model: nn.Module, *, seed: int | None = None, rng_state: torch.Tensor | None = None
+        self, meta_model: nn.Module, *, seed: int | None = None, rng_state: torch.Tensor | None = None,
+        self_check: bool = True,
     ) -> None:
         _check_cpu_default()
+        missing = missing_torch_details()
+        if missing:
+            raise MaterializeError(
+                f"this torch ({torch.__version__}) lacks what the init replay relies on: {'; '.join(missing)}. Build "
+                "the model on the CPU instead of the meta device, or use a torch version the replay is tested with "
+                "(docs/design.md, 'Widening the tested versions')"
+            )
         self._hf = _is_hf(meta_model)
+        if self_check:  # once per process and family: a torch that changed the random stream is refused here
+            verify_replay(meta_model, self._hf, InitReplay)
+        self.chunk_bytes: int | None = None  # draws are cut in pieces of init_execute.DRAW_CHUNK_BYTES
         self._program = _hf_program(meta_model) if self._hf else _plain_program(meta_model)
         if seed is not None and rng_state is not None:
             raise ValueError("give seed or rng_state, not both")
@@ -312,7 +330,7 @@ class InitReplay:
         _check_cpu_default()
         the_plan = plan(self._records, set(jobs), advance_rng=advance_rng)
         stream = _RowStream(jobs, dests, deliver)
-        ex = Executor(self._records, the_plan, emit, stream)
+        ex = Executor(self._records, the_plan, emit, stream, self.chunk_bytes)
         stream.stats = ex.stats
         start = time.perf_counter()
         saved = None if advance_rng else torch.get_rng_state()

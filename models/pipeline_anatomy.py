@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from models.families import RECORDS, family_record
-from models.forward_source import SourceError
+from models.forward_source import SourceError, check_called_as_written
 from models.stage_program import BaseProgram, HeadProgram
 
 __all__ = ["AnatomyError", "AnatomyPaths", "PipelineAnatomy", "anatomy_paths", "causal_lm_class_name",
@@ -178,15 +178,31 @@ def pipeline_anatomy(model: nn.Module) -> PipelineAnatomy:
     blocks = getattr(base, blocks_name)
     first = list(parts.first)
     try:
+        check_called_as_written(model, "the causal LM")
+        check_called_as_written(base, parts.base)
         base_program = BaseProgram(type(base), blocks_name, set(first))
-        head_program = HeadProgram(type(model), prefix, record.pp_base)
+        head_program = HeadProgram(type(model), prefix, record.pp_base, base_program.positional)
         head_program.check(model)
         base_program.check(base, blocks, config.hidden_size, _dtype(base), _device(model))
+        _check_logits(model, base, base_program, head_program, config.hidden_size)
     except SourceError as exc:
         raise AnatomyError(f"pipeline parallelism does not support {what}: {exc}") from None
     return PipelineAnatomy(
         family=parts.family, base=parts.base, first=parts.first, blocks=parts.blocks, last=parts.last,
         shared=parts.shared, base_program=base_program, head_program=head_program)
+
+
+def _check_logits(model: nn.Module, base: nn.Module, base_program: BaseProgram, head_program: HeadProgram,
+                  hidden_size: int) -> None:
+    """The last stage's logits of a two-token input must have shape (1, 2, vocabulary). Skipped
+    for a head tensor parallelism has replaced (its forward may gather over the group, and
+    ``parallel3d.tensor_parallel.head_program`` reads that head)."""
+    if type(model.get_output_embeddings()).__module__.startswith("parallel3d"):
+        return
+    x = torch.zeros(1, 2, hidden_size, dtype=_dtype(base), device=_device(model))
+    with torch.no_grad():
+        ns, _ = base_program.prepare(base, False, x, None, None)
+        head_program.check_logits(model, base_program.finish(ns, x))
 
 
 def _dtype(base: nn.Module) -> torch.dtype:

@@ -42,6 +42,11 @@ __all__ = ["BaseProgram", "HeadProgram"]
 _EMBEDDED = {"inputs_embeds", "hidden_states"}  # what stage 0 computes and a later stage receives
 _FIRST_STAGE_INPUTS = {"input_ids", "inputs_embeds"}
 _LOSS_NAMES = {"loss", "aux_loss"}
+# arguments of the base model's call that are switches, not data: the pipeline fixes them
+_FLAG_ARGUMENTS = {"use_cache", "output_attentions", "output_hidden_states", "return_dict", "output_router_logits"}
+# the causal LM's arguments its statements after the base call may read: switches, and the
+# logits to keep (training keeps all, the default)
+_HEAD_MAY_READ = _FLAG_ARGUMENTS | {"self", "logits_to_keep", "num_logits_to_keep"}
 
 
 def _line(node: ast.AST) -> str:
@@ -143,6 +148,7 @@ class BaseProgram:
         if "inputs_embeds" not in src.params or "hidden_states" not in stores(pre):
             raise SourceError(f"{self.owner} takes no inputs_embeds or binds no hidden_states before its blocks")
         self.params = set(src.params)
+        self.positional = [a.arg for a in (*src.node.args.posonlyargs, *src.node.args.args)]
         self.index_name, self.layer_name = _loop_targets(loop, self.owner)
         targets = {self.layer_name} | ({self.index_name} if self.index_name else set())
 
@@ -158,6 +164,10 @@ class BaseProgram:
         leaked = set(free_names(post)) & (stores(loop.body) - targets - {"hidden_states"})
         if leaked:
             raise SourceError(f"{self.owner} reads {sorted(leaked)} from the last block after the loop")
+        self.loop_line = f"line {loop.lineno}: `for {_line(loop.target)} in {_line(loop.iter)}`"
+        self.sequence_names = sorted(loads(loop.iter) & src.local_names - {"self"})
+        listed = parse_statement(f"return list({ast.unparse(loop.iter)})")
+        self._sequence = compile_function(src, "pp_block_sequence", [listed], params=["self", *self.sequence_names])
         self.step_names = [n for n in free_names(loop.body)
                            if n in src.local_names and n not in targets and n != "hidden_states"]
         self.post_names = [n for n in free_names(post) if n in src.local_names and n != "hidden_states"]
@@ -190,13 +200,30 @@ class BaseProgram:
         return ns, ns["hidden_states"] if first else x
 
     def block(self, ns: dict[str, Any], index: int, layer: Any, hidden: torch.Tensor) -> torch.Tensor:
-        """Block ``index`` (global) on ``hidden``, called as the loop body calls it."""
+        """Block ``index`` (global) on ``hidden``, called as the loop body calls it.
+
+        SourceError when the step gives anything but hidden states like those it took (a tuple,
+        ``layer_outputs[0]`` of a block that returns a tensor): the next stage receives them. The
+        sequence dimension may change (sequence parallelism scatters it at the first block)."""
+        out = self._run_step(ns, index, layer, hidden)
+        if not _like_hidden(out, hidden):
+            raise SourceError(f"{self.owner}: the block loop's body gives block {index}'s next hidden states as "
+                              f"{_describe(out)} from hidden states of shape {tuple(hidden.shape)}; the pipeline "
+                              "passes one tensor of shape (batch, sequence, hidden) from block to block")
+        return out
+
+    def _run_step(self, ns: dict[str, Any], index: int, layer: Any, hidden: torch.Tensor) -> Any:
         bound = {self.layer_name: layer, **({self.index_name: index} if self.index_name else {})}
         return self._step(**{n: ns[n] for n in self.step_names}, **bound, hidden_states=hidden)
 
     def finish(self, ns: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
         """What follows the blocks (the final norm): the base model's last hidden state."""
-        return self._post(**{n: ns[n] for n in self.post_names}, hidden_states=hidden)
+        out = self._post(**{n: ns[n] for n in self.post_names}, hidden_states=hidden)
+        if not (isinstance(out, torch.Tensor) and out.dim() == hidden.dim() and out.shape[:2] == hidden.shape[:2]):
+            raise SourceError(f"{self.owner}: what follows its block loop gives {_describe(out)} from hidden states "
+                              f"of shape {tuple(hidden.shape)}; the pipeline needs a tensor of shape (batch, "
+                              "sequence, width) as the last hidden state")
+        return out
 
     def check(self, base: nn.Module, blocks: nn.ModuleList, hidden_size: int, dtype: torch.dtype,
               device: torch.device) -> None:
@@ -206,18 +233,48 @@ class BaseProgram:
         x = torch.zeros(1, 2, hidden_size, dtype=dtype, device=device)
         try:
             ns, _ = self.prepare(base, False, x, None, None)
+            self._check_sequence(base, ns, blocks)
             for index, block in enumerate(blocks):
                 probe = _Probe(block)
-                self.block(ns, index, probe, x)
+                self._run_step(ns, index, probe, x)  # a probe returns what it took, not what its block returns
                 if probe.embedded:
                     raise SourceError(f"{self.owner} hands block {index} a value computed from the embeddings, "
                                       "which only the first stage has")
+            with torch.no_grad():
+                self.finish(ns, x)
         except ValueRead as exc:
             raise SourceError(f"{self.owner} reads the values of the embeddings ({exc}) to prepare its blocks; a "
                               "later stage has only their shape") from None
         except (KeyError, NameError, AttributeError, TypeError, RuntimeError, ValueError) as exc:
             raise SourceError(f"{self.owner} cannot prepare a later stage's blocks without the embeddings "
                               f"({type(exc).__name__}: {exc})") from None
+
+
+    def _check_sequence(self, base: nn.Module, ns: dict[str, Any], blocks: nn.ModuleList) -> None:
+        """The loop must visit every block once, in order, with its index: each stage runs its
+        own blocks by global index (``self.layers[::2]``, ``self.layers[1:]`` or a reversed order
+        would be run as every block, in order)."""
+        seq = self._sequence(base, **{n: ns[n] for n in self.sequence_names})
+        if self.index_name is None:
+            ok = len(seq) == len(blocks) and all(a is b for a, b in zip(seq, blocks))
+        else:
+            ok = len(seq) == len(blocks) and all(isinstance(e, tuple) and len(e) == 2 and e[0] == i and e[1] is b
+                                                 for i, (e, b) in enumerate(zip(seq, blocks)))
+        if not ok:
+            raise SourceError(f"{self.owner} ({self.loop_line}) does not visit each of its {len(blocks)} blocks once, "
+                              "in order" + ("" if self.index_name is None else ", with its index") + "; a pipeline "
+                              "stage runs its share of all the blocks in order")
+
+
+def _like_hidden(out: Any, hidden: torch.Tensor) -> bool:
+    return (isinstance(out, torch.Tensor) and out.dim() == hidden.dim() == 3 and out.shape[0] == hidden.shape[0]
+            and out.shape[-1] == hidden.shape[-1])
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _is_none_binding(stmt: ast.stmt) -> bool:
@@ -242,9 +299,10 @@ def _loss_logits(stmt: ast.If) -> str | None:
 class HeadProgram:
     """The causal LM's forward after its base model: the logits (module docstring)."""
 
-    def __init__(self, lm_cls: type, base_attr: str, inner: str = "") -> None:
+    def __init__(self, lm_cls: type, base_attr: str, inner: str = "", base_params: list[str] | None = None) -> None:
         """``base_attr``: the base model's attribute; ``inner``: the path under it of the module
-        whose forward runs the blocks, which the causal LM may call directly (OPT's ``model.decoder``)."""
+        whose forward runs the blocks, which the causal LM may call directly (OPT's ``model.decoder``);
+        ``base_params``: that forward's parameters in order (its positional arguments are checked)."""
         src = method_source(lm_cls)
         self.owner = src.owner
         body = fold_output_flags(src.body)
@@ -276,14 +334,69 @@ class HeadProgram:
             raise SourceError(f"{self.owner} binds no `{logits}` after calling self.{base_attr}")
         self.conditions = [ast.unparse(t) for t in conditions]
         pre = body[:k]
+        self._check_base_call(body[k], src, pre, base_params)
+        self._check_inputs_read(keep, conditions, src, pre)
         self._logits = compile_function(src, "pp_head", pre + [parse_statement(f"{outputs} = pp_outputs")] + keep
                                         + [parse_statement(f"return {logits}")], extra_params=["pp_outputs"])
         tests = ast.Return(value=ast.List(elts=conditions, ctx=ast.Load()))
         self._conditions = compile_function(src, "pp_loss_conditions", pre + [tests])
 
+    def _check_base_call(self, stmt: ast.stmt, src: Any, pre: list[ast.stmt], base_params: list[str] | None) -> None:
+        """The base model must get the forward's own inputs, unchanged: a stage calls it with the
+        micro-batch's (``self.model(input_ids=input_ids % 7)``, ``attention_mask=None`` or a mask
+        computed before the call would be trained as if passed through)."""
+        call = stmt.value
+        rebound = stores(pre)
+        varkw = src.node.args.kwarg.arg if src.node.args.kwarg else None
+        allowed = (f"the forward's own parameters passed on unchanged under their own names (`input_ids=input_ids`,"
+                   f" `**{varkw or 'kwargs'}`) and any value for {sorted(_FLAG_ARGUMENTS)}")
+
+        def refuse(text: str) -> None:
+            raise SourceError(f"{self.owner} (line {stmt.lineno}) passes its base model `{text}`; a pipeline stage "
+                              f"calls the base model's pieces with the micro-batch's inputs. Allowed: {allowed}")
+
+        positional = [p for p in (base_params or [])[1:]]
+        for i, arg in enumerate(call.args):
+            if not (isinstance(arg, ast.Name) and arg.id in src.params and arg.id not in rebound
+                    and (base_params is None or (i < len(positional) and positional[i] == arg.id))):
+                refuse(ast.unparse(arg))
+        for kw in call.keywords:
+            if kw.arg is None:
+                if not (isinstance(kw.value, ast.Name) and kw.value.id == varkw and varkw not in rebound):
+                    refuse(f"**{ast.unparse(kw.value)}")
+            elif kw.arg not in _FLAG_ARGUMENTS and not (
+                    isinstance(kw.value, ast.Name) and kw.value.id == kw.arg and kw.arg in src.params
+                    and kw.arg not in rebound):
+                refuse(f"{kw.arg}={ast.unparse(kw.value)}")
+
+    def _check_inputs_read(self, keep: list[ast.stmt], conditions: list[ast.expr], src: Any,
+                           pre: list[ast.stmt]) -> None:
+        """The statements kept for the logits and the loss conditions run with the forward's
+        defaults for its parameters (a stage has no ``input_ids`` or ``attention_mask`` to give
+        them): refuse those that read one, directly or through a statement before the base call."""
+        wanted = set(free_names(keep)) | loads(conditions)
+        for stmt in reversed(pre):
+            if stores(stmt) & wanted:
+                wanted |= set(free_names([stmt]))
+        read = sorted(wanted & set(src.params) - _HEAD_MAY_READ)
+        if read:
+            raise SourceError(f"{self.owner} computes its logits from its argument(s) {read} after calling its base "
+                              f"model; a pipeline stage runs those statements without them. Allowed: "
+                              f"{sorted(_HEAD_MAY_READ - {'self'})}")
+
     def logits(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of the base model's last hidden state ``hidden``."""
         return self._logits(model, pp_outputs=BaseModelOutput(last_hidden_state=hidden))
+
+    def check_logits(self, model: nn.Module, hidden: torch.Tensor) -> None:
+        """The logits of ``hidden`` (a last hidden state of shape (batch, sequence, width)) must
+        be one tensor of shape (batch, sequence, vocabulary): the stage's loss takes them as such."""
+        with torch.no_grad():
+            out = self.logits(model, hidden)
+        if not (isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[:2] == hidden.shape[:2]):
+            raise SourceError(f"{self.owner} gives its logits as {_describe(out)} for hidden states of shape "
+                              f"{tuple(hidden.shape)}; the pipeline's loss takes one tensor of shape (batch, "
+                              "sequence, vocabulary)")
 
     def check(self, model: nn.Module) -> None:
         """Refuse a model whose loss would add terms the last stage cannot compute (e.g. the

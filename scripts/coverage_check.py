@@ -2,7 +2,7 @@
 ``scripts/coverage.py``.
 
 The model is a tiny random-init one built from the type's default config (hidden 32, four
-blocks, vocabulary 96; sizes the type does not have are left alone; ``coverage_tiny.py`` says
+blocks, vocabulary 96; sizes the type does not have are left alone; ``models/tiny_config.py`` says
 how the rest follows) with dropout off and eager attention. Every rank first trains it itself (the oracle: two plain-SGD steps, each over
 two padded micro-batches with ignored labels), then through ``parallel3d.initialize`` on the
 layout, and compares each step's loss and every parameter's update (``engine.full_parameters``)
@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from coverage_tiny import VOCAB, drop_off, get, tiny_sizes
 from models.layer_configs import layer_count
+from models.tiny_config import VOCAB, drop_off, text_part, tiny_config
 
 SEQ, MICRO = 8, 2
 STEPS, LR = 2, 0.5
@@ -85,29 +85,12 @@ SHAPES = {
 }
 
 
-def _text_part(config: Any) -> Any:
-    try:
-        return config.get_text_config()
-    except ValueError:  # several text parts (MusicGen): the model is not one causal LM
-        return config
-
-
 def tiny_model(model_type: str, **from_config: Any) -> torch.nn.Module:
-    """The type's tiny model (``coverage_tiny.py``); the same on every call (seed 0).
+    """The type's tiny model (``models/tiny_config.py``); the same on every call (seed 0).
     ``from_config``: more arguments for ``from_config`` (the tests' ``experts_implementation``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    defaults = AutoConfig.for_model(model_type)
-    sizes = tiny_sizes(defaults)
-    parts = [get(defaults, name) for name in getattr(defaults, "sub_configs", {})]
-    widths = {get(part, "hidden_size") for part in (defaults, _text_part(defaults), *parts) if part is not None}
-    for name in getattr(defaults, "sub_configs", {}):  # a multimodal model's text and vision parts
-        part = get(defaults, name)
-        if hasattr(part, "to_dict"):
-            own = tiny_sizes(part, widths)
-            own = {"model_type": part.model_type, **own} if part.model_type else own
-            sizes[name] = {**own, **sizes.get(name, {})}
-    config = AutoConfig.for_model(model_type, **sizes)
+    config = tiny_config(model_type)
     drop_off(config)
     with torch.device("meta"):  # a type that names its sizes differently keeps its full size
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
@@ -224,7 +207,7 @@ def _compare(losses: list[float], want: list[float], got: dict[str, torch.Tensor
 
 
 def _blocks(model: torch.nn.Module) -> int | None:
-    found = layer_count(_text_part(model.config))
+    found = layer_count(text_part(model.config))
     return found[1] if found else None
 
 

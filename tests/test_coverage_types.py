@@ -1,5 +1,5 @@
 """Types the coverage script used to skip (its tiny configs did not run in transformers), now
-built from their config's metadata by ``scripts/coverage_tiny.py``, at tp 2 and pp 2 (1F1B)
+built from their config's metadata by ``models/tiny_config.py``, at tp 2 and pp 2 (1F1B)
 against the single-process model in float64.
 
 Each rank trains the same tiny model (the coverage script's, in float64, the experts' loop in

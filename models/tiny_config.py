@@ -1,4 +1,5 @@
-"""The tiny config of one causal-LM type, from its default config's own metadata (``scripts/coverage.py``).
+"""The tiny config of one causal-LM type, from its default config's own metadata (``scripts/coverage.py``,
+and the init replay's self-check: :mod:`models.init_self_check`).
 
 Sizes (``TINY``) replace the default's where the config stores them. Everything the default
 ties to those sizes is shrunk with them, read from the config itself rather than from a list
@@ -186,3 +187,28 @@ def drop_off(config: Any) -> None:
         for key, value in vars(part).items():
             if isinstance(value, float) and re.search(r"dropout|pdrop|drop_prob|layerdrop|drop_path|jitter", key):
                 setattr(part, key, 0.0)
+
+
+def text_part(config: Any) -> Any:
+    try:
+        return config.get_text_config()
+    except ValueError:  # several text parts (MusicGen): the model is not one causal LM
+        return config
+
+
+def tiny_config(model_type: str) -> Any:
+    """The tiny config of ``model_type`` (module docstring), its sub-configs (a multimodal model's
+    text and vision parts) made tiny too."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type)
+    sizes = tiny_sizes(defaults)
+    parts = [get(defaults, name) for name in getattr(defaults, "sub_configs", {})]
+    widths = {get(part, "hidden_size") for part in (defaults, text_part(defaults), *parts) if part is not None}
+    for name in getattr(defaults, "sub_configs", {}):
+        part = get(defaults, name)
+        if hasattr(part, "to_dict"):
+            own = tiny_sizes(part, widths)
+            own = {"model_type": part.model_type, **own} if part.model_type else own
+            sizes[name] = {**own, **sizes.get(name, {})}
+    return AutoConfig.for_model(model_type, **sizes)
