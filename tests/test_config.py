@@ -257,8 +257,9 @@ BAD_CONFIGS = [
      'zero_optimization.offload_param with device "cpu" needs ZeRO stage 3 (parameters are sharded only there), '
      'got stage 2; set zero_optimization.stage to 3, or use offload_optimizer at stages 1-2'),
     ({**MB, "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}, 1,
-     'zero_optimization.offload_param with device "cpu" needs at least 2 data-parallel ranks: with one, ZeRO stage 3 '
-     "keeps every parameter whole on the device (nothing is sharded, so nothing would be offloaded)"),
+     'zero_optimization.offload_param with device "cpu" needs at least 2 ranks to shard over (data-parallel ranks, '
+     "or with zero_optimization.mics_shard_size the ranks of one shard group): with one, ZeRO stage 3 keeps every "
+     "parameter whole on the device (nothing is sharded, so nothing would be offloaded)"),
     ({**MB, "zero_optimization": {"stage": 1, "cpu_offload_param": True}}, 1,
      'zero_optimization.offload_param with device "cpu" needs ZeRO stage 3'),
     ({**MB, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}}, 1,
