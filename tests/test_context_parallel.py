@@ -26,13 +26,25 @@ def _data(gas: int, dp: int) -> torch.Tensor:
     return token_batches(STEPS, gas, dp)
 
 
+def _model(family: str, **overrides) -> torch.nn.Module:
+    """The tiny Llama, or a tiny Qwen3 / Mistral of the same sizes (seed 0)."""
+    if family == "llama":
+        return make_model("llama", **overrides)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**sizes, **overrides}))
+
+
 @functools.cache
-def _oracle(gas: int, dp: int, kind: str = "llama") -> tuple[list[float], dict[str, torch.Tensor]]:
-    return oracle_run(kind, _data(gas, dp))
+def _oracle(gas: int, dp: int, family: str = "llama") -> tuple[list[float], dict[str, torch.Tensor]]:
+    return oracle_run(family, _data(gas, dp), model=_model(family))
 
 
 def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalization: str = "micro_batch",
-             deepspeed_key: bool = False) -> tuple[list[float], dict]:
+             deepspeed_key: bool = False, family: str = "llama") -> tuple[list[float], dict]:
     import parallel3d
 
     config = ds_config(stage, gas, dp, stage3_param_persistence_threshold=0)
@@ -43,15 +55,15 @@ def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalizat
         config["context_parallel"] = {"size": cp, "method": "ulysses"}
     if tp > 1:
         config["tensor_parallel"] = {"size": tp}
-    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+    engine, _, _, _ = parallel3d.initialize(model=_model(family), config=config)
     assert engine.mesh.cp == cp and engine.mesh.dp == dp
     batches = rank_micro_batches(_data(gas, dp), engine.mesh.local_rank("dp"))
     losses = [engine.train_batch(iter(batches[s * gas:(s + 1) * gas])) for s in range(STEPS)]
     return losses, engine.full_parameters()
 
 
-def _check(results: list, gas: int, dp: int) -> None:
-    want_losses, want_params = _oracle(gas, dp)
+def _check(results: list, gas: int, dp: int, family: str = "llama") -> None:
+    want_losses, want_params = _oracle(gas, dp, family)
     for losses, params in results:
         assert losses == pytest.approx(want_losses, rel=RTOL)
         err, name = max_rel_param_error(params, want_params)
@@ -75,6 +87,29 @@ def test_dp2_cp2(dist, stage):
 
 def test_tp2_cp2(dist):
     _check(dist.run(4, train_cp, 2, 2, 1, tp=2), 2, 1)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+def test_other_families_cp2(dist, family):
+    """Qwen3 (q/k norms) and Mistral (its sliding window of 4096 is longer than the sequence)."""
+    _check(dist.run(2, train_cp, 2, 3, 1, family=family), 2, 1, family)
+
+
+def _short_window() -> str:
+    import parallel3d
+    from parallel3d.errors import ConfigError
+
+    config = {**ds_config(0, 1, 1), "context_parallel": {"size": 2}}
+    engine, _, _, _ = parallel3d.initialize(model=_model("mistral", sliding_window=8), config=config)
+    ids = _data(1, 1)[0, 0, 0]
+    with pytest.raises(ConfigError) as info:
+        engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
+    return str(info.value)
+
+
+def test_sliding_window_shorter_than_the_sequence_is_refused(dist):
+    for got in dist.run(2, _short_window):
+        assert "mistral's attention: a sliding window of 8 tokens, shorter than the sequence (16)" in got
 
 
 def test_deepspeed_sequence_parallel_size(dist):

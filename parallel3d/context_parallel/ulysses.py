@@ -4,8 +4,8 @@ Each rank of a context-parallel group holds 1/cp of the sequence's tokens for ev
 attention, one all-to-all per tensor gives each rank the whole sequence for 1/cp of the heads
 (DeepSpeed-Ulysses); the model's own attention function (sdpa, or the model file's eager one)
 then runs unchanged on the full sequence with a causal mask of the full length, and one
-all-to-all gives the output back its sequence split. Backward is autograd through
-``torch.distributed.nn.functional.all_to_all_single`` (its backward is the inverse all-to-all).
+all-to-all gives the output back its sequence split. Backward is autograd through the exchange
+(``_AllToAll``: its backward is the inverse all-to-all of the gradient).
 
 With fewer key/value heads than cp ranks (GQA or MQA; cp a multiple of them), each kv head is
 repeated so that every rank receives the one its query heads use, as DeepSpeed's
@@ -24,19 +24,36 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 from torch import nn
 
 from parallel3d.errors import ConfigError
 
 
+def _exchange(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """The exchange, whose backward is the inverse exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _exchange(x, group, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _exchange(grad, ctx.group, ctx.gather_dim, ctx.scatter_dim), None, None, None
+
+
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """Split ``x`` into the group's size along ``scatter_dim``, send piece j to rank j, and join what
     arrives along ``gather_dim`` in rank order (differentiable: backward is the inverse exchange)."""
-    world = dist.get_world_size(group)
-    send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()
-    received = dist_fn.all_to_all_single(torch.empty_like(send), send, group=group)
-    return torch.cat(received.unbind(0), dim=gather_dim)
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
 class UlyssesAttention:
