@@ -34,18 +34,33 @@ def _llama(base_cls: type | None = None, lm_cls: type | None = None) -> torch.nn
     return model
 
 
-def _two_stages(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The loss of ``batch`` through stage 0, then stage 1, of a two-stage split."""
-    first = split_model(copy.deepcopy(model), 2, 0).chunks[0]
-    last = split_model(copy.deepcopy(model), 2, 1).chunks[0]
+def _two_stages(model: torch.nn.Module, batch: dict, grads: dict | None = None) -> torch.Tensor:
+    """The loss of ``batch`` through stage 0, then stage 1, of a two-stage split; with ``grads``,
+    its backward too, each parameter's gradient put there under its HF name."""
+    first = split_model(copy.deepcopy(model), 2, 0)
+    last = split_model(copy.deepcopy(model), 2, 1)
     mask = batch.get("attention_mask")
-    return last(first(batch["input_ids"], mask), mask, labels=batch["labels"])
+    hidden = first.chunks[0](batch["input_ids"], mask)
+    received = hidden.detach().requires_grad_()
+    loss = last.chunks[0](received, mask, labels=batch["labels"])
+    if grads is not None:
+        loss.backward()
+        hidden.backward(received.grad)
+        for pipe in (first, last):
+            grads.update({n: p.grad for n, p in pipe.hf_named_parameters()})
+    return loss
 
 
 def _pipeline_equals_eager(model: torch.nn.Module) -> None:
+    """Loss and every parameter's gradient of two micro-batches, stage by stage against eager."""
     for batch in micro_batches(2):
+        model.zero_grad(set_to_none=True)
         want = model(**batch).loss
-        assert _two_stages(model, batch).item() == pytest.approx(want.item(), rel=1e-12)
+        want.backward()
+        grads: dict = {}
+        assert _two_stages(model, batch, grads).item() == pytest.approx(want.item(), rel=1e-12)
+        for name, p in model.named_parameters():
+            assert torch.allclose(grads[name], p.grad, rtol=1e-10, atol=1e-14), name
 
 
 # --------------------------------------------------------------------------- the base model's forward
