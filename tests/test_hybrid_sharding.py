@@ -147,3 +147,62 @@ def test_a_summed_gradient_counts_data_parallel_ranks_not_context_parallel_ones(
     """dp 2 x cp 2: ZeRO shards over all four ranks, but the sum is over the two given different data."""
     for ratio in dist.run(4, _summed_norm_ratio, stage):
         assert ratio == pytest.approx(2.0, rel=1e-6)
+
+
+@pytest.mark.parametrize("stage,zero", [
+    (2, {"offload_optimizer": {"device": "cpu"}}),
+    (3, {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"},
+         "stage3_param_persistence_threshold": 0}),
+], ids=["z2-optimizer", "z3-both"])
+def test_hybrid_sharding_with_offload_matches_single_process(dist, stage, zero):
+    from tests.test_zero_parity import GAS as PARITY_GAS, oracle as parity_oracle, train_ranks
+
+    assert PARITY_GAS == 2
+    results = dist.run(4, train_ranks, "llama", stage, 4, {**zero, "reduce_bucket_size": 3000, "mics_shard_size": 2})
+    want_losses, want_params = parity_oracle("llama", 4)
+    for losses, params in results:
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        err, name = max_rel_param_error(params, want_params)
+        assert err < RTOL, f"{name} differs by {err:.2e}"
+
+
+def _fp16_run(shard: int) -> dict:
+    """fp16 with a loss scale that overflows at first: the skipped steps and the scales."""
+    import parallel3d
+
+    config = _config(3, 4, shard)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 21, "hysteresis": 1}
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, 4), engine.mesh.local_rank("dp")))
+    losses, scales = [], []
+    for _ in range(STEPS):
+        losses.append(engine.train_batch(data_iter))
+        scales.append(engine.optimizer.loss_scale)
+    return {"losses": losses, "scales": scales, "skipped": engine.skipped_steps, "params": engine.full_parameters()}
+
+
+def test_fp16_overflows_are_skipped_alike_on_every_replica(dist):
+    """The replicas average their shards before the overflow check, so every rank skips the same
+    steps as flat ZeRO over the 4 ranks and they all hold the same parameters."""
+    flat = dist.run(4, _fp16_run, 4)
+    hybrid = dist.run(4, _fp16_run, 2)
+    assert hybrid[0]["skipped"] > 0, "the run was meant to overflow at first"
+    for run in hybrid:
+        assert (run["scales"], run["skipped"]) == (flat[0]["scales"], flat[0]["skipped"])
+        assert run["losses"] == pytest.approx(flat[0]["losses"], rel=1e-3)
+        for name, value in run["params"].items():
+            assert torch.equal(value, hybrid[0]["params"][name]), name
+
+
+def _saved_chunks() -> tuple[int, int]:
+    import parallel3d
+    from parallel3d.checkpoint import _chunks_to_save
+
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=_config(2, 4, 2))
+    engine.train_batch(iter(rank_micro_batches(token_batches(1, GAS, 4), engine.mesh.local_rank("dp"))))
+    return engine.mesh.local_rank("dp_replicate"), len(_chunks_to_save(engine))
+
+
+def test_only_the_first_replica_writes_checkpoint_chunks(dist):
+    written = dist.run(4, _saved_chunks)
+    assert all((count > 0) == (replica == 0) for replica, count in written)
