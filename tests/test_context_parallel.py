@@ -3,7 +3,8 @@
 The tiny Llama has 4 query and 2 key/value heads, so cp 2 splits both and cp 4 repeats each kv
 head twice (DeepSpeed's replication); under tp 2 x cp 2 each tp rank holds 2 query heads and 1
 kv head. Every layout trains several AdamW steps from the same weights on the same global batch
-as the one-process oracle (fp32, fp32 master weights): losses and every parameter to 1e-5. One
+as the one-process oracle (fp32, fp32 master weights): losses, gradient norms before clipping and
+every parameter to 1e-5. One
 step's gradient is compared in float64 without the optimizer, to rounding.
 """
 
@@ -39,8 +40,10 @@ def _model(family: str, **overrides) -> torch.nn.Module:
 
 
 @functools.cache
-def _oracle(gas: int, dp: int, family: str = "llama") -> tuple[list[float], dict[str, torch.Tensor]]:
-    return oracle_run(family, _data(gas, dp), model=_model(family))
+def _oracle(gas: int, dp: int, family: str = "llama") -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    norms: list[float] = []
+    losses, params = oracle_run(family, _data(gas, dp), model=_model(family), grad_norms=norms)
+    return losses, params, norms
 
 
 def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalization: str = "micro_batch",
@@ -58,14 +61,18 @@ def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalizat
     engine, _, _, _ = parallel3d.initialize(model=_model(family), config=config)
     assert engine.mesh.cp == cp and engine.mesh.dp == dp
     batches = rank_micro_batches(_data(gas, dp), engine.mesh.local_rank("dp"))
-    losses = [engine.train_batch(iter(batches[s * gas:(s + 1) * gas])) for s in range(STEPS)]
-    return losses, engine.full_parameters()
+    losses, norms = [], []
+    for s in range(STEPS):
+        losses.append(engine.train_batch(iter(batches[s * gas:(s + 1) * gas])))
+        norms.append(engine.get_global_grad_norm())
+    return losses, engine.full_parameters(), norms
 
 
 def _check(results: list, gas: int, dp: int, family: str = "llama") -> None:
-    want_losses, want_params = _oracle(gas, dp, family)
-    for losses, params in results:
+    want_losses, want_params, want_norms = _oracle(gas, dp, family)
+    for losses, params, norms in results:
         assert losses == pytest.approx(want_losses, rel=RTOL)
+        assert norms == pytest.approx(want_norms, rel=RTOL)  # before clipping: ZeRO's shards over dp_shard x cp
         err, name = max_rel_param_error(params, want_params)
         assert err < RTOL, f"{name} differs by {err:.2e}"
 

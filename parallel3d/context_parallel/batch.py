@@ -117,7 +117,8 @@ class SequenceSplit:
         self.attention.reset()
         output = module(**self.cut(kwargs))
         if self.attention.calls != self.layers:
-            raise ConfigError(f"context_parallel: {self.attention.calls} of the model's {self.layers} attention layers "
-                              f"went through the Ulysses attention ({self.attention.model_type}); layers that "
-                              "bypass transformers' AttentionInterface would attend within a slice only")
+            raise ConfigError(f"context_parallel: the forward called the Ulysses attention {self.attention.calls} times "
+                              f"for {self.attention.model_type}'s {self.layers} layers, not once each: a layer that "
+                              "bypasses transformers' AttentionInterface would attend within its slice only, and one "
+                              "that calls attention several times (differential attention) is not reproduced")
         return output
