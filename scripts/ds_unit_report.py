@@ -50,11 +50,23 @@ RULES: tuple[Rule, ...] = (
                    r"ds_param_alias|_config|tput_timer|accumulated_grads_in_cpu|averaged_gradients|"
                    r"_change_recovery_script_permissions)'",
          "the test reads an attribute of DeepSpeed's engine, optimizer or partitioned parameters"),
+    Rule(INTERNAL, r"\.ds_(status|tensor|numel|shape|active_sub_modules|param_alias|external)\b|ZeroParamStatus|"
+                   r"tput_timer",
+         "the test reads the state of DeepSpeed's partitioned parameters (ds_status, ds_tensor, ...) or its "
+         "throughput timer; Zero3D's stage-3 parameters carry no such state"),
+    Rule(INTERNAL, r"(pre|post)_bwd_fn|ds_grads_remaining|_ds_hooks|ds_external_parameters|ZeROOrderedDict",
+         "the test inspects the hooks or bookkeeping DeepSpeed's stage 3 attaches to the modules"),
     # DeepSpeed features Zero3D refuses with a message
     Rule(UNSUPPORTED, r"partitioned by deepspeed\.zero\.Init",
          "a model partitioned by deepspeed.zero.Init (build it on the meta device instead)"),
     Rule(UNSUPPORTED, r"offload_param with device \\?\"cpu\\?\" needs ZeRO stage 3|offload_param.*one data-parallel rank",
          "offload_param below stage 3 or with one data-parallel rank (nothing sharded to offload)"),
+    Rule(UNSUPPORTED, r"TestIncorectAllgatherBucketSize.*\n.*DID NOT RAISE",
+         "DeepSpeed asserts allgather_bucket_size is a multiple of NCCL's alignment; Zero3D's buffers take any size, "
+         "so it has no reason to refuse it"),
+    Rule(UNSUPPORTED, r"DID NOT RAISE ZeRORuntimeException",
+         "DeepSpeed refuses a torch optimizer under offload_optimizer with zero_force_ds_cpu_optimizer (it insists on "
+         "its CPU Adam); Zero3D steps any torch optimizer on the CPU"),
     Rule(UNSUPPORTED, r"TestNoModel::test\n.*DID NOT RAISE",
          "initialize(model, config=...): Zero3D's first positional argument is the model, DeepSpeed's is args "
          "(so there the model is missing); DeepSpeed's keywords work in both"),
