@@ -224,3 +224,13 @@ def test_config_errors():
         load_config({**base, "context_parallel": {"size": 2}, "sequence_parallel_size": 4}, 8)
     config = load_config({**base, "sequence_parallel_size": 2}, 8)
     assert (config.context_parallel.size, config.context_parallel.method, config.data_parallel_size) == (2, "ulysses", 4)
+
+
+def test_router_load_balancing_loss_is_refused():
+    from parallel3d.context_parallel.model import check_model
+    from parallel3d.errors import ConfigError
+
+    model = _model("mixtral", output_router_logits=True, num_local_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ConfigError, match=r"mixtral \(MixtralForCausalLM\): its router's load-balancing loss"):
+        check_model(model, 2, 1, 1)
+    check_model(_model("mixtral", num_local_experts=4, num_experts_per_tok=2), 2, 1, 1)

@@ -5,7 +5,7 @@ running its own kernel (sdpa or eager) on the full sequence with a plain causal 
 with the model type and the reason: attention that does not go through transformers'
 ``AttentionInterface``, an encoder-decoder or bidirectional attention, sliding-window, chunked
 or linear-attention layers (``layer_types``, ``attention_chunk_size``), attention logit
-softcapping, alibi, attention sinks, a loss that does not take pre-shifted labels, and head
+softcapping, alibi, attention sinks, a router's load-balancing loss (computed per rank's slice), a loss that does not take pre-shifted labels, and head
 counts the cp size does not divide. What only shows at run time (a sliding window shorter
 than the sequence, a mask or position bias added to the scores, layers that bypass the
 interface) is refused by the attention function and by the call count after each forward.
@@ -70,6 +70,9 @@ def check_model(model: nn.Module, cp: int, tp: int, pp: int) -> None:
             raise refuse(what)
     if getattr(config, "position_embedding_type", None) == "alibi":
         raise refuse("alibi position biases")
+    if getattr(config, "output_router_logits", False) or getattr(model.config, "output_router_logits", False):
+        raise refuse("its router's load-balancing loss (output_router_logits) would be computed over each rank's "
+                     "slice of the sequence, not over the whole; set output_router_logits False to train without it")
     if any(name.endswith("sinks") for name, _ in model.named_parameters()):
         raise refuse("attention sinks")
     if "self.loss_function(" not in inspect.getsource(type(model).forward):
