@@ -234,3 +234,28 @@ def test_router_load_balancing_loss_is_refused():
     with pytest.raises(ConfigError, match=r"mixtral \(MixtralForCausalLM\): its router's load-balancing loss"):
         check_model(model, 2, 1, 1)
     check_model(_model("mixtral", num_local_experts=4, num_experts_per_tok=2), 2, 1, 1)
+
+
+def _save_at_cp2_load_at_dp2(directory: str) -> bool:
+    """A checkpoint written at cp 2 loads at dp 2 (and back): checkpoints do not depend on cp."""
+    import parallel3d
+
+    def engine(cp: int):
+        config = ds_config(3, 1, 2 // cp, stage3_param_persistence_threshold=0)
+        if cp > 1:
+            config["context_parallel"] = {"size": cp}
+        return parallel3d.initialize(model=make_model("llama", seed=cp), config=config)[0]
+
+    cp_engine = engine(2)
+    ids = _data(1, 2)[0, 0, 0]
+    cp_engine.train_batch(iter([{"input_ids": ids, "labels": ids}]))
+    saved = cp_engine.full_parameters()
+    cp_engine.save_checkpoint(directory, tag="cp2")
+    dp_engine = engine(1)
+    dp_engine.load_checkpoint(directory, tag="cp2")
+    loaded = dp_engine.full_parameters()
+    return all(torch.equal(saved[n], loaded[n]) for n in saved) and dp_engine.global_steps == 1
+
+
+def test_checkpoint_does_not_depend_on_cp(dist, tmp_path):
+    assert all(dist.run(2, _save_at_cp2_load_at_dp2, str(tmp_path)))
