@@ -147,6 +147,7 @@ def apply_zero(
         param_names={p: n for n, p in (pipe.hf_named_parameters() if pipe else model.named_parameters())},
         frozen_params=frozen,
         replica_group=mesh.groups.zero_replicate if mesh.size("dp_replicate") > 1 else None,
+        secondary_group=mesh.groups.zero_secondary,
     )
 
 

@@ -321,7 +321,7 @@ class ZeroConfig(Section):
     """`zero_optimization`: which states are sharded over the data-parallel group, and how."""
 
     ds_unimplemented = {
-        "zenflow": None, "zero_hpz_partition_size": 1, "zero_quantized_nontrainable_weights": False,
+        "zenflow": None, "zero_quantized_nontrainable_weights": False,
         "zeropp_loco_param": NOT_SET,
         "use_multi_rank_bucket_allreduce": True, "compute_grad_norm": True, "load_from_fp32_weights": True,
         "elastic_checkpoint": False, "legacy_stage1": False,
@@ -378,6 +378,9 @@ class ZeroConfig(Section):
     -1: every data-parallel rank is one group (flat ZeRO). Must divide the data-parallel size."""
     mics_hierarchical_params_gather: bool = False
     """DeepSpeed's two-hop gather for a shard group that spans nodes; not implemented (refused)."""
+    zero_hpz_partition_size: PositiveInt = 1
+    """Stage 3: keep, after each block's forward, a second partition of its parameters over groups
+    of this many ranks (a node's), so backward gathers inside the group (ZeRO++'s hpZ). 1: off."""
     zero_quantized_weights: bool = False
     """Stage 3: gather parameters as int8 with one scale per 256 elements (ZeRO++'s qwZ)."""
     zero_quantized_gradients: bool = False
@@ -436,6 +439,10 @@ class ZeroConfig(Section):
             raise problem(f"zero_optimization.zero_quantized_weights needs ZeRO stage 3 (only there are parameters "
                           f"gathered before each use), got stage {self.stage}; set zero_optimization.stage to 3 or "
                           "remove the key")
+        if self.zero_hpz_partition_size > 1 and self.stage != 3:
+            raise problem(f"zero_optimization.zero_hpz_partition_size {self.zero_hpz_partition_size} needs ZeRO stage 3 "
+                          f"(only there are parameters gathered again for backward), got stage {self.stage}; set "
+                          "zero_optimization.stage to 3 or zero_hpz_partition_size to 1")
         if self.zero_quantized_gradients and self.stage == 0:
             raise problem("zero_optimization.zero_quantized_gradients needs ZeRO stage 1, 2 or 3: stage 0 all-reduces "
                           "whole gradients and reduce-scatters none; set zero_optimization.stage or remove the key")

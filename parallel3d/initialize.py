@@ -272,7 +272,8 @@ def initialize(
         load_in_place(model, weights)
     dp = cfg.data_parallel_size
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s, cp=cfg.context_parallel.size,
-                      dp_replicate=dp // cfg.zero_optimization.shard_size(dp))
+                      dp_replicate=dp // cfg.zero_optimization.shard_size(dp),
+                      hpz=cfg.zero_optimization.zero_hpz_partition_size)
     install_exit_guard()  # the mesh's gloo groups must not outlive the interpreter's teardown
     if source is None:
         model.to(device)

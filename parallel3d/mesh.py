@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from datetime import timedelta
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -105,6 +106,9 @@ class ProcessGroups:
     zero_replicate: dist.ProcessGroup | None = None
     """Ranks holding copies of the same ZeRO shard (``dp_replicate``): their reduced shards are
     averaged across it."""
+    zero_secondary: dist.ProcessGroup | None = None
+    """ZeRO++'s hpZ: consecutive blocks of ``zero_hpz_partition_size`` ranks of ``zero_shard`` (a
+    node's), over which stage 3 keeps a second partition of each block's parameters for backward."""
     gradient_mean: dist.ProcessGroup | None = None
     """Every rank whose gradient of a weight enters its mean (``dp_cp``), and a loss's mean."""
     norm: tuple[dist.ProcessGroup, ...] = ()
@@ -178,6 +182,9 @@ class ParallelMesh:
         preference = ("tp", "pp", "cp", "dp", "dp_shard", "dp_replicate", "dp_shard_cp", "dp_cp")
         names: dict[str, dist.ProcessGroup] = {}
         seen: set[str] = set()
+        if self.groups.zero_secondary is not None:
+            names["hpz"] = self.groups.zero_secondary
+            seen.add(self.groups.zero_secondary.group_name)
         for big in (True, False):
             for name in preference:
                 group = self.group(name)
@@ -213,11 +220,12 @@ class ParallelMesh:
 
 
 def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: float | None = None, *,
-               cp: int = 1, dp_replicate: int = 1) -> ParallelMesh:
+               cp: int = 1, dp_replicate: int = 1, hpz: int = 1) -> ParallelMesh:
     """Build the mesh over the current world; ``dp_shard`` takes the ranks the other axes leave.
 
     Its groups get the collective timeout ``timeout_s`` (torch gives new groups its 30-minute
-    default, not the default group's timeout).
+    default, not the default group's timeout). ``hpz`` > 1 also makes ZeRO++'s secondary groups
+    (``ProcessGroups.zero_secondary``); it must divide the shard group's size.
     """
     device = device or default_device()
     ensure_process_group(device, timeout_s)
@@ -232,7 +240,23 @@ def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: 
         set_timeout([mesh[axis].get_group() for axis in AXES] + [m.get_group() for m in flattened.values()],
                     timeout_s)
     built = ParallelMesh(shape, mesh, device, timeout_s, flattened)
-    return dataclasses.replace(built, groups=_groups_of(built))
+    groups = _groups_of(built)
+    if hpz > 1:
+        groups = dataclasses.replace(groups, zero_secondary=_secondary_group(mesh, shape, hpz, timeout_s))
+    return dataclasses.replace(built, groups=groups)
+
+
+def _secondary_group(mesh: DeviceMesh, shape: MeshShape, hpz: int, timeout_s: float | None) -> dist.ProcessGroup:
+    """This rank's block of ``hpz`` consecutive members of its ``dp_shard_cp`` group (made on every
+    rank for every block: a new group is a collective of the world)."""
+    size = shape.size("dp_shard_cp")
+    if size % hpz:
+        raise ConfigError(f"zero_optimization.zero_hpz_partition_size {hpz} does not divide the {size} ranks "
+                          "ZeRO shards over; allowed: a divisor of that")
+    ranks = mesh.mesh.permute(0, 1, 4, 2, 3).reshape(-1, size)  # rows: the shard groups, in view order
+    blocks = [row[i : i + hpz].tolist() for row in ranks for i in range(0, size, hpz)]
+    group, _ = dist.new_subgroups_by_enumeration(blocks, timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+    return group
 
 
 def _groups_of(mesh: ParallelMesh) -> ProcessGroups:

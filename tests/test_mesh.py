@@ -89,3 +89,20 @@ def test_groups_of_every_axis_and_view_on_8_ranks(dist):
     assert {"dp", "pp", "tp"} <= set(names[(2, 1, 2, 1, 2)]) and "dp_shard" not in names[(2, 1, 2, 1, 2)]
     # hybrid: replicas and shards are different groups, and dp spans both
     assert {"dp", "dp_shard", "dp_replicate"} <= set(names[(1, 2, 2, 1, 2)])
+
+
+def _secondary_groups() -> list[list[int]]:
+    rank, found = dist.get_rank(), []
+    for tp, cp, hpz in ((2, 1, 2), (1, 2, 4), (1, 1, 2)):
+        mesh = build_mesh(tp, 1, cp=cp, hpz=hpz)
+        members = _expected_group(rank, mesh.shape, ("dp_shard", "cp"))
+        start = members.index(rank) // hpz * hpz
+        assert dist.get_process_group_ranks(mesh.groups.zero_secondary) == members[start : start + hpz]
+        assert "hpz" in mesh.named_groups()
+        found.append(dist.get_process_group_ranks(mesh.groups.zero_secondary))
+    return found
+
+
+def test_hpz_groups_are_consecutive_blocks_of_the_shard_group(dist):
+    results = dist.run(8, _secondary_groups)
+    assert results[0] == [[0, 2], [0, 1, 2, 3], [0, 1]]

@@ -171,6 +171,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         replica_group: hybrid sharding (MiCS, HSDP): ``group`` is one replica's shard group and
             this is the group of the ranks that hold the same shard in the other replicas; the
             reduced gradient shards are averaged over it before each step (``zero.dp_groups``).
+        secondary_group: stage 3, ZeRO++'s hpZ: the ranks of ``group`` over which each block's
+            parameters are kept partitioned from its forward to its backward, whose gather then
+            stays inside it (``zero.stage3.ParamFetcher``).
     """
 
     def __init__(
@@ -195,6 +198,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         param_names: Mapping[nn.Parameter, str] | None = None,
         frozen_params: Iterable[nn.Parameter] = (),
         replica_group: dist.ProcessGroup | None = None,
+        secondary_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.settings = settings
         self.param_names = dict(param_names or {})  # for messages
@@ -265,6 +269,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 release_early=list(release_early),
                 settle=lambda units: self.reducer.settle(units),  # the reducer is made below
                 gather=gather_shards_int8 if settings.quantized_weights else gather_shards,
+                secondary_group=secondary_group,
             )
         # one dp rank shards nothing: accumulating into full buffers then saves the staging copies
         full = settings.stage <= 1 or self.dp_world == 1 or (settings.pipelined and settings.keep_full_gradients)

@@ -97,8 +97,11 @@ class ParamFetcher:
         settle: Callable[[Sequence[FlatUnit]], None] | None = None,
         release_early: Sequence[nn.Module] = (),
         gather: Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup | None], Pending] = gather_shards,
+        secondary_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.module_units = list(module_units)
+        self._secondary_group = secondary_group  # ZeRO++'s hpZ (see _secondary_parts)
+        self._secondary: dict[int, torch.Tensor] = {}  # unit id -> this rank's part of its secondary partition
         self._gather = gather  # gather_shards, or zero.quantized_comm's int8 one (zero_quantized_weights)
         self.root_units = list(root_units)
         self.group = group
@@ -175,7 +178,11 @@ class ParamFetcher:
     def _start_gather(self, unit: FlatUnit) -> None:
         if unit.is_materialized or id(unit) in self._in_flight:
             return
-        work = self._gather(unit.allocate_full(), unit.shard, self.group)
+        secondary = self._secondary.get(id(unit))
+        if secondary is not None:  # hpZ: backward gathers the copy kept since forward, inside the node
+            work = gather_shards(unit.allocate_full(), secondary, self._secondary_group)
+        else:
+            work = self._gather(unit.allocate_full(), unit.shard, self.group)
         self._in_flight[id(unit)] = (work, unit)
 
     def gather(self, units: Sequence[FlatUnit]) -> None:
@@ -189,8 +196,22 @@ class ParamFetcher:
             work.wait()
             unit.mark_materialized()
 
+    def _secondary_parts(self, units: Sequence[FlatUnit]) -> dict[int, torch.Tensor]:
+        """hpZ: before a block's forward releases its units, keep this rank's 1/H of each gathered
+        buffer (H ranks of the secondary group), so that its backward gathers them from there: the
+        same values, over the node's links instead of every shard rank's (ZeRO++, section 3.2).
+        Dropped when the unit is released again after its backward (or at the step's end)."""
+        world, rank = dist.get_world_size(self._secondary_group), dist.get_rank(self._secondary_group)
+        parts = {}
+        for unit in units:
+            if unit.is_materialized and not unit.persistent and id(unit) not in self._held:
+                part = unit.padded // world
+                parts[id(unit)] = unit.full[rank * part : (rank + 1) * part].clone()
+        return parts
+
     def release(self, units: Sequence[FlatUnit]) -> None:
         for unit in units:
+            self._secondary.pop(id(unit), None)
             if id(unit) in self._early_of_unit:  # released: uses counted before are over (or never ran)
                 self._open_uses[self._early_of_unit[id(unit)]] = 0
             if id(unit) in self._in_flight:
@@ -353,7 +374,10 @@ class ParamFetcher:
             return output
         units = self.module_units[mi][1]
         if not (self._held_to_backward[mi] and torch.is_grad_enabled()):
+            keep = self._secondary_group is not None and torch.is_grad_enabled()
+            parts = self._secondary_parts(units) if keep else {}
             self.release(units)
+            self._secondary.update(parts)
         if torch.is_grad_enabled():
             hook = functools.partial(self._pre_backward, mi)
             for t in tree_leaves(output):
