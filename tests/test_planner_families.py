@@ -1,9 +1,10 @@
 """``zero3d plan`` on families beyond Llama: it plans what ``initialize`` would run and says why
 it leaves the rest out, instead of failing inside the model's code.
 
-* tensor parallelism refuses for the planner exactly what it refuses for the engine (one
-  ``prepare_tensor_parallel``), narrows BLOOM's per-head ALiBi, and prices the loss on a rank's
-  vocabulary slice whatever the model's own loss code reads (Gemma 2's ``self.vocab_size``);
+* tensor parallelism is the engine's own (``apply_tensor_parallel`` on a fake process group):
+  it refuses for the planner exactly what it refuses for the engine, narrows BLOOM's per-head
+  ALiBi, and prices the vocabulary-parallel loss whatever the model's own loss code reads
+  (Gemma 2's ``self.vocab_size``);
 * pipeline stages are left out, with the engine's reason, for a model they cannot split
   (Bamba: no pipeline plan), and the other layouts are still planned;
 * a layout whose profile fails in the model's code is left out with the error, not raised;
@@ -56,14 +57,14 @@ def test_a_model_pipelines_cannot_split_is_planned_without_them(capsys, tmp_path
 
 
 def test_a_profile_that_fails_leaves_its_layouts_out(capsys, tmp_path, monkeypatch):
-    """An error raised while the model runs on fake tensors (here: in the loss of every tp > 1
-    pass) leaves those layouts out with the error; the others are planned."""
-    from parallel3d.planner import profile
+    """An error raised while the model runs on fake tensors (here: in the vocabulary-parallel loss
+    of every tp > 1 pass) leaves those layouts out with the error; the others are planned."""
+    from parallel3d.tensor_parallel import forward
 
     def fails(*args, **kwargs):
         raise RuntimeError("a shape this model's code cannot take")
 
-    monkeypatch.setattr(profile, "token_loss", fails)
+    monkeypatch.setattr(forward, "causal_lm_loss", fails)
     Gemma2Config(**SMALL, intermediate_size=128, num_hidden_layers=2, num_key_value_heads=2,
                  head_dim=16).save_pretrained(tmp_path)
     code, out, err = _plan(capsys, tmp_path, "--zero-stage", 1, "--pp", 1)

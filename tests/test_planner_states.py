@@ -33,12 +33,12 @@ CASES = [(name, stage, precision) for name in LAYOUTS for stage in (0, 1, 2, 3) 
 
 
 def measure(name: str, cases: list[tuple[int, str]], offload: dict | None = None) -> list[dict]:
-    """On every rank, for each (stage, precision): the report after one step and the prediction.
+    """On every rank, for each (stage, precision): the report after one step and where the rank sits.
 
-    ``offload``: ZeRO-Offload's blocks for ``zero_optimization`` (offload_param at stage 3 only)."""
+    ``offload``: ZeRO-Offload's blocks for ``zero_optimization`` (offload_param at stage 3 only).
+    The prediction is made by `predict` in the test's own process: the planner prices tensor
+    parallelism on a fake default group, which a rank (holding the job's group) cannot make."""
     import parallel3d
-    from parallel3d.planner.inventory import ModelShapes
-    from parallel3d.planner.states import ZeroSetup, model_state_bytes
 
     world, kind, overrides, pp, tp, virtual, schedule = LAYOUTS[name]
     dp = world // (pp * tp)
@@ -46,10 +46,8 @@ def measure(name: str, cases: list[tuple[int, str]], offload: dict | None = None
     out = []
     for stage, precision in cases:
         model = make_model(kind, **overrides)
-        shapes = ModelShapes(model, tp)
         zero = {"reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 50}
-        offload_blocks = {k: v for k, v in (offload or {}).items() if stage == 3 or k != "offload_param"}
-        zero.update(offload_blocks)
+        zero.update(_offload_blocks(offload, stage))
         config = ds_config(stage, gas, dp, **zero)
         config["bf16"] = {"enabled": precision == "bf16"}
         config["tensor_parallel"] = {"size": tp}
@@ -59,19 +57,37 @@ def measure(name: str, cases: list[tuple[int, str]], offload: dict | None = None
         mesh = engine.mesh
         data = iter(rank_micro_batches(token_batches(1, gas, dp), mesh.local_rank("dp")))
         engine.train_batch(data)
-        layout = shapes.stage_layout(pp, virtual) if pp > 1 else None
-        params = shapes.rank_params(tp_rank=mesh.local_rank("tp"), pp=pp, pp_rank=mesh.local_rank("pp"),
-                                    layout=layout, stage3=stage == 3)
-        setup = ZeroSetup(stage, dp, 2 if precision == "bf16" else 4, bucket_size=3000, persistence_threshold=50,
-                          offload_optimizer="offload_optimizer" in offload_blocks,
-                          offload_params="offload_param" in offload_blocks)
-        predicted = model_state_bytes(params, setup, dp_rank=mesh.local_rank("dp"), pipelined=pp > 1)
         held = sum(u.numel for u in engine.optimizer.units)  # stage 3 params are released between steps
         whole = [u for u in engine.optimizer.units if u.persistent]
-        out.append({"report": engine.memory_report(), "predicted": predicted, "psi": params.numel, "held": held,
-                    "units": len(engine.optimizer.units), "pieces": len(engine.optimizer.master_pieces),
-                    "kept_whole": sum(u.numel for u in whole), "units_whole": len(whole)})
+        out.append({"report": engine.memory_report(), "held": held, "units": len(engine.optimizer.units),
+                    "pieces": len(engine.optimizer.master_pieces), "kept_whole": sum(u.numel for u in whole),
+                    "units_whole": len(whole), "ranks": {a: mesh.local_rank(a) for a in ("tp", "pp", "dp")}})
     return out
+
+
+def _offload_blocks(offload: dict | None, stage: int) -> dict:
+    return {k: v for k, v in (offload or {}).items() if stage == 3 or k != "offload_param"}
+
+
+def predict(name: str, cases: list[tuple[int, str]], measured: list[list[dict]], offload: dict | None = None) -> None:
+    """Add each rank's predicted model states (``predicted``) and parameter count (``psi``) to ``measured``."""
+    from parallel3d.planner.inventory import ModelShapes
+    from parallel3d.planner.states import ZeroSetup, model_state_bytes
+
+    world, kind, overrides, pp, tp, virtual, _ = LAYOUTS[name]
+    dp = world // (pp * tp)
+    shapes = ModelShapes(make_model(kind, **overrides), tp)
+    for i, (stage, precision) in enumerate(cases):
+        blocks = _offload_blocks(offload, stage)
+        setup = ZeroSetup(stage, dp, 2 if precision == "bf16" else 4, bucket_size=3000, persistence_threshold=50,
+                          offload_optimizer="offload_optimizer" in blocks, offload_params="offload_param" in blocks)
+        for rank in measured:
+            m, where = rank[i], rank[i]["ranks"]
+            layout = shapes.stage_layout(pp, virtual) if pp > 1 else None
+            params = shapes.rank_params(tp_rank=where["tp"], pp=pp, pp_rank=where["pp"], layout=layout,
+                                        stage3=stage == 3)
+            m["predicted"] = model_state_bytes(params, setup, dp_rank=where["dp"], pipelined=pp > 1)
+            m["psi"] = params.numel
 
 
 _cache: dict = {}
@@ -81,6 +97,7 @@ def _results(dist, name: str) -> list[list[dict]]:
     if name not in _cache:
         cases = [(s, p) for n, s, p in CASES if n == name]
         _cache[name] = dist.run(LAYOUTS[name][0], measure, name, cases)
+        predict(name, cases, _cache[name])
     return _cache[name]
 
 
@@ -136,6 +153,7 @@ def test_prediction_equals_memory_report_with_offload(dist):
 
     offloaded = dist.run(2, measure, "dp2", OFFLOAD_CASES, OFFLOAD)
     plain = dist.run(2, measure, "dp2", OFFLOAD_CASES)
+    predict("dp2", OFFLOAD_CASES, offloaded, OFFLOAD)
     for rank, (with_offload, without) in enumerate(zip(offloaded, plain)):
         for (stage, precision), m, base in zip(OFFLOAD_CASES, with_offload, without):
             got = m["report"]

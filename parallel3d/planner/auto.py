@@ -173,9 +173,62 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
 
 def choose(planner, hw, choice):
     """The fastest layout that fits and that a config can express (activation checkpointing is a
-    pipeline setting), and the search's result."""
+    pipeline setting), and the search's result.
+
+    In a process with a default process group (``initialize`` inside the user's job) the search
+    runs in a child process: the planner prices tensor parallelism on a fake default group,
+    which must never be made beside the job's own (``planner.fake_tp``)."""
+    import torch.distributed as dist
+
     from parallel3d.planner.search import search
 
+    if dist.is_available() and dist.is_initialized():
+        return _choose_in_child(planner, hw, choice)
     result = search(planner, hw, choice, top=20)
     runnable = [p for p in result.best if p.layout.pp > 1 or not p.layout.checkpointing]
     return (runnable[0] if runnable else None), result
+
+
+def _choose_in_child(planner, hw, choice):
+    """`choose` for the same model class, config and workload in a fresh Python process (its
+    ConfigError raised here); the inputs and the answer go through a temporary directory."""
+    import pickle
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="zero3d-plan-") as tmp:
+        job, answer = Path(tmp) / "job.pkl", Path(tmp) / "answer.pkl"
+        job.write_bytes(pickle.dumps((type(planner.model), planner.config, planner.workload, hw, choice)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        done = subprocess.run([sys.executable, "-m", "parallel3d.planner.auto", str(job), str(answer)], env=env,
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not answer.exists():
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+            raise RuntimeError(f"the planner's child process failed (exit {done.returncode}):\n{tail}")
+        kind, value = pickle.loads(answer.read_bytes())
+    if kind == "error":
+        raise ConfigError(value)
+    return value
+
+
+def _child(job: Path, answer: Path) -> None:
+    """The child process of `_choose_in_child`: no process group here."""
+    import pickle
+
+    from parallel3d.planner.predict import Planner
+
+    model_class, config, workload, hw, choice = pickle.loads(job.read_bytes())
+    with torch.device("meta"):
+        model = model_class(config)
+    try:
+        out = ("ok", choose(Planner(model, workload), hw, choice))
+    except ConfigError as exc:
+        out = ("error", str(exc))
+    answer.write_bytes(pickle.dumps(out))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _child(Path(sys.argv[1]), Path(sys.argv[2]))

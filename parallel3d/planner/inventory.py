@@ -7,7 +7,8 @@ then norm and head on the last; ``apply._stage_groups``). ``ZeroOptimizer`` then
 group by (split over tp?, counted by another rank's norm?), then by pipeline chunk with a tied
 copy on its own, and stage 3 groups by fetch module
 (the rank's blocks). This module reproduces that list from a meta model, for any rank, without
-a process group: tensor-parallel shapes from ``planner.local_tp``, stage contents from
+a process group: tensor-parallel shapes from the engine's ``apply_tensor_parallel`` on a fake
+process group (``planner.fake_tp``), stage contents from
 ``pipeline.stage.make_layout`` (the same partition, on the tp-local sizes, since ``apply_tp``
 runs first). The planner's test holds the result to ``memory_report()``.
 """
@@ -26,7 +27,8 @@ from models.pipeline_anatomy import AnatomyError, AnatomyPaths, PipelineAnatomy,
 from parallel3d.errors import ConfigError
 from parallel3d.meta_init import detach_from_meta
 from parallel3d.pipeline.stage import StageLayout, make_layout
-from parallel3d.planner.local_tp import localize
+from parallel3d.planner.fake_tp import fake_tp_group
+from parallel3d.tensor_parallel.apply import apply_tensor_parallel
 from zero.partition import embedding_tables, output_head, standalone_embeddings, standalone_head
 
 
@@ -77,15 +79,17 @@ class ModelShapes:
 
     def __init__(self, model: nn.Module, tp: int, sequence_parallel: bool = False) -> None:
         local = copy.deepcopy(model)
-        info = localize(local, tp, sequence_parallel=sequence_parallel)
         self.tp = tp
         self.pipeline_refusal: str | None = None  # why pipeline stages cannot split this model
-        try:
-            self.paths = _checked_anatomy(local)
+        try:  # on the whole model: tensor parallelism keeps every module's name, and its hooks hold the
+            self.paths = _checked_anatomy(local)  # group, which the probe's copy could not copy
         except AnatomyError as exc:
             self.paths, self.pipeline_refusal = None, str(exc)
             if not self.pipeline_refusal.startswith("pipeline parallelism"):
                 self.pipeline_refusal = f"pipeline parallelism: {self.pipeline_refusal}"
+        with fake_tp_group(tp) as group:
+            specs = {} if group is None else apply_tensor_parallel(
+                local, group, sequence_parallel=sequence_parallel).shard_specs
         blocks = fetch_unit_modules(local)
         block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
         self.params: list[Param] = []
@@ -93,7 +97,7 @@ class ModelShapes:
         for name, p in local.named_parameters():
             if not p.requires_grad:
                 continue
-            spec = info.specs.get(name)
+            spec = specs.get(name)
             param = Param(name, p.numel(), spec is not None, spec.replicas if spec else 1, block_of.get(id(p)))
             self._by_id[id(p)] = param
             self.params.append(param)

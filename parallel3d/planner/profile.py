@@ -5,7 +5,9 @@ Korthikanti et al. 2022 count, tensor by tensor, what a transformer layer keeps 
 *runs* the model's own forward and backward on ``FakeTensorMode`` tensors (shapes without data:
 no memory, no compute) with the real sizes, and records every storage that op outputs create
 and every storage's death (``LiveBytes``), every op's FLOPs (torch's ``flop_registry``) and bytes
-touched, and every tensor-parallel collective (``local_tp.CommLog``). On fake CPU tensors
+touched, and every tensor-parallel collective (``comm_counter``). Under tensor parallelism the
+model is the engine's own ``apply_tensor_parallel`` on a fake process group (``fake_tp``): the
+pass is what tp rank 0 runs, loss included (the vocabulary-parallel one). On fake CPU tensors
 attention dispatches to the flash kernel, as on GPUs, so what it keeps (q, k, v, output and the
 log-sum-exp) is what a device keeps. The same fake run on the same code gives the same bytes
 as a real run (checked in tests/test_planner_profile.py against real CPU runs).
@@ -35,8 +37,10 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from models.anatomy import fetch_unit_modules
 from models.layer_configs import with_layers
+from parallel3d.comm_counter import count_collectives
 from parallel3d.errors import ConfigError
-from parallel3d.planner.local_tp import localize
+from parallel3d.planner.fake_tp import fake_tp_group
+from parallel3d.tensor_parallel.apply import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -292,8 +296,8 @@ def _text(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _build(config, blocks: int, dtype: torch.dtype, tp: int, sequence_parallel: bool, checkpointing: bool):
-    """The model with ``blocks`` blocks on fake tensors, as tp rank 0 holds it; and its tp log."""
+def _build(config, blocks: int, dtype: torch.dtype, group, sequence_parallel: bool, checkpointing: bool) -> nn.Module:
+    """The model with ``blocks`` blocks on fake tensors, as tp rank 0 of ``group`` (None: no tp) holds it."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -307,10 +311,11 @@ def _build(config, blocks: int, dtype: torch.dtype, tp: int, sequence_parallel: 
         raise ProfileError(f"transformers cannot build {type(config).__name__}'s model with {blocks} block(s) "
                            f"({type(exc).__name__}: {exc})") from None
     model.train()
-    info = localize(model, tp, sequence_parallel=sequence_parallel)
+    if group is not None:
+        apply_tensor_parallel(model, group, sequence_parallel=sequence_parallel)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model, info
+    return model
 
 
 def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
@@ -345,16 +350,6 @@ def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
         layers[-1].register_forward_hook(stop)
 
 
-def token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """transformers' causal-LM loss (fp32 logits, labels shifted by padding) on whatever vocabulary
-    the logits hold: a tp rank's, whose model would read the full vocabulary size in its own loss
-    code (``self.vocab_size``, ``lm_head.out_features``). The engine replaces that loss with the
-    vocabulary-parallel one, which keeps the same fp32 softmax-sized tensor."""
-    labels = nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
-    return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                       ignore_index=-100)
-
-
 def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, dtype: torch.dtype, tp: int = 1,
                  sequence_parallel: bool = False, checkpointing: bool = False, attention: str = "native",
                  split_backward: bool = False) -> PassProfile:
@@ -373,39 +368,43 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
         raise ValueError(f"chunk kind {kind!r}; allowed: {', '.join(KINDS)}")
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}; allowed: {', '.join(ATTENTION)}")
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model, info = _build(config, blocks, dtype, tp, sequence_parallel, checkpointing)
+    # the planner's process keeps its random stream (tp regions draw their seeds from it)
+    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True), fake_tp_group(tp) as group:
+        model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing)
         live = LiveBytes()
         _hook(model, kind, live)
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
         live.exclude([*model.parameters(), *model.buffers()])
         kernels = contextlib.nullcontext() if attention == "native" else _gpu_kernels(live, attention)
         split = SplitBackward()
-        with live, kernels:
+        with live, kernels, count_collectives() as comm:
             try:
                 inputs: dict = {"input_ids": ids}
                 if kind in ("middle", "last"):  # no embedding lookup: the received activations stand in
                     inputs = {"inputs_embeds": torch.empty(micro_batch, seq, _text(config).hidden_size, dtype=dtype)}
                 if kind != "only":
                     inputs["use_cache"] = False  # as the pipeline's stage programs call the blocks
-                try:  # one rank runs the model's own loss, as the engine does; tp ranks a loss on their slice
-                    out = model(**inputs, labels=ids).loss if tp == 1 else token_loss(model(**inputs).logits, ids)
+                try:  # the model's own loss, or under tp the engine's vocabulary-parallel one
+                    with comm.tag("forward"):
+                        out = model(**inputs, labels=ids).loss
                 except _Stop as stop_at:
                     out = stop_at.output
                 at_rest, forward_peak, forward_in_block = live.live, live.peak, live.peak_in_block
                 live.reset_peak()
                 grad = None if out.dim() == 0 else torch.ones_like(out)
-                if split_backward:
-                    _, work = backward_input(out, grad, live.received, [p for p in model.parameters() if p.requires_grad])
-                    del out, grad
-                    split = SplitBackward(live.peak, live.live)
-                    live.reset_peak()
-                    backward_weight(work)
-                    del work
-                    split = SplitBackward(split.input_peak, split.held, live.peak)
-                else:
-                    torch.autograd.backward(out, grad_tensors=grad)
-                    del out, grad
+                with comm.tag("backward"):
+                    if split_backward:
+                        params = [p for p in model.parameters() if p.requires_grad]
+                        _, work = backward_input(out, grad, live.received, params)
+                        del out, grad
+                        split = SplitBackward(live.peak, live.live)
+                        live.reset_peak()
+                        backward_weight(work)
+                        del work
+                        split = SplitBackward(split.input_peak, split.held, live.peak)
+                    else:
+                        torch.autograd.backward(out, grad_tensors=grad)
+                        del out, grad
             except ConfigError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the model's own code on fake tensors: any error, reported
@@ -415,4 +414,5 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
                                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
     backward_peak = max(split.input_peak, split.weight_peak) if split_backward else live.peak
     return PassProfile(kind, blocks, at_rest, forward_peak, backward_peak, live.marked or 0, forward_in_block,
-                       live.peak_in_block, tuple(live.ops[False]), tuple(live.ops[True]), tuple(info.log.calls), split)
+                       live.peak_in_block, tuple(live.ops[False]), tuple(live.ops[True]),
+                       tuple((c.op, c.nbytes, c.tag == "backward") for c in comm.calls), split)

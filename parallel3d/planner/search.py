@@ -1,6 +1,6 @@
 """Enumerate the layouts of a workload on a cluster, keep those that fit, rank them by step time.
 
-Candidates: every tp dividing the devices of a node (the heads must split: ``local_tp`` says),
+Candidates: every tp dividing the devices of a node (the heads must split: ``apply_tensor_parallel`` says),
 every pp up to the block count with dp = devices / (tp x pp) dividing the global batch, every
 micro-batch dividing the per-replica batch, every ZeRO stage, and under pipeline stages every
 schedule the micro-batch count allows (interleaved with 2 and 4 chunks per rank where the

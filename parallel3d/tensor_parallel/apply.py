@@ -269,7 +269,7 @@ def _shard_vocab(model: nn.Module, group: ProcessGroup, specs: dict[str, ShardSp
 @dataclass
 class Preparation:
     """What tensor parallelism over ``world`` ranks will do to a model, decided and checked before
-    anything changes (``apply_tensor_parallel``, and the planner's ``local_tp.localize``)."""
+    anything changes (``apply_tensor_parallel``)."""
 
     world: int
     plan: ModelTPPlan
