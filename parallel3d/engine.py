@@ -284,8 +284,9 @@ class Engine(DeepSpeedSurface):
         problem = first_problem(batches, self._vocab_size, self._arg_names, self._cache_on)
         if problem is None and self.token_mean:
             problem = next((p for p in map(token_mean.batch_problem, batches) if p is not None), None)
-        if problem is None and self.sequence_split is not None:
-            problem = next((p for p in map(self.sequence_split.problem, batches) if p is not None), None)
+        if self.sequence_split is not None:  # the cp group's agreement is a collective: every rank takes part
+            differing = self.sequence_split.differing(batches, self.device)
+            problem = problem or next((p for p in map(self.sequence_split.problem, batches) if p is not None), differing)
         rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
         raise_on_every_rank(ConfigError(f"{what}{rank}: {problem}") if problem is not None else None, self.device)
 

@@ -162,7 +162,18 @@ def test_float64_gradient(dist, cp):
             assert torch.allclose(grads[n], p.grad, rtol=1e-10, atol=1e-13), n
 
 
-def _bad_batch(batch: dict) -> str:
+BAD_BATCHES = {
+    "odd length": (lambda b: {k: v[:, :SEQ - 1] for k, v in b.items()},
+                   "sequence length 15 is not divisible by context_parallel"),
+    "padding": (lambda b: {**b, "attention_mask": torch.ones_like(b["input_ids"]).index_fill(1, torch.tensor([0]), 0)},
+                "attention_mask with zeros"),
+    "packed": (lambda b: {**b, "position_ids": torch.arange(SEQ).remainder(8).expand(2, SEQ)}, "packed documents"),
+    "per rank": (lambda b: {k: v.roll(dist.get_rank(), 0) for k, v in b.items()},
+                 "were handed different micro-batches"),
+}
+
+
+def _bad_batch(case: str, ids: torch.Tensor) -> str:
     import parallel3d
     from parallel3d.errors import ConfigError
 
@@ -170,20 +181,15 @@ def _bad_batch(batch: dict) -> str:
     config["context_parallel"] = {"size": 2}
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
     with pytest.raises(ConfigError) as info:
-        engine.train_batch(iter([batch]))
+        engine.train_batch(iter([BAD_BATCHES[case][0]({"input_ids": ids, "labels": ids})]))
     return str(info.value)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda b: {k: v[:, :SEQ - 1] for k, v in b.items()}, "sequence length 15 is not divisible by context_parallel"),
-    (lambda b: {**b, "attention_mask": torch.ones_like(b["input_ids"]).index_fill(1, torch.tensor([0]), 0)},
-     "attention_mask with zeros"),
-    (lambda b: {**b, "position_ids": torch.arange(SEQ).remainder(8).expand(2, SEQ)}, "packed documents"),
-])
-def test_bad_batches(dist, change, message):
+@pytest.mark.parametrize("case", BAD_BATCHES)
+def test_bad_batches(dist, case):
     ids = _data(1, 1)[0, 0, 0]
-    for got in dist.run(2, _bad_batch, change({"input_ids": ids, "labels": ids})):
-        assert message in got
+    for got in dist.run(2, _bad_batch, case, ids):
+        assert BAD_BATCHES[case][1] in got
 
 
 def _initialize_error(config_changes: dict, model_changes: dict, world: int) -> str:

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from parallel3d.context_parallel.ulysses import UlyssesAttention
@@ -79,6 +80,25 @@ class SequenceSplit:
                 return ("context_parallel needs position_ids that rise by 1 along each row; position ids that restart "
                         "(packed documents) are not supported: the attention would not keep the documents apart")
         return None
+
+    def differing(self, batches: list, device: torch.device) -> str | None:
+        """Whether the cp group's ranks were handed different micro-batches (one all-reduce over cp):
+        a loader that shards over every rank instead of over dp would otherwise train on pieces of
+        unrelated sequences without a word."""
+        total = torch.zeros((), dtype=torch.float64)
+        for batch in batches:
+            values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+            for value in values:
+                if isinstance(value, torch.Tensor) and value.numel():
+                    flat = value.detach().flatten().to("cpu", torch.float64)
+                    total += (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum()
+        both = torch.stack([total, -total]).to(device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.attention.group)
+        if bool(both[0] == -both[1]):
+            return None
+        return ("the ranks of a context-parallel group were handed different micro-batches; each of them must get the "
+                "same micro-batch (the whole sequences), as tensor-parallel ranks do: shard the data over the "
+                "data-parallel ranks only (engine.mesh.dp, engine.mesh.local_rank(\"dp\"))")
 
     def cut(self, batch: dict) -> dict:
         """This rank's keyword arguments for the model (see the module docstring)."""
