@@ -141,6 +141,23 @@ def test_auto_errors(config, message):
         parallel3d.initialize(model=make_model("llama"), config=config)
 
 
+@pytest.mark.parametrize("zero,frozen,message", [
+    ({"mics_shard_size": 1}, False, "cannot be combined with zero_optimization.mics_shard_size 1"),
+    ({"zero_quantized_gradients": True}, False, "cannot be combined with zero_optimization.zero_quantized_gradients"),
+    ({}, True, "cannot be combined with frozen parameters"),
+])
+def test_auto_refuses_what_the_planner_does_not_price(zero, frozen, message):
+    import parallel3d
+
+    model = make_model("llama")
+    model.get_input_embeddings().weight.requires_grad_(not frozen)
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "train_batch_size": 8,
+              "tensor_parallel": {"size": "auto"}, "planner": {"seq_length": 16},
+              "zero_optimization": {"stage": 1, **zero}}
+    with pytest.raises(ConfigError, match=message):
+        parallel3d.initialize(model=model, config=config)
+
+
 def test_a_config_without_auto_does_not_load_the_planner():
     """The planner's modules cost a rank ~2 MiB of RSS in initialize: loaded only for "auto"."""
     import subprocess

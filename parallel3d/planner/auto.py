@@ -100,6 +100,26 @@ def _workload(cfg, seq: int):
                     offload_optimizer=z.offloads_optimizer, offload_params=z.offloads_params)
 
 
+def _refuse_unpriced(cfg, model: nn.Module, autos: list) -> None:
+    """The planner prices flat ZeRO over every data-parallel rank, every parameter trained and no
+    context parallelism: a choice for anything else would be priced wrong, so it is refused."""
+    z = cfg.zero_optimization
+    unpriced = [text for text, present in (
+        (f"zero_optimization.mics_shard_size {z.mics_shard_size}", z.mics_shard_size != -1),
+        (f"zero_optimization.zero_hpz_partition_size {z.zero_hpz_partition_size}", z.zero_hpz_partition_size > 1),
+        ("zero_optimization.zero_quantized_weights", z.zero_quantized_weights),
+        ("zero_optimization.zero_quantized_gradients", z.zero_quantized_gradients),
+        (f"context_parallel.size {cfg.context_parallel.size}", cfg.context_parallel.size > 1),
+        ("frozen parameters (requires_grad=False, e.g. a PEFT model's base)",
+         any(not p.requires_grad for p in model.parameters())),
+    ) if present]
+    if unpriced:
+        raise ConfigError(f"{', '.join(_dotted(s, k) for s, k in autos)} = \"auto\" cannot be combined with "
+                          f"{', '.join(unpriced)}: the planner prices flat ZeRO with every parameter trained, so its "
+                          "choice would be priced wrong; give those values yourself (zero3d plan shows the flat "
+                          "ranking)")
+
+
 def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device) -> Any:
     """``source`` with every "auto" replaced by the planner's choice (unchanged without "auto").
 
@@ -136,6 +156,7 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
     from parallel3d.planner.search import Choice
 
     cfg = Zero3DConfig.from_dict(probe)  # every other key checked before planning
+    _refuse_unpriced(cfg, model, autos)
     if cfg.train_batch_size is None:
         raise ConfigError("\"auto\" needs train_batch_size (the global batch the layouts are priced for)")
     chosen_by_planner = {k for _, k in autos}
