@@ -25,7 +25,7 @@ from parallel3d.agreement import raise_on_every_rank
 from parallel3d.batch_check import call_arguments, first_problem, positional_names, vocab_size_of
 from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface
 from parallel3d.partial_load import KeptState, checkpoint_arguments
-from parallel3d.errors import ConfigError, UsageError
+from parallel3d.errors import ConfigError, NoSyncStageError, UsageError
 from parallel3d.mesh import ParallelMesh
 from parallel3d.pipeline.stage import PipelineModel
 from parallel3d.step_loops import MicroBatchLoop, PipelineLoop
@@ -167,8 +167,8 @@ class Engine(DeepSpeedSurface):
         self._per_micro_batch_call("no_sync()")
         stage = self.config.zero_optimization.stage
         if stage >= 2:
-            raise ConfigError(f"engine.no_sync() needs ZeRO stage 0 or 1, not {stage}: stages 2 and 3 keep only "
-                              "this rank's shard of each gradient, so every backward reduces its gradients")
+            raise NoSyncStageError(f"engine.no_sync() needs ZeRO stage 0 or 1, not {stage}: stages 2 and 3 keep "
+                                   "only this rank's shard of each gradient, so every backward reduces its gradients")
         if self._in_no_sync:
             raise UsageError("engine.no_sync() is already active; it cannot be nested")
         self._in_no_sync = True

@@ -30,3 +30,8 @@ class UntestedOptimizerError(ConfigError, AssertionError):
 class NoModelError(ConfigError, AssertionError):
     """``initialize`` without a ``torch.nn.Module``. Also an AssertionError, the type
     ``deepspeed.initialize`` raises for a missing model."""
+
+
+class NoSyncStageError(ConfigError, AssertionError):
+    """``engine.no_sync()`` at ZeRO stage 2 or 3. Also an AssertionError, the type DeepSpeed raises
+    for it."""

@@ -56,6 +56,9 @@ RULES: tuple[Rule, ...] = (
          "throughput timer; Zero3D's stage-3 parameters carry no such state"),
     Rule(INTERNAL, r"(pre|post)_bwd_fn|ds_grads_remaining|_ds_hooks|ds_external_parameters|ZeROOrderedDict",
          "the test inspects the hooks or bookkeeping DeepSpeed's stage 3 attaches to the modules"),
+    Rule(INTERNAL, r"F\.linear is zero3_linear_wrap|monkeypatch\.setattr\(engine, \"pipeline_parallelism",
+         "the test checks or patches DeepSpeed's own functions or engine attributes (its F.linear wrapper, "
+         "engine.pipeline_parallelism)"),
     # DeepSpeed features Zero3D refuses with a message
     Rule(UNSUPPORTED, r"partitioned by deepspeed\.zero\.Init",
          "a model partitioned by deepspeed.zero.Init (build it on the meta device instead)"),
@@ -75,6 +78,13 @@ RULES: tuple[Rule, ...] = (
          "Zero3D refuses a key it would ignore, naming the keys it knows"),
     Rule(UNSUPPORTED, r"expert_parallel is a DeepSpeed key Zero3D does not implement",
          "expert parallelism (AutoEP): not implemented, refused with a message"),
+    Rule(UNSUPPORTED, r"Direct calls to tensor\.backward\(\) bypass the engine|has no attribute 'scale'",
+         "DeepSpeed's user-driven backward (loss.backward() or engine.scale(loss).backward() at stage 3, its "
+         "managed gradient accumulation): Zero3D reduces gradients in engine.backward(loss) only and refuses a "
+         "gradient that arrives outside it, with a message"),
+    Rule(UNSUPPORTED, r"coalesce_grad_reduction",
+         "engine.coalesce_grad_reduction() (DeepSpeed's context that merges several backward passes' reductions) is "
+         "not implemented"),
     Rule(UNSUPPORTED, r"is a DeepSpeed key Zero3D does not implement",
          "a DeepSpeed config key Zero3D does not implement, refused with a message naming it"),
     Rule(UNSUPPORTED, r"is a DeepSpeed optimizer Zero3D does not implement",
