@@ -22,7 +22,7 @@ def persistence_notice(optimizer: Any) -> str | None:
     Nothing is said on one data-parallel rank, where nothing is sharded at any stage.
     """
     settings = optimizer.settings
-    if settings.stage != 3 or optimizer.dp_world <= 1:
+    if settings.stage != 3 or optimizer.dp.shard_world <= 1:
         return None
     units = optimizer.units
     total = sum(u.numel for u in units)
@@ -34,6 +34,6 @@ def persistence_notice(optimizer: Any) -> str | None:
     threshold = settings.param_persistence_threshold
     return (f"ZeRO stage 3 keeps {whole:,} of {total:,} parameters ({100 * whole / total:.0f}%; {whole_tensors} of "
             f"{tensors} tensors, each under {threshold:,} elements) whole on every data-parallel rank, as "
-            f"{THRESHOLD_KEY} {threshold:,} asks, so their memory is not divided by the {optimizer.dp_world} ranks "
+            f"{THRESHOLD_KEY} {threshold:,} asks, so their memory is not divided by the {optimizer.dp.shard_world} ranks "
             f"(memory_report() shows little saving over stage 2); lower {THRESHOLD_KEY} (0 shards every tensor) "
             "to shard them")

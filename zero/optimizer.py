@@ -207,8 +207,6 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         self.dtype = dtype
         self.loss_scaler = loss_scaler or LossScaler()
         self.norm_groups = list(norm_groups)
-        self.dp_world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.dp_rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.model_parallel_group = model_parallel_group
         # Units never mix params the norm treats differently, so it can weigh whole units.
         # Nor params of different pipeline chunks (each chunk's are reduced after its own
@@ -272,7 +270,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 secondary_group=secondary_group,
             )
         # one dp rank shards nothing: accumulating into full buffers then saves the staging copies
-        full = settings.stage <= 1 or self.dp_world == 1 or (settings.pipelined and settings.keep_full_gradients)
+        full = settings.stage <= 1 or self.dp.shard_world == 1 or (settings.pipelined and settings.keep_full_gradients)
         self.reducer = GradientReducer(
             self.units,
             group,
@@ -302,8 +300,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
 
     def _layout(self, params: list[list[nn.Parameter]], fetch_modules: list[nn.Module], device) -> UnitLayout:
         s = self.settings
-        world = 1 if s.stage == 0 else self.dp_world
-        rank = 0 if s.stage == 0 else self.dp_rank
+        world = 1 if s.stage == 0 else self.dp.shard_world
+        rank = 0 if s.stage == 0 else self.dp.shard_rank
         if s.stage == 3:
             return fetch_unit_layout(
                 params,
@@ -534,7 +532,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             per_unit = torch.stack(torch._foreach_norm(grads)).pow(2)
             squares = self._norm_weights.to(per_unit.device).t() @ per_unit
         squares = squares.to(self._comm_device)  # offloaded gradients are summed on the host
-        if self.settings.stage > 0 and self.dp_world > 1:
+        if self.settings.stage > 0 and self.dp.shard_world > 1:
             dist.all_reduce(squares, group=self.group)
         if self.model_parallel_group is not None:
             dist.all_reduce(squares[1:], group=self.model_parallel_group)
