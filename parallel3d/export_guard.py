@@ -60,5 +60,6 @@ def check_output(source: Path, out: Path, overwrite: bool) -> None:
         raise ConfigError(f"output directory {out} is not empty (pass --overwrite to replace it)")
     reason = why_not_an_export(out)
     if reason is not None:
-        raise ConfigError(f"--overwrite replaces only an earlier export (plain files: config.json and weights), and "
-                          f"{out} is not one: {reason}; give a new or empty directory, or remove it yourself")
+        raise ConfigError("--overwrite replaces only an earlier export (plain files: config.json or "
+                          f"adapter_config.json and weights), and {out} is not one: {reason}; give a new or empty "
+                          "directory, or remove it yourself")

@@ -33,6 +33,8 @@ def _token_ids(out: Path) -> str:
             ids = [f"{key.removesuffix('_token_id')} {data[key]}" for key in ("eos_token_id", "bos_token_id",
                                                                              "pad_token_id") if key in data]
             return f"special tokens ({name}): {', '.join(ids) if ids else 'none set'}"
+    if (out / "adapter_config.json").is_file():
+        return "a PEFT adapter directory: PeftModel.from_pretrained(base, this directory) loads it"
     return "special tokens: no config.json"
 
 

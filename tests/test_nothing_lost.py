@@ -112,14 +112,15 @@ def test_export_never_deletes_its_source_or_anything_but_an_earlier_export(tmp_p
     other = tmp_path / "other"  # a second run: not an export, so --overwrite does not delete it
     earlier_run(other)
     assert _export_error(capsys, str(tag), str(other), "--overwrite") == (
-        f"--overwrite replaces only an earlier export (plain files: config.json and weights), and {other} is not one: "
+        f"--overwrite replaces only an earlier export (plain files: config.json or adapter_config.json and weights), and {other} is not one: "
         "it holds checkpoints/, job.yaml, metrics.jsonl; give a new or empty directory, or remove it yourself")
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("mine")
     assert _export_error(capsys, str(tag), str(notes), "--overwrite") == (
-        f"--overwrite replaces only an earlier export (plain files: config.json and weights), and {notes} is not one: "
-        "it has no config.json with weight files (*.safetensors); give a new or empty directory, or remove it yourself")
+        f"--overwrite replaces only an earlier export (plain files: config.json or adapter_config.json and weights), and {notes} is not one: "
+        "it has no config.json (or adapter_config.json) with weight files (*.safetensors); give a new or empty "
+        "directory, or remove it yourself")
     assert snapshot(tmp_path) == {**before, **{k: v for k, v in snapshot(tmp_path).items() if k.startswith(("other", "notes"))}}
     assert snapshot(run) == {k.removeprefix("run/"): v for k, v in before.items() if k.startswith("run/")}
 
