@@ -78,8 +78,7 @@ class ParamEntry:
 def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
     """This rank's trainable parameters and their checkpoint names."""
     specs = engine.tp_info.shard_specs if engine.tp_info is not None else {}
-    pipe = getattr(engine.loop, "pipe", None)
-    tied = {t.param: t for t in getattr(pipe, "tied", ())}
+    tied = {t.param: t for t in (engine.pipe.tied if engine.pipe is not None else ())}
     out = {}
     for name, p in engine.named_parameters():
         if not p.requires_grad:

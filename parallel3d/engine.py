@@ -87,6 +87,7 @@ class Engine(DeepSpeedSurface):
         self._in_no_sync = False  # inside no_sync(): backward accumulates, reduces nothing
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self.token_mean = config.loss_normalization == "tokens"  # parallel3d/token_mean.py
+        self.pipe = pipe  # this rank's pipeline chunks (None without pipeline stages)
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
