@@ -265,3 +265,27 @@ def _save_at_cp2_load_at_dp2(directory: str) -> bool:
 
 def test_checkpoint_does_not_depend_on_cp(dist, tmp_path):
     assert all(dist.run(2, _save_at_cp2_load_at_dp2, str(tmp_path)))
+
+
+def _train_peft_cp2() -> tuple[list[float], dict]:
+    import parallel3d
+    from tests.peft_tiny import make_peft_model
+
+    config = {**ds_config(2, 2, 1), "context_parallel": {"size": 2}}
+    engine, _, _, _ = parallel3d.initialize(model=make_peft_model(), config=config)
+    batches = rank_micro_batches(_data(2, 1), 0)
+    losses = [engine.train_batch(iter(batches[s * 2:(s + 1) * 2])) for s in range(STEPS)]
+    return losses, engine.full_parameters()
+
+
+def test_peft_lora_cp2(dist):
+    """A PEFT-wrapped model: the base model's attention is switched, the wrapper's forward passes the cut on."""
+    from tests.peft_tiny import hf_name, make_peft_model
+
+    model = make_peft_model()
+    want_losses, want = oracle_run("llama", _data(2, 1), model=model)
+    trained = {hf_name(n) for n, p in model.named_parameters() if p.requires_grad}
+    for losses, params in dist.run(2, _train_peft_cp2):
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        err, name = max_rel_param_error(params, {hf_name(n): v for n, v in want.items() if hf_name(n) in trained})
+        assert err < RTOL, f"{name} differs by {err:.2e}"

@@ -16,17 +16,25 @@ from parallel3d.mesh import ParallelMesh
 __all__ = ["SequenceSplit", "apply_context_parallel", "check_context_parallel"]
 
 
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model whose attention is switched: ``model``, or a PEFT wrapper's base model
+    (the wrapper's forward hands the cut's keyword arguments through to it)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and not hasattr(model, "set_attn_implementation") else model
+
+
 def check_context_parallel(model: nn.Module, config) -> None:
     """Raise ConfigError if ``config.context_parallel`` cannot run ``model`` (cp 1 always can)."""
     cp = config.context_parallel.size
     if cp > 1:
-        check_model(model, cp, config.tensor_parallel.size, config.pipeline.stages)
+        check_model(_hf_model(model), cp, config.tensor_parallel.size, config.pipeline.stages)
 
 
 def apply_context_parallel(model: nn.Module, config, mesh: ParallelMesh) -> SequenceSplit | None:
     """Switch ``model`` to Ulysses attention over the cp group (cp > 1); the engine's batch cutter."""
     if mesh.cp == 1:
         return None
+    model = _hf_model(model)
     attention = install_ulysses(model, mesh)
     layers = model.config.get_text_config().num_hidden_layers
     return SequenceSplit(attention, mesh.local_rank("cp"), config.loss_normalization == "tokens", layers)
