@@ -46,6 +46,8 @@ RULES: tuple[Rule, ...] = (
     Rule(INTERNAL, r"test_adamw\.py::TestAdamConfigs::test\[\w+-\w+-False-.*\n.*AssertionError", _RETURNED +
          "; DeepSpeed's FusedAdam or DeepSpeedCPUAdam expected here (the torch_adam cases of this test pass)"),
     Rule(INTERNAL, r"assert isinstance\(ds_optimizer, AdamW\)|assert ds_optimizer == client_optimizer", _RETURNED),
+    Rule(INTERNAL, r"isinstance\(<zero\.optimizer\.ZeroOptimizer object at \w+>, (DeepSpeed\w+|FusedAdam|FP16_Optimizer|"
+                   r"BF16_Optimizer)\)", _RETURNED),
     Rule(INTERNAL, r"has no attribute '(loss_scale_config|bit16_groups_flat|fp16_groups|ds_active_sub_modules|"
                    r"ds_param_alias|_config|tput_timer|accumulated_grads_in_cpu|averaged_gradients|"
                    r"_change_recovery_script_permissions)'",

@@ -293,8 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     subset_path = Path(opts.subset)
     if opts.rebaseline:
         pin_subset(subset_path, opts.rev, opts.ranks, baseline(tests, files, work, opts.timeout))
-    if opts.no_run and not opts.files and subset_path.exists():  # report what is pinned so far
-        files = [f for f in files if f in json.loads(subset_path.read_text())["files"]]
+    if not opts.files and not opts.rebaseline and subset_path.exists():  # every file pinned so far
+        pinned_files = json.loads(subset_path.read_text())["files"]
+        unmeasured = [f for f in files if f not in pinned_files]
+        if unmeasured:
+            logger.warning("%d selected files have no pinned subset yet (measure them with --rebaseline --files): %s",
+                           len(unmeasured), " ".join(unmeasured))
+        files = [f for f in files if f in pinned_files]
     subset = load_pinned(subset_path, opts.rev, opts.ranks, files)
     if opts.baseline_only:
         print(f"pinned subset: {sum(map(len, subset.values()))} tests in {len(files)} files pass with DeepSpeed "
