@@ -98,7 +98,8 @@ def _refusal(tp_extra: dict, targets: tuple[str, ...], **lora) -> str:
     ({}, ("q_proj", "lm_head"), {}, "LoRA adapters on the lm head"),
     ({"sequence_parallel": True}, ("q_proj",), {}, "sequence_parallel with PEFT adapters is not supported"),
     ({}, ("q_proj",), {"use_dora": True}, "a LoRA variant (DoRA and the like"),
-], ids=["head", "sequence_parallel", "dora"])
+    ({}, ("q_proj",), {"lora_dropout": 0.1}, "lora_dropout 0.1 around a column-parallel layer inside a split region"),
+], ids=["head", "sequence_parallel", "dora", "dropout"])
 def test_adapters_tp_cannot_split_are_refused(dist, tp_extra, targets, lora, message):
     for got in dist.run(2, _refusal, tp_extra, targets, **lora):
         assert message in got

@@ -63,6 +63,12 @@ def shard_adapter(name: str, module: nn.Module, layer: LayerPlan, group: Process
     partial: list[nn.Parameter] = []
     hooks: list[Any] = []
     for adapter in list(module.lora_A):
+        dropout = getattr(module.lora_dropout[adapter], "p", 0.0) if adapter in module.lora_dropout else 0.0
+        if layer.kind == "column" and region_entered and dropout > 0:
+            raise ConfigError(f"LoRA adapter {name}.{adapter}: lora_dropout {dropout} around a column-parallel layer "
+                              "inside a split region is not supported: the region draws dropout masks from each tp "
+                              "rank's own stream, so each rank's output rows would see a different mask of the same "
+                              "input (one process draws one); set lora_dropout to 0, or tensor_parallel.size 1")
         if layer.kind == "column":
             new = ColumnParallelLinear(module.lora_B[adapter], group, input_comm="none",
                                        gather_output=layer.gather_output, packed=layer.packed, replicas=replicas)
