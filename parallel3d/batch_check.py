@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = -100  # Hugging Face's "no loss here" label; the one definition, imported elsewhere
 TOKEN_KEYS = ("input_ids", "labels")
 
 

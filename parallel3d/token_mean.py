@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-IGNORE_INDEX = -100
+from parallel3d.batch_check import IGNORE_INDEX
 
 
 def batch_problem(batch) -> str | None:

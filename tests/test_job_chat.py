@@ -53,17 +53,22 @@ def test_prompt_tokens_are_labelled_minus_100(chat_tokenizer):
     assert labels[:prompt_tokens] == [-100] * prompt_tokens  # system, user and the assistant header
 
 
-def test_prompt_completion_pairs_are_a_user_and_an_assistant_turn(tmp_path, chat_tokenizer):
+def _packed_pairs(tmp_path, tokenizer, pairs: list[dict], seq_len: int) -> tuple[dict, dict]:
+    """Prompt/completion rows through the job's loading and packing (blocks and stats)."""
     from parallel3d.job.data import load_documents, pack_documents
 
     files = tmp_path / "pairs.jsonl"
-    files.write_text("".join(json.dumps(p) + "\n" for p in PAIRS))
+    files.write_text("".join(json.dumps(p) + "\n" for p in pairs))
     job = load_job_config({"model": {"model_type": "llama"}, "engine": {"train_micro_batch_size_per_gpu": 1},
-                           "data": {"data_files": str(files), "format": "chat", "seq_len": 256,
+                           "data": {"data_files": str(files), "format": "chat", "seq_len": seq_len,
                                     "validation_fraction": 0},
                            "train": {"max_steps": 1}})
     docs, identity = load_documents(job)
-    blocks, stats = pack_documents(docs, identity, chat_tokenizer, job)
+    return pack_documents(docs, identity, tokenizer, job)
+
+
+def test_prompt_completion_pairs_are_a_user_and_an_assistant_turn(tmp_path, chat_tokenizer):
+    blocks, stats = _packed_pairs(tmp_path, chat_tokenizer, PAIRS, 256)
     row = blocks["train"][0]
     trained = [i for i, label in zip(row["input_ids"], row["labels"]) if label != -100]
     assert chat_tokenizer.decode(trained) == "Hi!<|im_end|>\nOne, two.<|im_end|>\n"
@@ -72,11 +77,31 @@ def test_prompt_completion_pairs_are_a_user_and_an_assistant_turn(tmp_path, chat
 
 def test_whole_documents_packed_with_positions_restarting():
     a, b, c = ([1, 2, 3], [1, 2, 3]), ([4, 5], [-100, 5]), ([6] * 9, [6] * 9)
-    blocks, cut = pack_whole([a, b, c], 8, pad_id=0)
-    assert cut == 1 and len(blocks) == 2
+    blocks, cut, dropped = pack_whole([a, b, c], 8, pad_id=0)
+    assert cut == 1 and dropped == 0 and len(blocks) == 2
     assert blocks[0] == {"input_ids": [1, 2, 3, 4, 5, 0, 0, 0], "labels": [-100, 2, 3, -100, 5, -100, -100, -100],
                          "position_ids": [0, 1, 2, 0, 1, 0, 1, 2]}
     assert blocks[1] == {"input_ids": [6] * 8, "labels": [-100] + [6] * 7, "position_ids": list(range(8))}
+
+
+def test_documents_without_a_trained_label_after_the_cut_are_dropped():
+    """A conversation cut before its assistant turn (or with none) would make a block of -100 labels,
+    whose mean loss is 0/0 = NaN under loss_normalization "micro_batch": it is dropped and counted."""
+    kept = ([1, 2, 3], [-100, 2, 3])
+    late_answer = ([4] * 6 + [5, 6], [-100] * 6 + [5, 6])  # the answer starts after the cut at 4
+    first_label_only = ([7, 8], [7, -100])  # a block's first label of a document is always -100
+    blocks, cut, dropped = pack_whole([late_answer, kept, first_label_only], 4, pad_id=0)
+    assert (cut, dropped) == (1, 2)
+    assert blocks == [{"input_ids": [1, 2, 3, 0], "labels": [-100, 2, 3, -100], "position_ids": [0, 1, 2, 0]}]
+
+
+def test_chat_stats_count_the_dropped_conversations(tmp_path, chat_tokenizer):
+    long_prompt = {"prompt": " ".join(["Count to two."] * 40), "completion": "One, two."}
+    blocks, stats = _packed_pairs(tmp_path, chat_tokenizer, [long_prompt, *PAIRS], 64)
+    assert stats["train"]["cut_to_seq_len"] == 1 and stats["train"]["dropped_without_trained_labels"] == 1
+    assert all(any(label != -100 for label in row["labels"]) for row in blocks["train"])
+    trained = [i for row in blocks["train"] for i, label in zip(row["input_ids"], row["labels"]) if label != -100]
+    assert chat_tokenizer.decode(trained) == "Hi!<|im_end|>\nOne, two.<|im_end|>\n"
 
 
 def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -106,7 +131,7 @@ def test_packed_documents_give_the_losses_of_separate_runs(kind, attn):
 
     model = make_pp_model(kind, attn=attn).double()
     docs = _two_documents()
-    blocks, _ = pack_whole(docs, 16, pad_id=0)
+    blocks, _, _ = pack_whole(docs, 16, pad_id=0)
     batch = model_batch({k: [blocks[0][k]] for k in blocks[0]})
     packed = _token_losses(model(**batch).logits, batch["labels"])
     alone = torch.cat([_token_losses(model(input_ids=torch.tensor([ids]), use_cache=False).logits,
@@ -265,3 +290,20 @@ def test_validation_loss_is_the_token_mean_of_the_split():
     engine, _, _, _ = parallel3d.initialize(model=model, config={**ds_config(0, 2, 1), "train_batch_size": 4,
                                                                   "loss_normalization": "tokens"})
     assert evaluate(engine, blocks, 1, None) == pytest.approx(losses.mean().item(), rel=1e-6)
+
+
+def test_validation_without_label_tokens_is_refused():
+    """Under the token mean a validation split with no label token has no loss: one clear error, not 0/0."""
+    import datasets
+
+    import parallel3d
+    from parallel3d.job.trainer import evaluate
+    from tests.tiny import ds_config, make_model
+
+    rows = [pack_whole(_two_documents(seed), 16, pad_id=0)[0][0] for seed in range(2)]
+    for row in rows:
+        row["labels"] = [-100] * len(row["labels"])
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config={
+        **ds_config(0, 2, 1), "train_batch_size": 4, "loss_normalization": "tokens"})
+    with pytest.raises(ConfigError, match="validation: no block of the validation split has a label token"):
+        evaluate(engine, datasets.Dataset.from_list(rows), 1, None)

@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel3d.batch_check import IGNORE_INDEX
 from parallel3d.context_parallel.ulysses import UlyssesAttention
 from parallel3d.errors import ConfigError
 
-IGNORE_INDEX = -100
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")
 
 

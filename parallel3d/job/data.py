@@ -25,10 +25,11 @@ from itertools import chain
 import numpy as np
 from pathlib import Path
 
+from parallel3d.batch_check import IGNORE_INDEX
 from parallel3d.errors import ConfigError
 from parallel3d.job.cache import cached_dir, key_of
 from parallel3d.job.chat import chat_columns, conversation, tokenize_conversation
-from parallel3d.job.packing import pack_whole
+from parallel3d.job.packing import has_trained_label, pack_whole
 from parallel3d.job.config import JobConfig
 from parallel3d.job.corpus import pydoc_documents, pydoc_identity
 
@@ -193,20 +194,23 @@ def _chat_blocks(dataset, split: str, tokenizer, seq_len: int, num_proc, fingerp
         pairs = [tokenize_conversation(tokenizer, conversation(row, f"data: {split} row {i}"), f"data: {split} row {i}")
                  for i, row in zip(indices, rows)]
         return {"input_ids": [ids for ids, _ in pairs], "labels": [labels for _, labels in pairs],
-                "n": [len(ids) for ids, _ in pairs], "trained": [sum(x != -100 for x in lab[1:]) for _, lab in pairs]}
+                "n": [len(ids) for ids, _ in pairs], "trained": [sum(x != IGNORE_INDEX for x in lab[1:]) for _, lab in pairs],
+                "untrained_after_cut": [not has_trained_label(lab[:seq_len]) for _, lab in pairs]}
 
     def pack(batch):
-        blocks, _ = pack_whole(zip(batch["input_ids"], batch["labels"]), seq_len, pad)
+        blocks, _, _ = pack_whole(zip(batch["input_ids"], batch["labels"]), seq_len, pad)
         return {k: [b[k] for b in blocks] for k in ("input_ids", "labels", "position_ids")}
 
     docs = dataset.map(render, batched=True, batch_size=MAP_BATCH, with_indices=True, remove_columns=dataset.column_names,
                        num_proc=num_proc, new_fingerprint=f"{fingerprint}-chat", desc="render chat")
     lengths = docs.data.column("n").to_numpy() if len(docs) else np.zeros(0, dtype=np.int64)
     trained = int(docs.data.column("trained").to_numpy().sum()) if len(docs) else 0
+    untrained = int(docs.data.column("untrained_after_cut").to_numpy().sum()) if len(docs) else 0
     blocks = docs.map(pack, batched=True, batch_size=MAP_BATCH, remove_columns=docs.column_names, num_proc=num_proc,
                       new_fingerprint=f"{fingerprint}-chat-pack", desc="pack whole")
     return blocks, {"documents": len(dataset), "tokens": int(lengths.sum()), "blocks": len(blocks),
-                    "trained_tokens_before_cuts": trained, "cut_to_seq_len": int((lengths > seq_len).sum())}
+                    "trained_tokens_before_cuts": trained, "cut_to_seq_len": int((lengths > seq_len).sum()),
+                    "dropped_without_trained_labels": untrained}
 
 
 def pack_documents(docs: dict, identity: dict, tokenizer, job: JobConfig) -> tuple[dict, dict]:
@@ -216,7 +220,7 @@ def pack_documents(docs: dict, identity: dict, tokenizer, job: JobConfig) -> tup
     seq_len = job.data.seq_len
     chat = job.data.format == "chat"
     key = key_of({"packed": 1, "corpus": identity, "tokenizer": tokenizer_key(tokenizer), "seq_len": seq_len,
-                  **({"chat": 1, "template": tokenizer.chat_template} if chat else {})})
+                  **({"chat": 2, "template": tokenizer.chat_template} if chat else {})})
     stats: dict = {}
 
     def build(tmp: Path) -> None:

@@ -146,7 +146,9 @@ def describe(p: Prepared) -> str:
     s, d = p.stats["train"], p.job.data
     val = p.stats.get("validation")
     val_text = f", validation {val['blocks']} blocks" if val else ", no validation"
-    chat = (f" (chat: whole conversations, {s['cut_to_seq_len']} cut to seq_len, labels on the assistant's turns)"
+    chat = (f" (chat: whole conversations, {s['cut_to_seq_len']} cut to seq_len, "
+            f"{s.get('dropped_without_trained_labels', 0)} dropped with no assistant token left, "
+            "labels on the assistant's turns)"
             if "cut_to_seq_len" in s else "")
     return (f"data: {s['documents']} documents, {s['tokens']:,} tokens -> {s['blocks']} blocks of {d.seq_len}{chat}"
             f"{val_text}; tokenizer: {len(p.tokenizer)} tokens; world {p.world_size} (dp {p.dp}), "

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import yaml
 
 import parallel3d
+from parallel3d.errors import ConfigError
 from parallel3d.job.checkpoints import Pruner, checkpoint_root
 from parallel3d.job.metrics import Metrics, summary_text
 from parallel3d.job.lora import apply_lora
@@ -63,7 +64,11 @@ def evaluate(engine, blocks, micro: int, max_batches: int | None) -> float:
         total += engine.eval_batch(iter(part), num_micro_batches=len(part)) * weight
         count += weight
     engine.train()
-    return total / count  # prepare() refused a validation split with fewer than dp x micro blocks
+    if count == 0:  # only under the token mean: prepare() refused a validation split of fewer than dp x micro blocks
+        raise ConfigError("validation: no block of the validation split has a label token (every label is -100), so "
+                          "its loss is undefined; give validation data with trained tokens or set "
+                          "data.validation_fraction to 0 (no validation)")
+    return total / count
 
 
 def _agreed_stop(engine, stop: StopSignals) -> int:
