@@ -33,7 +33,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 
 
 def adapter_key(name: str, adapter: str) -> str:
-    """``peft``'s key in an adapter file for the HF model's parameter ``name`` of ``adapter``."""
+    """``peft``'s key in an adapter file for the HF model's parameter ``name`` of ``adapter``: the
+    adapter's name left out, and a ``modules_to_save`` copy saved under the module's own name (as
+    ``peft.get_peft_model_state_dict`` writes them)."""
+    name = name.replace(f".modules_to_save.{adapter}.", ".")
     return "base_model.model." + name.replace(f".{adapter}.", ".")
 
 

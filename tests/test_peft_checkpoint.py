@@ -93,3 +93,16 @@ def test_merged_needs_a_base_and_a_peft_checkpoint(dist, tmp_path):
     assert main([str(ckpt), str(tmp_path / "out"), "--merged"]) == 2
     assert main([str(ckpt), str(tmp_path / "out"), "--merged", "--base", str(tmp_path / "nowhere")]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_adapter_keys_are_those_peft_saves():
+    """Our names for a checkpoint's trained parameters map to the keys peft writes (and reads),
+    a modules_to_save copy included."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    from parallel3d.export_adapter import adapter_key
+
+    model = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    ours = {adapter_key(n, "default") for n, p in model.base_model.model.named_parameters() if p.requires_grad}
+    assert any("lm_head" in k for k in ours)
+    assert ours == set(get_peft_model_state_dict(model))

@@ -99,7 +99,8 @@ def _refusal(tp_extra: dict, targets: tuple[str, ...], **lora) -> str:
     ({"sequence_parallel": True}, ("q_proj",), {}, "sequence_parallel with PEFT adapters is not supported"),
     ({}, ("q_proj",), {"use_dora": True}, "a LoRA variant (DoRA and the like"),
     ({}, ("q_proj",), {"lora_dropout": 0.1}, "lora_dropout 0.1 around a column-parallel layer inside a split region"),
-], ids=["head", "sequence_parallel", "dora", "dropout"])
+    ({}, ("q_proj",), {"modules_to_save": ["lm_head"]}, "(modules_to_save or trainable_token_indices) under tensor"),
+], ids=["head", "sequence_parallel", "dora", "dropout", "modules_to_save"])
 def test_adapters_tp_cannot_split_are_refused(dist, tp_extra, targets, lora, message):
     for got in dist.run(2, _refusal, tp_extra, targets, **lora):
         assert message in got

@@ -143,7 +143,15 @@ def _check_intermediate(model: nn.Module, world: int) -> None:
 
 def _check_vocab_adapters(model: nn.Module) -> None:
     """Refuse LoRA adapters on the input embedding or the lm head: the vocabulary-parallel layers
-    replace both and would drop them."""
+    replace both and would drop them. Refuse peft's trained copies of whole modules
+    (``modules_to_save``, ``trainable_token_indices``): tensor parallelism would split or replace
+    the module inside the wrapper, not the copy that trains."""
+    for name, module in model.named_modules():
+        if hasattr(module, "original_module") and hasattr(module, "adapter_state_dict_load_map"):
+            raise ConfigError(f"peft's {type(module).__name__} around {name} (modules_to_save or "
+                              "trainable_token_indices) under tensor parallelism is not supported: the tensor-parallel "
+                              "layers would replace the module it wraps, not the copy that trains; train it with "
+                              "tensor_parallel.size 1, or leave it out of modules_to_save")
     for what, module in (("input embedding", model.get_input_embeddings()), ("lm head", model.get_output_embeddings())):
         if isinstance(module, nn.Module) and (is_adapter_layer(module) or hasattr(module, "lora_embedding_A")):
             raise ConfigError(f"LoRA adapters on the {what} ({type(module).__name__}) under tensor parallelism: the "
