@@ -117,10 +117,8 @@ class Engine(DeepSpeedSurface):
     @_explained
     def forward(self, *args, **kwargs):
         self._per_micro_batch_call("forward (engine(...))")
-        if not self._batches_checked and (problem := first_problem(
-                [call_arguments(args, kwargs, self._arg_names)], self._vocab_size,
-                cache_on=self._cache_on)) is not None:
-            raise ConfigError(f"engine(...): {problem}")
+        if not self._batches_checked:
+            self._check_call(call_arguments(args, kwargs, self._arg_names))
         self.optimizer.gather_for_forward()
         if torch.is_grad_enabled():  # gradients may arrive from here on (see GradientReducer.start_backward)
             self.optimizer.start_backward(self._reduces_now())
@@ -183,9 +181,10 @@ class Engine(DeepSpeedSurface):
         """Backward of ``loss / gradient_accumulation_steps`` (times the fp16 loss scale); returns the divided loss.
 
         With ``loss_normalization: "tokens"`` the loss is one the model divided by the global
-        batch's label tokens (``num_items_in_batch``): it is not divided by the accumulation
-        steps but multiplied by the data-parallel size, so that the dp average of the gradients
-        is their sum (parallel3d/token_mean.py); ``scale_wrt_gas`` does not apply.
+        batch's label tokens (``num_items_in_batch``, which ``engine(...)`` insists on): it is not
+        divided by the accumulation steps but multiplied by the data-parallel size, so that the dp
+        average of the gradients is their sum (parallel3d/token_mean.py); ``scale_wrt_gas`` does
+        not apply.
 
         DeepSpeed's order of operations, so that fp16 overflows the same way: the loss is
         divided by the accumulation steps in its own dtype first, then multiplied by the loss
@@ -279,6 +278,22 @@ class Engine(DeepSpeedSurface):
         with self._checked():
             return self._dp_mean(self.loop.evaluate(self._counted([self._to_device(b) for b in batches])))
 
+    def _check_call(self, call: dict) -> None:
+        """Refuse a direct ``engine(...)`` call's batch on every rank if any rank's is invalid (one
+        all-reduce of a flag): a rank raising alone would leave the others waiting in the forward's
+        or backward's collectives until the timeout. Under ``loss_normalization: "tokens"`` a call
+        with labels must carry ``num_items_in_batch`` (`token_mean.call_problem`)."""
+        problem = first_problem([call], self._vocab_size, cache_on=self._cache_on)
+        if problem is None and self.token_mean:
+            problem = token_mean.call_problem(call)
+        raise_on_every_rank(ConfigError(f"engine(...){self._on_rank()}: {problem}") if problem is not None else None,
+                            self.device)
+
+    @staticmethod
+    def _on_rank() -> str:
+        """" on rank N" where there are several ranks, for messages raised on all of them."""
+        return f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
+
     def _check_batches(self, batches: list, what: str) -> None:
         """Raise one ConfigError on every rank if any rank's micro-batches hold token ids outside the
         vocabulary, or are empty (one all-reduce of a flag; the batches are checked where they are)."""
@@ -288,8 +303,8 @@ class Engine(DeepSpeedSurface):
         if self.sequence_split is not None:  # the cp group's agreement is a collective: every rank takes part
             differing = self.sequence_split.differing(batches, self.device)
             problem = problem or next((p for p in map(self.sequence_split.problem, batches) if p is not None), differing)
-        rank = f" on rank {dist.get_rank()}" if dist.is_initialized() and dist.get_world_size() > 1 else ""
-        raise_on_every_rank(ConfigError(f"{what}{rank}: {problem}") if problem is not None else None, self.device)
+        raise_on_every_rank(ConfigError(f"{what}{self._on_rank()}: {problem}") if problem is not None else None,
+                            self.device)
 
     @contextlib.contextmanager
     def _checked(self):

@@ -42,6 +42,7 @@ from parallel3d.world import default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
 from parallel3d.planner.auto import resolve_auto
 from parallel3d.stage3_notice import persistence_notice
+from parallel3d import token_mean
 from parallel3d.watchdog import Watchdog, set_timeout
 from parallel3d.worker_errors import install as install_worker_errors
 from zero import ZeroOptimizer
@@ -179,6 +180,8 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     check_context_parallel(model, cfg)
+    if cfg.loss_normalization == "tokens" and (problem := token_mean.model_problem(model)) is not None:
+        raise ConfigError(problem)
     groups = _param_groups(model, model_parameters)
     names = {p: n for n, p in model.named_parameters()}
     named_groups = [dict(g, params=[names[p] for p in g["params"]]) for g in groups]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from parallel3d.batch_check import IGNORE_INDEX
 
@@ -38,6 +39,34 @@ def batch_problem(batch) -> str | None:
         return ('loss_normalization "tokens": the micro-batch already holds num_items_in_batch; the engine counts '
                 'the step\'s label tokens itself (leave it out, or use loss_normalization "micro_batch")')
     return None
+
+
+def call_problem(call: dict) -> str | None:
+    """Why a direct ``engine(...)`` call would give a loss the engine scales wrongly, or None.
+
+    The engine's backward skips the division by the accumulation steps and multiplies by the
+    data-parallel size, which is right only for a loss divided by the global batch's label
+    tokens; a call with labels but without ``num_items_in_batch`` gets the micro-batch's mean,
+    and its gradients would come out (accumulation steps x dp) times too large.
+    """
+    labelled = any(isinstance(call.get(k), torch.Tensor) for k in ("labels", "shift_labels"))
+    if not labelled or call.get("num_items_in_batch") is not None:
+        return None
+    return ('loss_normalization "tokens": a call with labels needs num_items_in_batch, the label tokens of the whole '
+            "optimizer step on every data-parallel rank (parallel3d.token_mean.global_label_tokens(window_batches, "
+            "engine.mesh.dp_group, engine.device)); or use engine.train_batch(data_iter), which counts them, or "
+            'loss_normalization "micro_batch"')
+
+
+def model_problem(model: nn.Module) -> str | None:
+    """Why ``model``'s loss cannot be the token mean, or None: transformers marks a model class whose
+    loss ignores ``num_items_in_batch`` with ``accepts_loss_kwargs = False`` (HF Trainer reads it too).
+    ``model`` is the HF model (initialize unwraps a PeftModel first)."""
+    if getattr(type(model), "accepts_loss_kwargs", None) is not False:
+        return None
+    return (f'loss_normalization "tokens": {type(model).__name__} computes its loss without num_items_in_batch '
+            "(its class sets accepts_loss_kwargs = False), so its loss would stay a per-micro-batch mean and the "
+            'engine would scale its gradients wrongly; use loss_normalization "micro_batch"')
 
 
 def label_tokens(batch: dict) -> torch.Tensor:

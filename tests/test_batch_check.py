@@ -1,5 +1,7 @@
-"""Token ids outside the vocabulary, negative ids and empty micro-batches stop with one message on
-every rank, at tp 1 and tp 2 alike, before the forward changes anything (issue 35)."""
+"""Token ids outside the vocabulary, negative ids, empty micro-batches and packed rows without
+use_cache=False stop with one message on every rank, at tp 1 and tp 2 alike, before the forward
+changes anything (issue 35), also where only one rank's batch is bad (in train_batch and in a
+direct engine(...) call alike)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ def bad_batches(tp: int) -> dict:
     on_rank_1 = high if rank == 1 else _batch()  # only one rank holds the bad batch
     negative_labels = _batch()
     negative_labels["labels"][0, 0] = -1
+    packed = _batch(position_ids=torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]] * 2))  # two documents a row, no use_cache=False
     ignored = _batch()
     ignored["labels"][:, :3] = -100
     out = {
@@ -56,6 +59,9 @@ def bad_batches(tp: int) -> dict:
         "tuple": _error(lambda: engine.train_batch(iter([as_tuple(high)]))),
         "list_labels": _error(lambda: engine.eval_batch(iter([list(as_tuple(negative_labels))]))),
         "forward_positional": _error(lambda: engine(torch.full((2, 8), VOCAB + 5))),
+        # a direct call whose batch is bad on rank 1 only: rank 0 must not go on into the collectives
+        "forward_on_rank_1": _error(lambda: engine(**on_rank_1)),
+        "packed_on_rank_1": _error(lambda: engine(**(packed if rank == 1 else _batch()))),
     }
     after = engine.full_parameters()
     out["unchanged"] = engine.global_steps == steps and all(torch.equal(before[k], after[k]) for k in before)
@@ -79,14 +85,19 @@ def test_token_ids_outside_the_vocabulary_stop_every_rank_before_the_forward(dis
             "in [0, 127) or -100 (ignored), where"), out
         assert out["empty"] == ("ConfigError: train_batch on rank 0: input_ids is empty (shape [0, 8]); a micro-batch "
                                 "needs at least one sequence of at least one token"), out
-        assert out["forward"].startswith("ConfigError: engine(...): input_ids holds 132, outside"), out  # each rank's own
+        assert out["forward"].startswith("ConfigError: engine(...) on rank 0: input_ids holds 132, outside"), out
+        assert out["forward_on_rank_1"].startswith(
+            "ConfigError: engine(...) on rank 1: input_ids holds 127, outside the model's vocabulary"), out
+        assert out["packed_on_rank_1"].startswith(
+            "ConfigError: engine(...) on rank 1: position_ids restart inside a row (packed documents) but use_cache is "
+            "not False"), out
         assert out["tuple"] == (
             "ConfigError: train_batch on rank 0: input_ids (item 0 of the tuple) holds 127, outside the model's "
             "vocabulary: token ids must be in [0, 127), where 127 is the model config's vocab_size (a tokenizer "
             "larger than the model, or padding with -1?)"), out["tuple"]  # every rank holds "high": rank 0 is named
         assert out["list_labels"].startswith("ConfigError: eval_batch on rank 0: labels (item 5 of the list) holds -1, "
                                              "outside the model's vocabulary: token ids must be in [0, 127) or -100"), out
-        assert out["forward_positional"].startswith("ConfigError: engine(...): input_ids holds 132, outside"), out
+        assert out["forward_positional"].startswith("ConfigError: engine(...) on rank 0: input_ids holds 132, outside"), out
         assert out["unchanged"] and out["ignored_labels_train"] and out["tuple_trains"], (rank, out)
 
 

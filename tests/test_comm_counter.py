@@ -255,9 +255,9 @@ def test_tp_all_reduces_per_layer(tp_counts):
         bsh = bs * h
         assert r["summary"] == {
             # per layer 2 (attention, MLP outputs) + the vocab-parallel embedding's lookup;
-            # the cross entropy's max (b*s) and [sum exp, target logit] (2*b*s)
-            ("forward", "tp", "all_reduce"): (2 * L + 3, (2 * L + 1) * bsh + 3 * bs,
-                                              {bsh: 2 * L + 1, bs: 1, 2 * bs: 1}),
+            # the cross entropy's max (b*s) and [sum exp, target logit] (2*b*s); engine(...)'s batch check (1)
+            ("forward", "tp", "all_reduce"): (2 * L + 4, (2 * L + 1) * bsh + 3 * bs + 1,
+                                              {bsh: 2 * L + 1, bs: 1, 2 * bs: 1, 1: 1}),
             # per layer 2 (the regions' input grads) + the lm head's input grad
             ("backward", "tp", "all_reduce"): (2 * L + 1, (2 * L + 1) * bsh, {bsh: 2 * L + 1}),
             ("step", "tp", "all_reduce"): (1, 1, {1: 1}),  # tp-split part of the squared grad norm
@@ -275,9 +275,9 @@ def test_tp_sequence_parallel_per_layer(tp_counts):
         assert r["summary"] == {
             # region entries gather the sequence (2 per layer) + the last block's exit gather
             ("forward", "tp", "all_gather"): (2 * L + 1, (2 * L + 1) * bsh, {bsh: 2 * L + 1}),
-            # row outputs (2 per layer), embedding, CE
-            ("forward", "tp", "all_reduce"): (3 + 2 * L, (1 + 2 * L) * bsh + 3 * bs,
-                                              {bsh: 1 + 2 * L, bs: 1, 2 * bs: 1}),
+            # row outputs (2 per layer), embedding, CE, engine(...)'s batch check
+            ("forward", "tp", "all_reduce"): (4 + 2 * L, (1 + 2 * L) * bsh + 3 * bs + 1,
+                                              {bsh: 1 + 2 * L, bs: 1, 2 * bs: 1, 1: 1}),
             ("backward", "tp", "all_gather"): (2 * L + 1, (2 * L + 1) * bsh, {bsh: 2 * L + 1}),  # + first block's split
             # region entries (2 per layer), head input grad, the norms' partial grads (2 per layer, h each)
             ("backward", "tp", "all_reduce"): (4 * L + 1, (1 + 2 * L) * bsh + 2 * L * h, {bsh: 1 + 2 * L, h: 2 * L}),

@@ -185,3 +185,36 @@ def test_refuses_batches_it_cannot_count(dist):
     """A rank whose micro-batch has no labels stops every rank with one message, before the count."""
     for message in dist.run(2, _tuple_batches):
         assert message is not None and 'loss_normalization "tokens" needs each micro-batch as a dict' in message
+
+
+def test_direct_call_with_labels_needs_num_items_in_batch():
+    """engine(**batch) under "tokens" without num_items_in_batch would get the micro-batch mean, which
+    backward scales as a token-mean loss (no 1/accumulation, times dp): refused; train_batch still trains."""
+    import parallel3d
+    from parallel3d.errors import ConfigError
+    from parallel3d.token_mean import global_label_tokens
+
+    engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config={
+        **ds_config(0, 2, 1), "loss_normalization": "tokens"})
+    window = rank_windows(1, 0, MICRO)[0][:2]
+    with pytest.raises(ConfigError, match=r'engine\(\.\.\.\): loss_normalization "tokens": a call with labels needs '
+                                          r"num_items_in_batch, .*global_label_tokens.*train_batch.*\"micro_batch\""):
+        engine(**window[0])
+    assert engine(input_ids=window[0]["input_ids"]).loss is None  # no labels: nothing to scale
+    count = global_label_tokens(window, engine.mesh.dp_group, engine.device)
+    assert torch.isfinite(engine(**window[0], num_items_in_batch=count).loss)
+    assert torch.isfinite(torch.tensor(engine.train_batch(iter(window))))
+
+
+def test_model_whose_loss_ignores_num_items_is_refused():
+    """transformers marks such classes (qwen3_vl, glm4v) accepts_loss_kwargs = False: refused under
+    "tokens" at initialize, accepted under "micro_batch"."""
+    import parallel3d
+    from parallel3d.errors import ConfigError
+
+    model = make_model("llama")
+    model.__class__ = type("NoLossKwargsForCausalLM", (type(model),), {"accepts_loss_kwargs": False})
+    with pytest.raises(ConfigError, match='loss_normalization "tokens": NoLossKwargsForCausalLM computes its loss '
+                                          "without num_items_in_batch .*accepts_loss_kwargs = False"):
+        parallel3d.initialize(model=model, config={**ds_config(0, 1, 1), "loss_normalization": "tokens"})
+    parallel3d.initialize(model=model, config=ds_config(0, 1, 1))
