@@ -281,13 +281,20 @@ class Engine(DeepSpeedSurface):
     def _check_call(self, call: dict) -> None:
         """Refuse a direct ``engine(...)`` call's batch on every rank if any rank's is invalid (one
         all-reduce of a flag): a rank raising alone would leave the others waiting in the forward's
-        or backward's collectives until the timeout. Under ``loss_normalization: "tokens"`` a call
+        or backward's collectives until the timeout. A forward with no collective in it (no_grad at
+        ZeRO 0-2 without tp or cp: an evaluation on rank 0 alone) checks locally instead. Under ``loss_normalization: "tokens"`` a call
         with labels must carry ``num_items_in_batch`` (`token_mean.call_problem`)."""
         problem = first_problem([call], self._vocab_size, cache_on=self._cache_on)
         if problem is None and self.token_mean:
             problem = token_mean.call_problem(call)
-        raise_on_every_rank(ConfigError(f"engine(...){self._on_rank()}: {problem}") if problem is not None else None,
-                            self.device)
+        error = ConfigError(f"engine(...){self._on_rank()}: {problem}") if problem is not None else None
+        if not (torch.is_grad_enabled() or self.optimizer.settings.stage == 3 or self.mesh.tp > 1 or self.mesh.cp > 1):
+            # a forward without collectives (evaluation under no_grad, ZeRO 0-2, no tp or cp) may run on
+            # some ranks only, as in DeepSpeed: its check stays local, and so does its error
+            if error is not None:
+                raise error
+            return
+        raise_on_every_rank(error, self.device)
 
     @staticmethod
     def _on_rank() -> str:

@@ -124,3 +124,24 @@ def test_tuple_batches_are_read_by_the_forwards_parameter_names():
         "labels (item 5 of the tuple) has dtype float32; token ids must be integers")
     assert batch_problem(as_tuple(high), VOCAB, ()) is None  # a forward without named parameters: not read
     assert positional_names(torch.nn.Linear(2, 2)) == ("input",)
+
+
+def _evaluate_on_rank_0_alone() -> float | None:
+    """A no_grad forward on rank 0 only (ZeRO 2, no tp): it has no collective, so it must not wait
+    for the other rank in a check of its batch."""
+    import parallel3d
+    from tests.tiny import make_model
+
+    engine, *_ = parallel3d.initialize(model=make_model("llama"), config=ds_config(2, 1, 2))
+    loss = None
+    if torch.distributed.get_rank() == 0:
+        with torch.no_grad():
+            ids = torch.arange(16).view(2, 8)
+            loss = float(engine(input_ids=ids, labels=ids).loss)
+    torch.distributed.barrier()
+    return loss
+
+
+def test_an_evaluation_on_one_rank_does_not_wait_for_the_others(dist):
+    losses = dist.run(2, _evaluate_on_rank_0_alone, timeout=120)
+    assert losses[0] is not None and losses[1] is None
