@@ -167,7 +167,8 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
                     micro_batch=None if micro_auto else cfg.train_micro_batch_size_per_gpu,
                     schedule=pipeline.get("schedule"), virtual_stages=pipeline.get("virtual_stages"),
                     checkpointing=pipeline.get("activation_checkpointing"),
-                    sequence_parallel=cfg.tensor_parallel.sequence_parallel)
+                    sequence_parallel=cfg.tensor_parallel.sequence_parallel,
+                    hybrid_sharding=False)  # "auto" sets the four keys above, not mics_shard_size
     hw = _hardware(hints, world, device)
     with torch.device("meta"):
         shape_model = type(model)(copy.deepcopy(model.config))

@@ -54,6 +54,14 @@ class Layout:
     virtual_stages: int = 1
     checkpointing: bool = False
     sequence_parallel: bool = False
+    shard: int | None = None
+    """Hybrid sharding (``zero_optimization.mics_shard_size``): ZeRO shards over groups of this many
+    data-parallel ranks and replicates across them; None: over all dp (flat)."""
+
+    @property
+    def zero_shard(self) -> int:
+        """The ranks ZeRO shards over."""
+        return self.shard or self.dp
 
     @property
     def world(self) -> int:
@@ -65,7 +73,8 @@ class Layout:
     def describe(self) -> str:
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         extras = "".join([" ac" if self.checkpointing else "", " sp" if self.sequence_parallel else ""])
-        return f"pp{self.pp} dp{self.dp} tp{self.tp} z{self.zero_stage} mb{self.micro_batch}{sched}{extras}"
+        hybrid = f" hs{self.shard}" if self.shard else ""
+        return f"pp{self.pp} dp{self.dp} tp{self.tp} z{self.zero_stage}{hybrid} mb{self.micro_batch}{sched}{extras}"
 
 
 @dataclass(frozen=True)
@@ -261,7 +270,7 @@ class Planner:
 
     def zero(self, layout: Layout) -> ZeroSetup:
         w = self.workload
-        return ZeroSetup(layout.zero_stage, layout.dp, w.work_bytes, w.optimizer, w.bucket_size,
+        return ZeroSetup(layout.zero_stage, layout.zero_shard, w.work_bytes, w.optimizer, w.bucket_size,
                          w.persistence_threshold, offload_optimizer=w.offload_optimizer and layout.zero_stage >= 1,
                          offload_params=w.offload_params and layout.zero_stage == 3)
 

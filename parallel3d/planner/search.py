@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.schedules import SCHEDULES
@@ -42,6 +42,8 @@ class Choice:
     checkpointing: bool | None = None
     sequence_parallel: bool | None = None
     max_micro_batch: int = 16
+    hybrid_sharding: bool = True
+    """Also price ZeRO in one shard group per node (``mics_shard_size``) where dp spans nodes."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -90,13 +92,30 @@ def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice(),
                     for stage in _pick(choice.zero_stage, (0, 1, 2, 3)):
                         for ac in _pick(choice.checkpointing, (False, True)):
                             for sp in _pick(choice.sequence_parallel, (False, True) if tp > 1 else (False,)):
-                                layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp)
-                                try:
-                                    planner.check(layout)
-                                except ConfigError as exc:
-                                    refuse(str(exc))
-                                    continue
-                                yield layout
+                                for shard in _shard_sizes(stage, dp, tp, hw) if choice.hybrid_sharding else [None]:
+                                    layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard)
+                                    try:
+                                        planner.check(layout)
+                                    except ConfigError as exc:
+                                        refuse(str(exc))
+                                        continue
+                                    yield layout
+
+
+def _shard_sizes(stage: int, dp: int, tp: int, hw: Hardware) -> list[int | None]:
+    """Flat ZeRO (None), and at stages 1-3 where dp spans nodes hybrid sharding with shard groups of
+    one node's data-parallel ranks, or 2, 4, ... nodes' (``mics_shard_size``): a group of one node
+    gathers and reduces over the node's links; a larger one, for a model whose states need more
+    ranks, over fewer nodes than flat ZeRO. Only 1/S of the gradient crosses groups, once per step."""
+    per_node = hw.gpus_per_node // tp
+    if stage == 0 or per_node < 2 or dp <= per_node or dp % per_node:
+        return [None]
+    sizes: list[int | None] = [None]
+    shard = per_node
+    while shard < dp and dp % shard == 0:
+        sizes.append(shard)
+        shard *= 2
+    return sizes
 
 
 def _schedules(pp: int, microbatches: int, blocks: int, choice: Choice) -> list[tuple[str, int]]:
@@ -203,6 +222,10 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
             unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
             continue
         timed.append((sum(parts.values()), layout))
+    # hybrid sharding holds more per rank than flat ZeRO over the same ranks: worth a row only faster
+    flat = {layout: step for step, layout in timed if layout.shard is None}
+    timed = [(step, layout) for step, layout in timed
+             if layout.shard is None or step < flat.get(replace(layout, shard=None), float("inf"))]
     timed.sort(key=lambda t: t[0])
     fit: list[Prediction] = []
     for step, layout in timed:

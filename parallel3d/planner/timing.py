@@ -72,9 +72,14 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
         step_costs = Costs(fwd, bwd / 2 if split else bwd, bwd / 2 if split else 0.0,
                            pp_link.seconds("send", hidden_bytes, 2))
         pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
-    dp_link = hw.link(layout.tp, layout.dp)
+    dp_link = hw.link(layout.tp, layout.zero_shard)  # ZeRO's collectives stay inside a shard group
     exposed = max(dp_seconds(c.params, zero, dp_link, m, pipelined=layout.pp > 1, overlap=overlap,
                              compute=(c.forward, c.backward)) for c in costs)
+    replicas = layout.dp // layout.zero_shard
+    if replicas > 1:  # hybrid sharding: each reduced gradient shard averaged across the replicas, once per step
+        replica_link = hw.link(layout.tp * layout.zero_shard, replicas)
+        exposed += max(replica_link.seconds("all_reduce", _shard_numel(c.params, zero) * zero.work_bytes, replicas)
+                       for c in costs)
     per_element = 4 * (2 * zero.optimizer.elementwise + 4) + zero.work_bytes
     optimizer = max(_shard_numel(c.params, zero) for c in costs) * per_element / (hw.memory_bandwidth * hw.memory_efficiency)
     tied = pp_link.seconds("send", tied_numel * zero.work_bytes, 2) if tied_numel else 0.0
