@@ -206,3 +206,28 @@ def _saved_chunks() -> tuple[int, int]:
 def test_only_the_first_replica_writes_checkpoint_chunks(dist):
     written = dist.run(4, _saved_chunks)
     assert all((count > 0) == (replica == 0) for replica, count in written)
+
+
+def _train_composed(kind: str) -> tuple[list[float], dict]:
+    """2 replicas x 2 at stage 3, started from the meta device (each rank fills in its shards with
+    eager init's values), or under tp 2 with sequence parallelism (8 ranks)."""
+    import parallel3d
+
+    tp = 2 if kind == "sequence_parallel" else 1
+    dp = torch.distributed.get_world_size() // tp
+    config = _config(3, dp, 2, tp)
+    if tp > 1:
+        config["tensor_parallel"]["sequence_parallel"] = True
+    if kind == "meta":
+        with torch.device("meta"):
+            model = make_model("llama")
+    else:
+        model = make_model("llama")
+    engine, _, _, _ = parallel3d.initialize(model=model, config=config)
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
+    return [engine.train_batch(data_iter) for _ in range(STEPS)], engine.full_parameters()
+
+
+@pytest.mark.parametrize("kind,world", [("meta", 4), ("sequence_parallel", 8)])
+def test_hybrid_sharding_from_the_meta_device_and_with_sequence_parallelism(dist, kind, world):
+    _assert_matches([(*r, None) for r in dist.run(world, _train_composed, kind)], dp=4, pp=1)
