@@ -145,9 +145,6 @@ class ParallelMesh:
     def _mesh_of(self, name: str) -> DeviceMesh:
         if name in AXES:
             return self.device_mesh[name]
-        if name not in VIEWS:
-            raise KeyError(f"no mesh axis or view {name!r}: the axes are {', '.join(AXES)}, the views "
-                           f"{', '.join(VIEWS)}")
         if name in self.flattened:
             return self.flattened[name]
         # a view over at most one non-trivial axis is that axis (or any size-1 axis): no group of its own
@@ -156,9 +153,10 @@ class ParallelMesh:
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         """The process group along an axis or view; None without distributed."""
+        if name not in AXES and name not in VIEWS:
+            raise KeyError(f"no mesh axis or view {name!r}: the axes are {', '.join(AXES)}, the views "
+                           f"{', '.join(VIEWS)}")
         if self.device_mesh is None:
-            if name not in AXES and name not in VIEWS:
-                self._mesh_of(name)  # the same KeyError as with a device mesh
             return None
         return self._mesh_of(name).get_group()
 

@@ -37,13 +37,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from bench_launch import launch as launch_runner, runner_parser  # noqa: E402
+from bench_runners import MODELS as BENCH_MODELS  # noqa: E402
 
-MODELS = {
-    "B": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-              num_attention_heads=12, num_key_value_heads=12),
-    "254m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2464, num_hidden_layers=16,
-                 num_attention_heads=16, num_key_value_heads=16),
-}
+MODELS = {"B": BENCH_MODELS["B"].llama, "254m": BENCH_MODELS["L"].llama}  # the benchmarks' 134M and 254M Llamas
 ALL = ["z3", "z3-p1", "z2", "ds3"]
 TARGETS = ["q_proj", "v_proj", "down_proj"]
 SEQ, MICRO = 128, 1

@@ -202,7 +202,6 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     ) -> None:
         self.settings = settings
         self.param_names = dict(param_names or {})  # for messages
-        self.group = group
         self.dp = DataParallelGroups(group, replica_group)
         self.dtype = dtype
         self.loss_scaler = loss_scaler or LossScaler()
@@ -345,6 +344,11 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         """A unit whose gradients are complete is not needed again in this backward (unless held:
         a pipeline's root units, a GatheredParameters context)."""
         self.fetcher.release([unit])
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The shard group (one replica's, under hybrid sharding)."""
+        return self.dp.shard
 
     # -- the step ------------------------------------------------------------------------
 

@@ -34,12 +34,20 @@ def _blocks(numel: int) -> int:
     return -(-numel // BLOCK)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (1-D) in fp32 as rows of ``BLOCK``, zero-padded only when its length needs it."""
+    n = x.numel()
+    if n % BLOCK == 0:
+        return x.to(torch.float32).reshape(-1, BLOCK)
+    padded = torch.zeros(_blocks(n) * BLOCK, dtype=torch.float32, device=x.device)
+    padded[:n] = x
+    return padded.view(-1, BLOCK)
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` (1-D) as int8 values and one fp32 scale per block of ``BLOCK`` (the last may be short)."""
     n = x.numel()
-    padded = torch.zeros(_blocks(n) * BLOCK, dtype=torch.float32, device=x.device)
-    padded[:n] = x
-    rows = padded.view(-1, BLOCK)
+    rows = _rows(x)
     scales = rows.abs().amax(dim=1) / 127.0
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     values = torch.round(rows / scales[:, None]).clamp_(-127, 127).to(torch.int8)
@@ -49,9 +57,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 (or ``out``'s dtype, written into ``out``) values of ``quantize``'s output."""
     n = values.numel()
-    padded = torch.zeros(_blocks(n) * BLOCK, dtype=torch.float32, device=values.device)
-    padded[:n] = values.float()
-    result = (padded.view(-1, BLOCK) * scales[:, None]).view(-1)[:n]
+    result = (_rows(values) * scales[:, None]).view(-1)[:n]
     if out is None:
         return result
     out.copy_(result)
