@@ -28,7 +28,7 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from parallel3d.config_sections import (
-    NOT_SET, BF16Config, CheckpointConfig, CommConfig, ContextParallelConfig, DataTypesConfig, FP16Config,
+    NOT_SET, BF16Config, CheckpointConfig, CommConfig, CompileConfig, ContextParallelConfig, DataTypesConfig, FP16Config,
     NonNegFloat, OptimizerConfig, PipelineConfig, PositiveFloat, PositiveInt, SchedulerConfig, Section,
     TensorParallelConfig, ZeroConfig,
     describe_validation_error, disabled_block, problem)
@@ -55,7 +55,7 @@ _DS_TOP_LEVEL_UNIMPLEMENTED: dict[str, Any] = {
     "communication_data_type": None, "seq_parallel_communication_data_type": "fp32",
     "use_data_before_expert_parallelism": False,
     "vocabulary_size": None, "aio": {}, "datastates_ckpt": {},
-    "compile": {}, "activation_checkpointing": NOT_SET, "weight_quantization": NOT_SET,
+    "activation_checkpointing": NOT_SET, "weight_quantization": NOT_SET,
     "expert_parallel": NOT_SET,
     # feature blocks with an `enabled` switch: accepted while switched off
     **{key: disabled_block for key in (
@@ -137,6 +137,8 @@ class Zero3DConfig(Section):
     """How checkpoints are written (`async_save`)."""
     comm: CommConfig = Field(default_factory=CommConfig)
     """The collective timeout (`timeout_s`)."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """Compiled blocks: torch.compile on each repeated block (`enabled`, `backend`, `kwargs`)."""
 
     _world_size: Optional[int] = PrivateAttr(default=None)
     _given_batch: Optional[tuple] = PrivateAttr(default=None)

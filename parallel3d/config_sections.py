@@ -579,6 +579,83 @@ class ContextParallelConfig(Section):
         return value
 
 
+_DEEPCOMPILE_KEYS = {
+    # DeepSpeed 0.19's compile section is DeepCompile's (deepspeed/compile/config.py): graph passes
+    # over a whole-model compile, which Zero3D does not implement; accepted at their defaults only
+    # (``deepcompile`` itself is a field, refused with its own message)
+    "autoep_non_moe": False, "free_activation": False, "free_activation_threshold": 10 * 1024 * 1024,
+    "offload_activation": False, "offload_activation_pin_memory": True, "offload_opt_states": False,
+    "double_buffer": True, "symmetric_memory": False, "debug_log": False, "offload_parameters": False,
+    "sync_before_reduce": False, "sync_after_reduce": False, "sync_before_allgather": False,
+    "sync_after_allgather": False, "keep_int_input_tensors": True, "keep_all_input_tensors": False, "passes": None,
+}
+
+COMPILE_KWARGS = ("fullgraph", "dynamic", "mode", "options")
+"""The ``torch.compile`` keywords ``compile.kwargs`` may set (``backend`` has its own key)."""
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+"""``torch.compile`` modes that record CUDA graphs (refused: see ``CompileConfig.kwargs``)."""
+
+
+class CompileConfig(Section):
+    """`compile`: each repeated block (decoder layer) compiled with ``torch.compile`` on its own
+    (regional compilation, as torchtitan does), its forward only: ZeRO-3's gather/release hooks,
+    the pipeline's and tensor parallelism's module hooks run outside the compiled code
+    (parallel3d/compiled_blocks.py, docs/compile.md). Keys are DeepSpeed's ``enabled``,
+    ``backend`` and ``kwargs`` (its runtime/compiler.py block before DeepCompile); DeepCompile's
+    keys are refused unless at their defaults."""
+
+    ds_unimplemented = _DEEPCOMPILE_KEYS
+
+    enabled: bool = False
+    """Compile every repeated block's forward with torch.compile."""
+    backend: str = "inductor"
+    """The torch.compile backend (``torch._dynamo.list_backends()``; "inductor", "aot_eager", "eager")."""
+    kwargs: dict[str, Any] = {}
+    """Further torch.compile keywords: ``fullgraph``, ``dynamic``, ``mode`` and ``options``. Modes and
+    options that record CUDA graphs are refused: a graph replays fixed addresses, and ZeRO-3
+    gathers each block's parameters into new memory at every use."""
+    deepcompile: bool = False
+    """DeepSpeed's DeepCompile (graph passes that schedule ZeRO's collectives): not implemented."""
+
+    @field_validator("deepcompile", mode="after")
+    @classmethod
+    def _no_deepcompile(cls, value: bool) -> bool:
+        if value:
+            raise rule("is not supported: Zero3D does not implement DeepSpeed's DeepCompile passes; "
+                       "compile.enabled: true compiles each block with torch.compile instead; allowed: false")
+        return value
+
+    @field_validator("kwargs", mode="after")
+    @classmethod
+    def _known_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        for key, value in kwargs.items():
+            if key == "backend":
+                raise key_rule(key, "is set by compile.backend; give it there")
+            if key not in COMPILE_KWARGS:
+                raise key_rule(key, f"is not a torch.compile keyword Zero3D passes on; allowed: {', '.join(COMPILE_KWARGS)}")
+        if not isinstance(kwargs.get("fullgraph", False), bool):
+            raise key_rule("fullgraph", f"must be true or false, got {show(kwargs['fullgraph'])}")
+        if kwargs.get("dynamic") not in (None, True, False):
+            raise key_rule("dynamic", f"must be true, false or null, got {show(kwargs['dynamic'])}")
+        mode = kwargs.get("mode")
+        if mode in CUDA_GRAPH_MODES:
+            raise key_rule("mode", f"{show(mode)} records CUDA graphs, which replay fixed memory addresses, while "
+                           "ZeRO-3 gathers a block's parameters into new memory at each use (and Zero3D has not "
+                           'tested CUDA graphs); allowed: "default", "max-autotune-no-cudagraphs" or no mode')
+        if mode not in (None, "default", "max-autotune-no-cudagraphs"):
+            raise key_rule("mode", f'{show(mode)} is not a torch.compile mode; allowed: "default", '
+                           '"max-autotune-no-cudagraphs"')
+        options = kwargs.get("options", {})
+        if not isinstance(options, dict):
+            raise key_rule("options", f"must be a mapping of inductor options, got {show(options)}")
+        if options.get("triton.cudagraphs"):
+            raise key_rule("options", "triton.cudagraphs records CUDA graphs, refused for the reason given for mode")
+        if options and kwargs.get("mode") not in (None, "default"):
+            raise key_rule("options", "and mode cannot both be given (torch.compile refuses the pair)")
+        return kwargs
+
+
 class CheckpointConfig(Section):
     """`checkpoint`: how `engine.save_checkpoint` writes (DeepSpeed's section, plus async_save)."""
 

@@ -22,6 +22,7 @@ from torch import nn
 from parallel3d import checkpoint
 from parallel3d.context_parallel import SequenceSplit
 from parallel3d.agreement import raise_on_every_rank
+from parallel3d.compiled_blocks import CompiledBlocks
 from parallel3d.batch_check import call_arguments, first_problem, positional_names, vocab_size_of
 from parallel3d.engine_deepspeed import CallableInt, DeepSpeedSurface
 from parallel3d.partial_load import KeptState, checkpoint_arguments
@@ -72,6 +73,7 @@ class Engine(DeepSpeedSurface):
         client_optimizer: torch.optim.Optimizer | None = None,
         watchdog: Watchdog | None = None,
         sequence_split: SequenceSplit | None = None,
+        compiled: CompiledBlocks | None = None,
     ) -> None:
         self.module = module
         self.client_optimizer = client_optimizer
@@ -99,6 +101,7 @@ class Engine(DeepSpeedSurface):
         self._cache_on = pipe is None and bool(getattr(getattr(module, "config", None), "use_cache", False))
         self._batches_checked = False  # inside train_batch/eval_batch: forward need not check again
         self.sequence_split = sequence_split  # cp > 1: forward cuts each micro-batch (parallel3d/context_parallel)
+        self.compiled = compiled  # the blocks compiled by config or engine.compile() (parallel3d/compiled_blocks.py)
         if watchdog is not None:
             weakref.finalize(self, watchdog.close)  # the heartbeat thread ends with the engine
 
@@ -122,6 +125,8 @@ class Engine(DeepSpeedSurface):
         self.optimizer.gather_for_forward()
         if torch.is_grad_enabled():  # gradients may arrive from here on (see GradientReducer.start_backward)
             self.optimizer.start_backward(self._reduces_now())
+        if self.compiled is not None and self._cache_on and self.module.training and "use_cache" not in kwargs:
+            kwargs = {**kwargs, "use_cache": False}  # a cache per layer would recompile each block
         if self.sequence_split is not None:
             output = self.sequence_split.run(self.module, call_arguments(args, kwargs, self._arg_names))
         else:

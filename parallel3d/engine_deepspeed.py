@@ -275,6 +275,39 @@ class DeepSpeedSurface:
     def get_model_parallel_rank(self) -> int:
         return self.mesh.local_rank("tp")
 
+    # -- compiled blocks -------------------------------------------------------------------------
+
+    def compile(self, backend: str | Any = "inductor", compile_kwargs: dict | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's ``engine.compile()``: here each repeated block is compiled on its own
+        (parallel3d/compiled_blocks.py), as the config's ``compile.enabled`` does. A second call
+        with the same arguments does nothing; DeepCompile's ``schedule`` and compiled autograd are
+        not implemented."""
+        from parallel3d import compiled_blocks
+
+        if schedule is not None:
+            raise ConfigError("engine.compile(schedule=...) is DeepSpeed's DeepCompile schedule, which Zero3D does not "
+                              "implement; call engine.compile() without it")
+        if compiled_autograd_enabled:
+            raise ConfigError("engine.compile(compiled_autograd_enabled=True) is not supported: Zero3D compiles each "
+                              "block's forward (and its backward through AOTAutograd), and its gradient hooks stay eager")
+        kwargs = dict(compile_kwargs or {})
+        compiled_blocks.check_backend(backend)
+        compiled_blocks.check_kwargs(kwargs)
+        current = self.__dict__.get("compiled")
+        if current is not None:
+            if (current.backend, current.kwargs) == (backend, kwargs):
+                return
+            raise ConfigError(f"the engine's blocks are already compiled with backend {current.backend!r} and "
+                              f"{current.kwargs}; compile once (in the config's compile section or one engine.compile call)")
+        self.compiled = compiled_blocks.compile_blocks(self.module, self.pipe, self.tp_info, backend, kwargs,
+                                                       self.mesh.size("cp"))
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the blocks run compiled (DeepSpeed's property)."""
+        return self.__dict__.get("compiled") is not None
+
     # -- lifetime and export ---------------------------------------------------------------------
 
     def destroy(self) -> None:
@@ -286,6 +319,9 @@ class DeepSpeedSurface:
         self.optimizer.reducer.remove_hooks()
         if self.optimizer.fetcher is not None:
             self.optimizer.fetcher.remove_hooks()
+        if self.__dict__.get("compiled") is not None:
+            self.compiled.undo()
+            self.compiled = None
         group = self.__dict__.get("_save_group")
         if group is not None:
             dist.destroy_process_group(group)

@@ -42,7 +42,7 @@ from parallel3d.world import default_device, ensure_process_group
 from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
 from parallel3d.planner.auto import resolve_auto
 from parallel3d.stage3_notice import persistence_notice
-from parallel3d import token_mean
+from parallel3d import compiled_blocks, token_mean
 from parallel3d.watchdog import Watchdog, set_timeout
 from parallel3d.worker_errors import install as install_worker_errors
 from zero import ZeroOptimizer
@@ -198,6 +198,9 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
                     "(as DeepSpeed does)")
     weights = pretrained_source(pretrained, model) if pretrained is not None else None
     _check_backend(cfg, device)
+    if cfg.compile.enabled:
+        compiled_blocks.check_backend(cfg.compile.backend)
+        compiled_blocks.check_layout(model, cfg.tensor_parallel.size, cfg.context_parallel.size)
     return _Checked(cfg, groups, named_groups, factory, weights)
 
 
@@ -287,8 +290,11 @@ def initialize(
     if (notice := persistence_notice(zero_opt)) is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(notice)
     register(zero_opt)
+    compiled = (compiled_blocks.compile_blocks(model, pipe, tp_info, cfg.compile.backend, cfg.compile.kwargs)
+                if cfg.compile.enabled else None)
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
     client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe, client_optimizer=client,
-                    watchdog=Watchdog.for_default_group(timeout_s), sequence_split=sequence_split)
+                    watchdog=Watchdog.for_default_group(timeout_s), sequence_split=sequence_split,
+                    compiled=compiled)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

@@ -65,6 +65,9 @@ class SplitRegionRNG:
     def __init__(self, tp_rank: int) -> None:
         self.tp_rank = tp_rank
         self._open: list[tuple[int, torch.device, torch.Tensor]] = []
+        # False where the blocks draw no random numbers and are compiled (parallel3d/compiled_blocks.py):
+        # the swaps would be graph breaks inside every block, and change no number
+        self.active = True
 
     def enter(self, owner: nn.Module, device: torch.device) -> None:
         with unset_fake_temporarily():  # a real draw also while the planner runs the model on fake tensors
@@ -81,7 +84,7 @@ class SplitRegionRNG:
         """Forward pre-hook (with kwargs) of a module that opens a rank stream while training."""
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if module.training:
+            if module.training and self.active:
                 self.enter(module, _device_of(args, kwargs))
 
         return hook
