@@ -567,16 +567,10 @@ class ContextParallelConfig(Section):
 
     method: Literal["ulysses", "ring"] = "ulysses"
     """How attention runs across the split: "ulysses" (all-to-all from sequence-split to
-    head-split around the model's own attention kernel, DeepSpeed-Ulysses). "ring" (ring
-    attention) is not implemented yet and is refused."""
-
-    @field_validator("method")
-    @classmethod
-    def _ring_not_yet(cls, value: str) -> str:
-        if value == "ring":
-            raise rule('ring attention is not implemented yet; "ulysses" is available (the number of attention '
-                       'heads after tensor parallelism must divide by context_parallel.size)')
-        return value
+    head-split around the model's own attention kernel, DeepSpeed-Ulysses; the heads after
+    tensor parallelism must divide by size) or "ring" (keys and values pass around the cp ring
+    point to point, partial results combined with the online-softmax rule; any head count,
+    sliding windows and softcapping; sequence lengths must divide by 2 x size)."""
 
 
 _DEEPCOMPILE_KEYS = {

@@ -3,15 +3,16 @@
 Every rank of a cp group is handed the same micro-batch (the whole sequences), as the ranks of
 a tp group are, so a data loader does not change; the engine cuts it here before the forward:
 
-* ``input_ids`` / ``inputs_embeds`` and the labels are cut into cp equal contiguous slices
-  along the sequence, rank r keeping slice r. The labels are shifted over the whole sequence
-  first (``shift_labels``, which transformers' causal LM loss takes as given), so the last
-  token of a slice keeps its target, the first token of the next slice.
-* ``position_ids`` are the global positions of the rank's slice (RoPE sees the positions one
+* ``input_ids`` / ``inputs_embeds`` and the labels are cut along the sequence. Ulysses: into cp
+  equal contiguous slices, rank r keeping slice r. Ring: into 2 x cp equal chunks, rank r keeping
+  chunks r and 2cp-1-r (``ring.ring_index``: each rank gets as much causal work). The labels
+  are shifted over the whole sequence first (``shift_labels``, which transformers' causal LM
+  loss takes as given), so the last token of a piece keeps its target, the next token.
+* ``position_ids`` are the global positions of the rank's tokens (RoPE sees the positions one
   process would). Position ids that restart inside a row (packed documents) are refused: the
   attention runs one causal mask over the whole row.
 * An ``attention_mask`` of ones is dropped (it means no mask); one with zeros (padding) is
-  refused: Ulysses runs the model's kernel with a plain causal mask.
+  refused: the attention runs a plain causal mask (with the model's sliding window).
 
 The loss: a rank's loss is its slice's summed token loss divided by ``num_items_in_batch``.
 Under the default normalization (the mean per micro-batch) the divisor is the micro-batch's
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d.batch_check import IGNORE_INDEX
+from parallel3d.context_parallel.ring import RingAttention, ring_index
 from parallel3d.context_parallel.ulysses import UlyssesAttention
 from parallel3d.errors import ConfigError
 
@@ -47,12 +49,16 @@ def _sequence_length(batch: dict) -> int | None:
 class SequenceSplit:
     """This rank's cut of each micro-batch (``cut``) and the forward around it (``run``)."""
 
-    def __init__(self, attention: UlyssesAttention, rank: int, token_mean: bool, layers: int) -> None:
+    def __init__(self, attention: UlyssesAttention | RingAttention, rank: int, token_mean: bool, layers: int,
+                 windowed_layers: int = 0) -> None:
         self.attention = attention
         self.size = attention.size
+        self.method = attention.method
+        self.pieces = 2 * self.size if self.method == "ring" else self.size  # the length must divide by it
         self.rank = rank
         self.token_mean = token_mean
         self.layers = layers
+        self.windowed_layers = windowed_layers  # ring: the layers whose sliding window it applies itself
 
     def problem(self, batch: Any) -> str | None:
         """Why ``batch`` cannot be cut (the same answer on every rank of the cp group), or None."""
@@ -62,7 +68,11 @@ class SequenceSplit:
         length = _sequence_length(batch)
         if length is None:
             return "context_parallel needs input_ids or inputs_embeds in each micro-batch"
-        if length % self.size:
+        if length % self.pieces:
+            if self.method == "ring":
+                return (f"the sequence length {length} is not divisible by 2 x context_parallel.size = {self.pieces} "
+                        f"(ring attention cuts it into 2 x {self.size} chunks, rank r keeping chunks r and "
+                        f"{2 * self.size - 1}-r); pad or cut the sequences to a multiple of {self.pieces}")
             return (f"the sequence length {length} is not divisible by context_parallel.size {self.size}; pad or "
                     f"cut the sequences to a multiple of {self.size}")
         for key in _SEQUENCE_KEYS:
@@ -106,12 +116,13 @@ class SequenceSplit:
         if problem is not None:
             raise ConfigError(problem)
         length = _sequence_length(batch)
-        piece = slice(self.rank * length // self.size, (self.rank + 1) * length // self.size)
+        device = batch.get("input_ids", batch.get("inputs_embeds")).device
+        piece = (ring_index(self.rank, self.size, length, device) if self.method == "ring"
+                 else slice(self.rank * length // self.size, (self.rank + 1) * length // self.size))
         out = {k: v for k, v in batch.items() if k not in _SEQUENCE_KEYS}
         for key in ("input_ids", "inputs_embeds"):
             if isinstance(batch.get(key), torch.Tensor):
                 out[key] = batch[key][:, piece]
-        device = out.get("input_ids", out.get("inputs_embeds")).device
         positions = batch.get("position_ids")
         if not isinstance(positions, torch.Tensor):
             positions = torch.arange(length, device=device)[None]
@@ -133,12 +144,18 @@ class SequenceSplit:
         return count / self.size
 
     def run(self, module: Callable, kwargs: dict) -> Any:
-        """The model's forward on this rank's cut; every attention layer must have gone through Ulysses."""
+        """The model's forward on this rank's cut; every attention layer must have gone through the
+        cp attention (and, for ring, every sliding-window layer handed it its window)."""
         self.attention.reset()
         output = module(**self.cut(kwargs))
         if self.attention.calls != self.layers:
-            raise ConfigError(f"context_parallel: the forward called the Ulysses attention {self.attention.calls} times "
-                              f"for {self.attention.model_type}'s {self.layers} layers, not once each: a layer that "
+            raise ConfigError(f"context_parallel: the forward called the {self.method} attention "
+                              f"{self.attention.calls} times for {self.attention.model_type}'s {self.layers} layers, not once each: a layer that "
                               "bypasses transformers' AttentionInterface would attend within its slice only, and one "
                               "that calls attention several times (differential attention) is not reproduced")
+        if self.method == "ring" and self.attention.windowed != self.windowed_layers:
+            raise ConfigError(f"context_parallel (ring): {self.attention.model_type} has {self.windowed_layers} "
+                              f"sliding-window layers but {self.attention.windowed} attention calls passed a "
+                              "sliding_window; a window applied through the mask alone would be lost (the ring builds "
+                              "its own causal mask)")
         return output

@@ -1,14 +1,17 @@
-"""Which models run under context parallelism, and switching one to Ulysses attention.
+"""Which models run under context parallelism, and switching one to Ulysses or ring attention.
 
-Fail closed: a model is taken only when everything its attention does is reproduced by
-running its own kernel (sdpa or eager) on the full sequence with a plain causal mask. Refused,
-with the model type and the reason: attention that does not go through transformers'
-``AttentionInterface``, an encoder-decoder or bidirectional attention, sliding-window, chunked
-or linear-attention layers (``layer_types``, ``attention_chunk_size``), attention logit
-softcapping, alibi, attention sinks, a router's load-balancing loss (computed per rank's slice), a loss that does not take pre-shifted labels, and head
-counts the cp size does not divide. What only shows at run time (a sliding window shorter
-than the sequence, a mask or position bias added to the scores, layers that bypass the
-interface) is refused by the attention function and by the call count after each forward.
+Fail closed: a model is taken only when everything its attention does is reproduced by the cp
+attention: Ulysses runs the model's own kernel (sdpa or eager) on the full sequence with a plain
+causal mask; ring runs its own blocked softmax with the causal mask, the layer's sliding window
+and softcapping (parallel3d/context_parallel/ring.py). Refused, with the model type and the
+reason: attention that does not go through transformers' ``AttentionInterface``, an
+encoder-decoder or bidirectional attention, chunked or linear-attention layers (``layer_types``,
+``attention_chunk_size``), alibi, attention sinks, a router's load-balancing loss (computed per
+rank's slice), a loss that does not take pre-shifted labels; for Ulysses also sliding-window
+layers, softcapping and head counts the cp size does not divide (ring has no head limit). What
+only shows at run time (a Ulysses sliding window shorter than the sequence, a mask or position
+bias added to the scores, layers that bypass the interface, a sliding layer that does not pass
+its window to ring) is refused by the attention function and by the counts after each forward.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import itertools
 
 from torch import nn
 
+from parallel3d.context_parallel.ring import RingAttention
 from parallel3d.context_parallel.ulysses import UlyssesAttention
 from parallel3d.errors import ConfigError
 from parallel3d.mesh import ParallelMesh
@@ -36,8 +40,17 @@ def _local_heads(total: int, tp: int) -> int:
     return total // tp if total >= tp else 1
 
 
-def check_model(model: nn.Module, cp: int, tp: int, pp: int) -> None:
-    """Raise ConfigError if ``model`` cannot run Ulysses context parallelism over ``cp`` ranks."""
+def windowed_layers(model: nn.Module) -> int:
+    """How many of the model's attention layers have a sliding window (each must pass it to ring)."""
+    config = _text_config(model)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return sum(kind == "sliding_attention" for kind in layer_types)
+    return config.num_hidden_layers if getattr(config, "sliding_window", None) is not None else 0
+
+
+def check_model(model: nn.Module, cp: int, tp: int, pp: int, method: str = "ulysses") -> None:
+    """Raise ConfigError if ``model`` cannot run context parallelism over ``cp`` ranks with ``method``."""
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -47,7 +60,7 @@ def check_model(model: nn.Module, cp: int, tp: int, pp: int) -> None:
     kind = getattr(model.config, "model_type", type(model).__name__)
 
     def refuse(reason: str) -> ConfigError:
-        return ConfigError(f"context_parallel (ulysses) does not support {kind} ({type(model).__name__}): {reason}")
+        return ConfigError(f"context_parallel ({method}) does not support {kind} ({type(model).__name__}): {reason}")
 
     if pp > 1:
         raise ConfigError(f"context_parallel.size {cp} with pipeline.stages {pp} is not supported yet; use "
@@ -61,11 +74,15 @@ def check_model(model: nn.Module, cp: int, tp: int, pp: int) -> None:
     if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "use_bidirectional_attention", False):
         raise refuse("it has bidirectional (non-causal) attention")
     layer_types = set(getattr(config, "layer_types", None) or ())
-    if layer_types - {"full_attention"}:
-        raise refuse(f"its layer_types include {sorted(layer_types - {'full_attention'})}: only full causal "
-                     "attention layers are reproduced")
-    for key, what in (("attention_chunk_size", "chunked attention"), ("attn_logit_softcapping", "attention logit "
-                      "softcapping"), ("alibi", "alibi position biases")):
+    reproduced = {"full_attention", "sliding_attention"} if method == "ring" else {"full_attention"}
+    if layer_types - reproduced:
+        raise refuse(f"its layer_types include {sorted(layer_types - reproduced)}: only "
+                     f"{' and '.join(sorted(reproduced))} layers are reproduced"
+                     + ("" if method == "ring" else ' (method "ring" takes sliding-window layers)'))
+    refused = [("attention_chunk_size", "chunked attention"), ("alibi", "alibi position biases")]
+    if method == "ulysses":
+        refused.append(("attn_logit_softcapping", 'attention logit softcapping (method "ring" applies it)'))
+    for key, what in refused:
         if getattr(config, key, None):
             raise refuse(what)
     if getattr(config, "position_embedding_type", None) == "alibi":
@@ -78,6 +95,8 @@ def check_model(model: nn.Module, cp: int, tp: int, pp: int) -> None:
     if "self.loss_function(" not in inspect.getsource(type(model).forward):
         raise refuse("its forward computes the loss itself; the labels must be shifted before the sequence is cut, "
                      "which transformers' loss_function (shift_labels) allows")
+    if method == "ring":
+        return  # ring attention has no head-count limit: k/v keep their heads, queries broadcast over them
     heads = getattr(config, "num_attention_heads", None)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not isinstance(heads, int):
@@ -91,13 +110,15 @@ def check_model(model: nn.Module, cp: int, tp: int, pp: int) -> None:
                      f"{cp} nor divide it (then each would be repeated cp / kv-heads times)")
 
 
-def install_ulysses(model: nn.Module, mesh: ParallelMesh) -> UlyssesAttention:
-    """Register this model's Ulysses attention with transformers and switch the model to it."""
+def install_attention(model: nn.Module, mesh: ParallelMesh, method: str) -> UlyssesAttention | RingAttention:
+    """Register this model's cp attention (``method`` "ulysses" or "ring") with transformers and
+    switch the model to it."""
     from transformers import AttentionInterface
 
-    attention = UlyssesAttention(mesh.groups.cp, model.config._attn_implementation,
-                                 getattr(model.config, "model_type", type(model).__name__))
-    name = f"zero3d_ulysses_{next(_names)}"
+    kind = getattr(model.config, "model_type", type(model).__name__)
+    attention = (RingAttention(mesh.groups.cp, kind) if method == "ring"
+                 else UlyssesAttention(mesh.groups.cp, model.config._attn_implementation, kind))
+    name = f"zero3d_{method}_{next(_names)}"
     AttentionInterface.register(name, attention)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:

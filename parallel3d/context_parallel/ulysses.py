@@ -64,6 +64,8 @@ class UlyssesAttention:
     attention that bypasses the interface) is caught rather than silently wrong.
     """
 
+    method = "ulysses"
+
     def __init__(self, group: dist.ProcessGroup, inner: str, model_type: str) -> None:
         self.group = group
         self.size = dist.get_world_size(group)

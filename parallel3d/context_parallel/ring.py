@@ -1,0 +1,258 @@
+"""Ring attention: keys and values travel around the context-parallel ring, queries stay home.
+
+Layout (load-balanced causal): the sequence is cut into 2 x cp equal chunks and rank i keeps
+chunks i and 2cp-1-i (``ring_chunks``; the batch cutter cuts tokens, labels and position ids
+the same way). With a causal mask every rank then has the same number of visible query/key
+pairs: against an earlier rank's keys only their head chunk is visible to both query chunks,
+against a later rank's only the tail query chunk sees both key chunks.
+
+Forward: each rank holds its chunks' q, k, v. In cp steps the k/v pair moves one rank on
+(``batch_isend_irecv``: send to rank+1, receive from rank-1, started before the step's compute
+so the transfer overlaps it), and each rank attends its queries to the k/v it holds, chunk pair
+by chunk pair: a pair wholly masked (causal or sliding window, from the tokens' global
+positions) is skipped, one wholly visible runs without a mask. The partial outputs are combined
+with the online-softmax rule: out = sum_j exp(lse_j - lse) out_j with lse = logsumexp_j lse_j,
+so the result is the softmax over the whole sequence.
+
+Backward (``_RingAttention.backward``) is the flash-attention backward run around the ring
+again: from the saved q, k, v, output and log-sum-exp each block's probabilities are recomputed,
+dq accumulates at home, and the block's dk/dv accumulate in a buffer that travels with its k/v
+and reaches the owner after cp hops. Exact (the same algebra as autograd through softmax), and
+it keeps only O(s) per rank between forward and backward (q, k, v, out, lse), where autograd
+through the ring would keep every block's probabilities: cp blocks of s x (S / cp) per head,
+the whole s x S score matrix a rank's queries have, which is what context parallelism is for
+avoiding.
+
+What the model's own attention does and is reproduced: ``scaling`` (the model's softmax scale),
+grouped-query attention without any limit (k/v keep their kv heads; each query group attends
+to its kv head by broadcasting, and dk/dv sum over the group, so kv heads need not divide by
+cp), sliding windows (``sliding_window`` w: key k is visible to query q iff q - w < k <= q,
+transformers' ``sliding_window_overlay``), attention logit softcapping (scores ->
+c tanh(scores / c), its derivative in the backward). Refused with the reason: attention dropout
+above 0 (one process draws its mask over whole rows; the ring's blocks cannot reproduce it),
+an added mask or position bias, attention sinks, non-causal layers.
+
+Arithmetic runs in the inputs' dtype, float32 for half precision inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel3d.errors import ConfigError
+
+
+def ring_chunks(rank: int, size: int) -> tuple[int, int]:
+    """The two of the sequence's 2 x ``size`` chunks that cp rank ``rank`` keeps (head and tail)."""
+    return rank, 2 * size - 1 - rank
+
+
+def ring_index(rank: int, size: int, length: int, device: torch.device | None = None) -> torch.Tensor:
+    """Global positions of cp rank ``rank``'s tokens in a sequence of ``length`` (its two chunks, in order)."""
+    chunk = length // (2 * size)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in ring_chunks(rank, size)])
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[s, t] True where query position q may see key position k (causal, inside the window)."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    return allowed & (diff < window) if window is not None else allowed
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None):
+    """Scores [B, Hkv, g, s, t] of grouped queries q [B, Hkv, g, s, D] against k [B, Hkv, t, D];
+    with softcapping also tanh(raw / c), which the backward's derivative needs."""
+    raw = q @ k.unsqueeze(2).transpose(-1, -2) * scale
+    if softcap is None:
+        return raw, None
+    capped = torch.tanh(raw / softcap)
+    return capped * softcap, capped
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with -inf (rows that see nothing yet) as 0, so exp(x - lse) is 0 there, not NaN."""
+    return lse.masked_fill(torch.isneginf(lse), 0.0)
+
+
+class _Block:
+    """One (query chunk, key chunk) pair's mask: None when wholly visible; ``skip`` when wholly masked."""
+
+    def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> None:
+        visible = _visible(q_pos, k_pos, window)
+        self.skip = not bool(visible.any())
+        self.mask = None if self.skip or bool(visible.all()) else visible
+
+
+class _Ring:
+    """The cp group's ring: one exchange sends to the next rank and receives from the previous."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
+
+    def start(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Begin passing ``tensor`` on; returns the buffer the previous rank's arrives in and the works."""
+        received = torch.empty_like(tensor)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
+                                        dist.P2POp(dist.irecv, received, self.previous, self.group)])
+        return received, works
+
+    @staticmethod
+    def finish(received: torch.Tensor, works: list) -> torch.Tensor:
+        for work in works:
+            work.wait()
+        return received
+
+
+class _Settings:
+    """What one attention call needs besides tensors: the ring, the chunks' positions, the kernel's options."""
+
+    def __init__(self, ring: _Ring, chunk: int, scale: float, window: int | None, softcap: float | None) -> None:
+        self.ring, self.chunk, self.scale, self.window, self.softcap = ring, chunk, scale, window, softcap
+
+    def positions(self, rank: int, device: torch.device) -> list[torch.Tensor]:
+        return [torch.arange(c * self.chunk, (c + 1) * self.chunk, device=device)
+                for c in ring_chunks(rank, self.ring.size)]
+
+    def blocks(self, source: int, device: torch.device) -> list[list[_Block]]:
+        """blocks[a][b]: this rank's query chunk a against cp rank ``source``'s key chunk b."""
+        mine, theirs = self.positions(self.ring.rank, device), self.positions(source, device)
+        return [[_Block(q, k, self.window) for k in theirs] for q in mine]
+
+
+def _forward_block(q, k, v, block: _Block, settings: _Settings):
+    """Softmax-normalized output [B, Hkv, g, s, D] of one block and its log-sum-exp [B, Hkv, g, s]."""
+    scores, _ = _scores(q, k, settings.scale, settings.softcap)
+    if block.mask is not None:
+        scores = scores.masked_fill(~block.mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probabilities = torch.exp(scores - _finite(lse).unsqueeze(-1))
+    return probabilities @ v.unsqueeze(2), lse
+
+
+def _combine(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
+    """The online-softmax rule: two partial results over disjoint keys -> their result over both."""
+    total = torch.logaddexp(lse, block_lse)
+    safe = _finite(total).unsqueeze(-1)
+    return out * torch.exp(lse.unsqueeze(-1) - safe) + block_out * torch.exp(block_lse.unsqueeze(-1) - safe), total
+
+
+def _chunks(t: torch.Tensor, dim: int) -> list[torch.Tensor]:
+    return list(t.chunk(2, dim=dim))
+
+
+class _RingAttention(torch.autograd.Function):
+    """Exact ring attention; q [B, Hkv, g, s, D], k/v [B, Hkv, s, D] (this rank's two chunks)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: _Settings):
+        ring = settings.ring
+        qs = _chunks(q, 3)
+        out = [torch.zeros_like(c) for c in qs]
+        lse = [torch.full(c.shape[:-1], float("-inf"), dtype=c.dtype, device=c.device) for c in qs]
+        held, source = torch.stack([k, v]), ring.rank
+        for step in range(ring.size):
+            pending = ring.start(held) if step < ring.size - 1 else None
+            ks, vs = _chunks(held[0], 2), _chunks(held[1], 2)
+            for a, row in enumerate(settings.blocks(source, q.device)):
+                for b, block in enumerate(row):
+                    if not block.skip:
+                        out[a], lse[a] = _combine(out[a], lse[a], *_forward_block(qs[a], ks[b], vs[b], block, settings))
+            if pending is not None:
+                held, source = _Ring.finish(*pending), (source - 1) % ring.size
+        output, log_sum_exp = torch.cat(out, dim=3), torch.cat(lse, dim=3)
+        ctx.save_for_backward(q, k, v, output, log_sum_exp)
+        ctx.settings = settings
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        settings = ctx.settings
+        ring = settings.ring
+        qs, dos, lses = _chunks(q, 3), _chunks(grad_out, 3), _chunks(lse, 3)
+        deltas = _chunks((grad_out * out).sum(-1), 3)
+        dqs = [torch.zeros_like(c) for c in qs]
+        held, source = torch.stack([k, v]), ring.rank
+        travelling = torch.zeros_like(held)  # dk, dv of the block held, summed over the ranks it has visited
+        for step in range(ring.size):
+            pending = ring.start(held) if step < ring.size - 1 else None
+            ks, vs = _chunks(held[0], 2), _chunks(held[1], 2)
+            dks, dvs = _chunks(travelling[0], 2), _chunks(travelling[1], 2)  # views: += fills travelling
+            for a, row in enumerate(settings.blocks(source, q.device)):
+                for b, block in enumerate(row):
+                    if block.skip:
+                        continue
+                    scores, capped = _scores(qs[a], ks[b], settings.scale, settings.softcap)
+                    if block.mask is not None:
+                        scores = scores.masked_fill(~block.mask, float("-inf"))
+                    p = torch.exp(scores - lses[a].unsqueeze(-1))
+                    dvs[b] += (p.transpose(-1, -2) @ dos[a]).sum(2)
+                    ds = p * (dos[a] @ vs[b].unsqueeze(2).transpose(-1, -2) - deltas[a].unsqueeze(-1))
+                    if capped is not None:
+                        ds = ds * (1 - capped * capped)
+                    dqs[a] += ds @ ks[b].unsqueeze(2) * settings.scale
+                    dks[b] += (ds.transpose(-1, -2) @ qs[a]).sum(2) * settings.scale
+            if pending is not None:  # the k/v exchange first: one message at a time on each link
+                held, source = _Ring.finish(*pending), (source - 1) % ring.size
+            travelling = _Ring.finish(*ring.start(travelling))  # dk, dv follow their block (home after cp hops)
+        return torch.cat(dqs, dim=3), travelling[0], travelling[1], None
+
+
+class RingAttention:
+    """The attention function of one model under ring context parallelism.
+
+    ``calls`` counts the attention calls since the last ``reset`` and ``windowed`` those given a
+    sliding window, so a forward whose layers did not all come here, or whose sliding layers did
+    not pass their window, is caught rather than silently wrong.
+    """
+
+    method = "ring"
+
+    def __init__(self, group: dist.ProcessGroup, model_type: str) -> None:
+        self.group = group
+        self.ring = _Ring(group)
+        self.size = self.ring.size
+        self.model_type = model_type
+        self.calls = 0
+        self.windowed = 0
+
+    def reset(self) -> None:
+        self.calls = self.windowed = 0
+
+    def _refuse(self, reason: str) -> ConfigError:
+        return ConfigError(f"context_parallel (ring) cannot run {self.model_type}'s attention: {reason}")
+
+    def __call__(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, sliding_window: int | None = None, softcap: float | None = None,
+                 dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+        """query [B, Hq, s, D], key/value [B, Hkv, s, D] for this rank's s = S / cp tokens (its two
+        chunks); returns [B, s, Hq, D] as transformers' attention functions do (no weights)."""
+        self.calls += 1
+        if attention_mask is not None or kwargs.get("position_bias") is not None:
+            raise self._refuse("it adds its own mask or position bias (alibi, custom masks) to the attention scores")
+        if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+            raise self._refuse("attention sinks")
+        if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
+            raise self._refuse("a non-causal (bidirectional) attention layer")
+        if dropout:
+            raise self._refuse(f"attention dropout {dropout}: one process draws its mask over whole rows of the "
+                               "scores, which the ring's blocks cannot reproduce; set attention_dropout 0")
+        batch, heads, length, dim = query.shape
+        kv_heads = key.shape[1]
+        if heads % kv_heads:
+            raise self._refuse(f"{heads} query heads are not a multiple of its {kv_heads} key/value heads")
+        if sliding_window is not None:
+            self.windowed += 1
+        work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+        settings = _Settings(self.ring, length // 2, dim ** -0.5 if scaling is None else scaling, sliding_window,
+                             softcap)
+        grouped = query.to(work).reshape(batch, kv_heads, heads // kv_heads, length, dim)
+        output = _RingAttention.apply(grouped, key.to(work), value.to(work), settings)
+        return output.reshape(batch, heads, length, dim).transpose(1, 2).contiguous().to(query.dtype), None
