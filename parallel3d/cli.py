@@ -1,8 +1,9 @@
-"""The ``zero3d`` command: ``train``, ``launch``, ``export``, ``plot``, ``plan``.
+"""The ``zero3d`` command: ``train``, ``launch``, ``export``, ``plot``, ``plan``, ``simulate``.
 
     zero3d train [CONFIG] [--nproc-per-node N] [--max-restarts N] [--print-config] [key.sub=value ...]
     zero3d launch ...   (parallel3d.launcher)    zero3d export ...   (parallel3d.export)
     zero3d plot ...     (parallel3d.plot)        zero3d plan ...     (parallel3d.planner.cli)
+    zero3d simulate ... (parallel3d.simulate.cli)
 
 ``zero3d train`` validates the whole job and prepares its tokenizer and packed data in this
 process, so bad input stops here with one message, then starts N local workers through
@@ -29,6 +30,7 @@ _DISPATCH = {
     "export": ("parallel3d.export", "write a checkpoint as a Hugging Face from_pretrained() directory"),
     "plot": ("parallel3d.plot", "draw a run's loss and validation curves as a PNG"),
     "plan": ("parallel3d.planner.cli", "the layouts of a model that fit a cluster, ranked by predicted step time"),
+    "simulate": ("parallel3d.simulate.cli", "run one rank of a job alone (fake backend) and measure its memory"),
 }
 
 USAGE = """zero3d <command> [args]

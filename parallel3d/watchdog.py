@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from parallel3d.errors import CollectiveError
+from parallel3d.fake_backend import is_fake
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def prepare_flight_recorder() -> None:
 def set_timeout(groups: Iterable[dist.ProcessGroup], seconds: float) -> None:
     """Give every group in ``groups`` (None entries skipped) a collective timeout of ``seconds``."""
     for group in groups:
-        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER and not is_fake(group):
             c10d._set_pg_timeout(timedelta(seconds=seconds), group)
 
 
@@ -114,8 +115,9 @@ class Watchdog:
 
     @classmethod
     def for_default_group(cls, timeout_s: float) -> Watchdog | None:
-        """A watchdog over the default group's store; None in a single process."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        """A watchdog over the default group's store; None in a single process and on the fake backend
+        (one simulated rank: no peers to ask, no store to beat on)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1 or is_fake():
             return None
         return cls(c10d._get_default_store(), dist.get_rank(), dist.get_world_size(), timeout_s)
 

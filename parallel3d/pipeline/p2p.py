@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from parallel3d.fake_backend import receive_buffer
+
 __all__ = ["P2P", "PendingRecv"]
 
 
@@ -64,7 +66,7 @@ class P2P:
             self.bytes_sent += tensor.numel() * tensor.element_size()
         pending: list[PendingRecv] = []
         for shape, dtype, peer in recvs:
-            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            buf = receive_buffer(shape, dtype, self.device, self.group)
             pending.append(PendingRecv(buf))
             ops.append(dist.P2POp(dist.irecv, buf, self._global[peer], self.group))
             self.bytes_received += buf.numel() * buf.element_size()

@@ -49,6 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.pipeline_anatomy import AnatomyError, PipelineAnatomy, pipeline_anatomy
 from parallel3d.errors import ConfigError
+from parallel3d.fake_backend import receive_buffer
 
 __all__ = [
     "BALANCE_METHODS", "PipelineModel", "PipelineStage", "StageLayout", "TiedParam", "partition_blocks",
@@ -389,7 +390,7 @@ def split_model(model: nn.Module, num_stages: int, rank: int, *, virtual_stages:
 def _p2p_exchange(tensors: list[torch.Tensor], peer: int, group: dist.ProcessGroup) -> list[torch.Tensor]:
     """Send ``tensors`` to pp rank ``peer`` and receive its tensors of the same shapes."""
     dst = dist.get_global_rank(group, peer)
-    out = [torch.empty_like(t) for t in tensors]
+    out = [receive_buffer(t.shape, t.dtype, t.device, group) for t in tensors]
     ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group) for t in tensors]
     ops += [dist.P2POp(dist.irecv, o, dst, group) for o in out]
     for work in dist.batch_isend_irecv(ops):
