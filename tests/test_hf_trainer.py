@@ -63,23 +63,25 @@ def oracle(tmp: str) -> tuple[list[float], list[float], float]:
     return logged(trainer), logged(trainer, "grad_norm"), trainer.evaluate()["eval_loss"]
 
 
-def zero3d_run(out: str, config: dict) -> tuple[list[float], list[float], float]:
+def zero3d_run(out: str, config: dict, **overrides) -> tuple[list[float], list[float], float]:
     import torch.distributed as dist
 
     from parallel3d.hf import Trainer
 
     dp = dist.get_world_size() // config.get("tensor_parallel", {}).get("size", 1) \
         // config.get("pipeline", {}).get("stages", 1)
-    trainer = Trainer(model=make_model("llama"), args=training_args(out, GLOBAL_MICRO // dp), train_dataset=rows(),
+    trainer = Trainer(model=make_model("llama"), args=training_args(out, GLOBAL_MICRO // dp, **overrides),
+                      train_dataset=rows(),
                       eval_dataset=rows(8, seed=9), zero3d_config=config)
     trainer.train()
     return logged(trainer), logged(trainer, "grad_norm"), trainer.evaluate()["eval_loss"]
 
 
-LAYOUTS = {
-    "zero3_dp2": {"zero_optimization": {"stage": 3}},
-    "tp2": {"zero_optimization": {"stage": 3}, "tensor_parallel": {"size": 2}},
-    "pp2": {"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}},
+LAYOUTS = {  # config, TrainingArguments overrides
+    "zero3_dp2": ({"zero_optimization": {"stage": 3}}, {}),
+    "zero3_dp2_checkpointed": ({"zero_optimization": {"stage": 3}}, {"activation_checkpointing": True}),
+    "tp2": ({"zero_optimization": {"stage": 3}, "tensor_parallel": {"size": 2}}, {}),
+    "pp2": ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}, {}),
 }
 
 
@@ -87,9 +89,53 @@ LAYOUTS = {
 def test_matches_plain_trainer(dist, tmp_path_factory, layout):
     want_loss, want_norm, want_eval = oracle(str(tmp_path_factory.mktemp("oracle")))
     out = str(tmp_path_factory.mktemp(layout))
-    results = dist.run(2, zero3d_run, out, LAYOUTS[layout])
+    config, overrides = LAYOUTS[layout]
+    results = dist.run(2, zero3d_run, out, config, **overrides)
     for loss, norm, eval_loss in results:
         assert len(loss) == STEPS
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=RTOL, atol=0)
         assert eval_loss == pytest.approx(want_eval, rel=RTOL)
+
+
+PROBE = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
+
+
+def engine_logits(trainer) -> torch.Tensor:
+    with torch.no_grad():
+        return trainer.model_wrapped(input_ids=PROBE).logits.detach().clone()
+
+
+def save_and_resume(out: str) -> dict:
+    """Train 4 steps saving at 2, save_model; resume a fresh Trainer from checkpoint-2; start a third
+    from the saved directory (on the meta device)."""
+    from parallel3d.hf import Trainer
+
+    config = {"zero_optimization": {"stage": 3}}
+    micro = GLOBAL_MICRO // 2
+    first = Trainer(model=make_model("llama"), args=training_args(out, micro, save_strategy="steps", save_steps=2),
+                    train_dataset=rows(), zero3d_config=config)
+    first.train()
+    first.save_model(os.path.join(out, "final"))
+    trained = engine_logits(first)
+    resumed = Trainer(model=make_model("llama", seed=1), args=training_args(out, micro), train_dataset=rows(),
+                      zero3d_config=config)
+    resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    from_dir = Trainer(model=os.path.join(out, "final"), args=training_args(out, micro), zero3d_config=config)
+    return {"losses": logged(first), "resumed": logged(resumed), "trained": trained,
+            "after_resume": engine_logits(resumed), "from_dir": engine_logits(from_dir)}
+
+
+def test_save_resume_and_from_pretrained(dist, tmp_path):
+    from transformers import LlamaForCausalLM
+
+    results = dist.run(2, save_and_resume, str(tmp_path))
+    got = results[0]
+    assert {"trainer_state.json", "zero3d"} <= set(os.listdir(tmp_path / "checkpoint-2"))
+    assert got["resumed"] == got["losses"]  # the history of steps 1-2 from the checkpoint, then 3-4 trained again
+    torch.testing.assert_close(got["after_resume"], got["trained"], rtol=0, atol=0)
+    with torch.no_grad():
+        reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "final")(input_ids=PROBE).logits
+    torch.testing.assert_close(reloaded, got["trained"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["from_dir"], got["trained"], rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(r["trained"], got["trained"]) for r in results)

@@ -49,7 +49,3 @@ def refuse_competing_arguments(args: Any, model_init: Any) -> None:
     if model_init is not None:
         raise ConfigError("parallel3d.hf.Trainer takes model= (a model, or a name/path started on the meta device), "
                           "not model_init=: the engine shards the one model it is given")
-    if getattr(args, "activation_checkpointing", False) or getattr(args, "gradient_checkpointing", False):
-        raise ConfigError("TrainingArguments(activation_checkpointing=True) with zero3d_config: the Trainer would "
-                          "rewrap the layers of a model Zero3D has already sharded; leave it False (pipeline stages "
-                          "checkpoint their blocks with pipeline.activation_checkpointing: true in the config)")

@@ -115,6 +115,10 @@ class Zero3DTrainerMixin:
         would compute differently cannot."""
         if self.engine.mesh.pp == 1:
             return
+        if self.args.activation_checkpointing:
+            raise ConfigError(f"pipeline.stages {self.engine.mesh.pp} with TrainingArguments(activation_checkpointing="
+                              "True): the Trainer would wrap the layers of the HF model, which the pipeline has split; "
+                              "set pipeline.activation_checkpointing: true in zero3d_config instead")
         own_loss = type(self).compute_loss is not transformers.Trainer.compute_loss
         if own_loss or self.compute_loss_func is not None or self.label_smoother is not None:
             what = ("compute_loss is overridden" if own_loss else "compute_loss_func is set" if

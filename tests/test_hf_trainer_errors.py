@@ -1,0 +1,76 @@
+"""What ``parallel3d.hf.Trainer`` refuses, each with one message naming the problem and the way out."""
+
+from __future__ import annotations
+
+import pytest
+
+from parallel3d.errors import ConfigError
+from tests.test_hf_trainer import rows, training_args
+from tests.tiny import make_model
+
+ZERO3 = {"zero_optimization": {"stage": 3}}
+
+
+def make(tmp_path, config=ZERO3, **arg_overrides):
+    from parallel3d.hf import Trainer
+
+    return Trainer(model=make_model("llama"), args=training_args(str(tmp_path), 2, **arg_overrides),
+                   train_dataset=rows(8), zero3d_config=config)
+
+
+def test_deepspeed_argument_beside_a_zero3d_config(tmp_path):
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    try:
+        with pytest.raises(ConfigError, match=r"TrainingArguments\(deepspeed=...\) was given together with "
+                                              r"zero3d_config.*Move the DeepSpeed JSON to zero3d_config="):
+            make(tmp_path, deepspeed={"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto"})
+    finally:
+        unset_hf_deepspeed_config()
+
+
+def test_accelerate_launch_is_refused_with_the_command_to_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    with pytest.raises(ConfigError, match=r"started by `accelerate launch`.*`torchrun --nproc-per-node \S+ SCRIPT "
+                                          r"\[ARGS\]` or `zero3d launch --nproc-per-node"):
+        make(tmp_path)
+
+
+def test_config_disagreeing_with_the_arguments(tmp_path):
+    config = {**ZERO3, "train_micro_batch_size_per_gpu": 3, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}}}
+    with pytest.raises(ConfigError, match=r"train_micro_batch_size_per_gpu=3 but TrainingArguments "
+                                          r"per_device_train_batch_size=2; optimizer.params.lr=0.5 but .*\"auto\""):
+        make(tmp_path, config)
+
+
+def test_context_parallel_layout(tmp_path):
+    with pytest.raises(ConfigError, match=r"context_parallel.size 2 with parallel3d.hf.Trainer"):
+        make(tmp_path, {**ZERO3, "context_parallel": {"size": 2}})
+
+
+def test_missing_config_and_model_init(tmp_path):
+    from parallel3d.hf import Trainer
+
+    with pytest.raises(ConfigError, match="needs zero3d_config="):
+        Trainer(model=make_model("llama"), args=training_args(str(tmp_path), 2))
+    with pytest.raises(ConfigError, match="not model_init="):
+        Trainer(args=training_args(str(tmp_path), 2), model_init=lambda: make_model("llama"), zero3d_config=ZERO3)
+    with pytest.raises(ConfigError, match="not a local Hugging Face model directory"):
+        Trainer(model=str(tmp_path / "nowhere"), args=training_args(str(tmp_path), 2), zero3d_config=ZERO3)
+
+
+def pipeline_with_own_loss(out: str) -> str:
+    from parallel3d.hf import Trainer
+
+    try:
+        Trainer(model=make_model("llama"), args=training_args(out, 4), train_dataset=rows(8),
+                compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
+                zero3d_config={"pipeline": {"stages": 2}})
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_pipeline_with_a_loss_of_the_trainers_own(dist, tmp_path):
+    for message in dist.run(2, pipeline_with_own_loss, str(tmp_path)):
+        assert message.startswith("pipeline.stages 2 with parallel3d.hf.Trainer, and compute_loss_func is set")
