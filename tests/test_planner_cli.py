@@ -171,3 +171,20 @@ def test_a_config_without_auto_does_not_load_the_planner():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "parallel3d.planner.predict" not in out and "parallel3d.planner.search" not in out, out
+
+
+def test_a_first_run_prints_only_the_plan(model_dir, tmp_path):
+    """No stored profiles: the profiles run (on worker processes), and the model's deprecation
+    notices about how a profile calls it stay out of the output."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ZERO3D_CACHE": str(tmp_path / "cache")}
+    args = [sys.executable, "-m", "parallel3d.cli", "plan", str(model_dir), "--gpus", "4", "--gpu-memory", "2GB",
+            "--seq-len", "64", "--global-batch", "16", "--tp", "2", "--pp", "1", "--micro-batch", "2",
+            "--zero-stage", "1", "--checkpointing", "off", "--sequence-parallel", "off"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert done.stdout.startswith("assuming 4 x "), done.stdout[:300]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -368,8 +369,12 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
         raise ValueError(f"chunk kind {kind!r}; allowed: {', '.join(KINDS)}")
     if attention not in ATTENTION:
         raise ValueError(f"attention {attention!r}; allowed: {', '.join(ATTENTION)}")
-    # the planner's process keeps its random stream (tp regions draw their seeds from it)
-    with torch.random.fork_rng(devices=[]), FakeTensorMode(allow_non_fake_inputs=True), fake_tp_group(tp) as group:
+    # the planner's process keeps its random stream (tp regions draw their seeds from it); the
+    # model's deprecation notices are about how the profile calls it, not the user's plan
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), \
+            fake_tp_group(tp) as group:
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing)
         live = LiveBytes()
         _hook(model, kind, live)
