@@ -231,9 +231,9 @@ def cases(world: int, pipelines: bool = True) -> list[tuple]:
     return listed
 
 
-def run_checks(model: str, json_path: str | None = None) -> list[dict]:
-    """Every case on this rank, in the current process group; rank 0 prints a row per case
-    (and appends it to ``json_path``). Returns this rank's results."""
+def run_checks(model: str, json_path: str | None = None, only: list[str] | None = None) -> list[dict]:
+    """Every case on this rank (or the ones labelled in ``only``), in the current process group;
+    rank 0 prints a row per case (and appends it to ``json_path``). Returns this rank's results."""
     dev = device()
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = model_spec(model)
@@ -245,7 +245,12 @@ def run_checks(model: str, json_path: str | None = None) -> list[dict]:
         print(f"{'case':28} {'ok':4} {'loss err':>9} {'param err':>9} {'states MiB':>10} {'paper MiB':>9} "
               f"{'CUDA peak MiB':>13}")
     results = []
-    for label, run_case, stage, extra in cases(world, pipelines=not (dev.type == "cuda" and dist.get_backend() == "gloo")):
+    listed = cases(world, pipelines=not (dev.type == "cuda" and dist.get_backend() == "gloo"))
+    unknown = set(only or ()) - {c[0] for c in listed}
+    if unknown:
+        raise SystemExit(f"gpu_check: no case {', '.join(sorted(unknown))} at world {world}; the cases: "
+                         f"{', '.join(c[0] for c in listed)}")
+    for label, run_case, stage, extra in [c for c in listed if only is None or c[0] in only]:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(dev)
@@ -276,12 +281,13 @@ def main() -> int:
     ap.add_argument("--model", default="A", help="benchmark model (scripts/bench_runners.py), e.g. A or T")
     ap.add_argument("--backend", choices=["nccl", "gloo"], help="default: nccl on CUDA, gloo on CPU")
     ap.add_argument("--json", help="append one JSON line per case here (rank 0)")
+    ap.add_argument("--cases", help="comma-separated case labels to run (default: all), e.g. 'z3 fp32,z1 bf16'")
     args = ap.parse_args()
     dev = device()
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group(args.backend or ("nccl" if dev.type == "cuda" else "gloo"))
-    results = run_checks(args.model, args.json)
+    results = run_checks(args.model, args.json, args.cases.split(",") if args.cases else None)
     dist.barrier()
     dist.destroy_process_group()
     return 0 if all(r["ok"] for r in results) else 1
