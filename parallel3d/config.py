@@ -242,11 +242,6 @@ class Zero3DConfig(Section):
             raise ConfigError(f"zero_optimization.zero_hpz_partition_size {hpz} does not divide the {shard_ranks} ranks "
                               "ZeRO shards over (the data-parallel size, or mics_shard_size, times context_parallel."
                               f"size); allowed: a divisor of {shard_ranks} (the GPUs of a node, typically)")
-        if hpz > 1 and pp > 1:
-            raise ConfigError("zero_optimization.zero_hpz_partition_size > 1 with pipeline.stages > 1 is not supported: "
-                              "the secondary partition is kept from a block's forward to its backward, which pipeline "
-                              "schedules interleave across micro-batches; use pipeline.stages 1 or "
-                              "zero_hpz_partition_size 1")
         if self.zero_optimization.offloads_params and self.zero_optimization.shard_size(dp) * cp == 1:
             raise ConfigError('zero_optimization.offload_param with device "cpu" needs at least 2 ranks to shard over '
                               "(data-parallel ranks, or with zero_optimization.mics_shard_size the ranks of one shard "

@@ -267,6 +267,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 settle=lambda units: self.reducer.settle(units),  # the reducer is made below
                 gather=gather_shards_int8 if settings.quantized_weights else gather_shards,
                 secondary_group=secondary_group,
+                secondary_until_step_end=settings.pipelined,
             )
         # one dp rank shards nothing: accumulating into full buffers then saves the staging copies
         full = settings.stage <= 1 or self.dp.shard_world == 1 or (settings.pipelined and settings.keep_full_gradients)

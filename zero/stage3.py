@@ -98,10 +98,14 @@ class ParamFetcher:
         release_early: Sequence[nn.Module] = (),
         gather: Callable[[torch.Tensor, torch.Tensor, dist.ProcessGroup | None], Pending] = gather_shards,
         secondary_group: dist.ProcessGroup | None = None,
+        secondary_until_step_end: bool = False,
     ) -> None:
         self.module_units = list(module_units)
         self._secondary_group = secondary_group  # ZeRO++'s hpZ (see _secondary_parts)
         self._secondary: dict[int, torch.Tensor] = {}  # unit id -> this rank's part of its secondary partition
+        # pipelines: a block's forwards and backwards of the step's micro-batches interleave, and
+        # every one of them gathers from the copy kept since the first forward (the same values)
+        self._secondary_until_step_end = secondary_until_step_end
         self._gather = gather  # gather_shards, or zero.quantized_comm's int8 one (zero_quantized_weights)
         self.root_units = list(root_units)
         self.group = group
@@ -200,7 +204,8 @@ class ParamFetcher:
         """hpZ: before a block's forward releases its units, keep this rank's 1/H of each gathered
         buffer (H ranks of the secondary group), so that its backward gathers them from there: the
         same values, over the node's links instead of every shard rank's (ZeRO++, section 3.2).
-        Dropped when the unit is released again after its backward (or at the step's end)."""
+        Dropped when the unit is released again after its backward, or under pipeline stages
+        (``secondary_until_step_end``) at the step's end (`release_all`)."""
         world, rank = dist.get_world_size(self._secondary_group), dist.get_rank(self._secondary_group)
         parts = {}
         for unit in units:
@@ -211,7 +216,8 @@ class ParamFetcher:
 
     def release(self, units: Sequence[FlatUnit]) -> None:
         for unit in units:
-            self._secondary.pop(id(unit), None)
+            if not self._secondary_until_step_end:
+                self._secondary.pop(id(unit), None)
             if id(unit) in self._early_of_unit:  # released: uses counted before are over (or never ran)
                 self._open_uses[self._early_of_unit[id(unit)]] = 0
             if id(unit) in self._in_flight:
@@ -275,10 +281,12 @@ class ParamFetcher:
         self.gather(self.root_units + [u for _, us in self.module_units for u in us])
 
     def release_all(self) -> None:
-        """Release every gathered unit (end of a step, or after a forward without grad)."""
+        """Release every gathered unit (end of a step, or after a forward without grad), and drop
+        hpZ's secondary copies: an optimizer step may follow, after which they would be stale."""
         self.release(self.root_units)
         for _, units in self.module_units:
             self.release(units)
+        self._secondary.clear()
 
     def _prefetch_after(self, mi: int, step: int) -> None:
         """Start gathering the modules that follow ``mi`` in execution order (step -1: backward)."""
