@@ -1,7 +1,7 @@
 """The three steps of ``initialize`` that change the model, in their fixed order.
 
-``apply_tp`` -> ``apply_pipeline`` -> ``apply_zero`` (torchtitan's order: tensor parallelism on
-full-precision weights first, then the pipeline keeps this pp rank's chunks, then ZeRO shards
+``apply_ep`` -> ``apply_tp`` -> ``apply_pipeline`` -> ``apply_zero`` (torchtitan's order: experts cut
+to this rank's share, tensor parallelism on full-precision weights, then the pipeline keeps this pp rank's chunks, then ZeRO shards
 each rank's pieces over its dp group). Each takes the model as the previous step left it (real
 or storage-less: see parallel3d/meta_init.py), its config section and the mesh, and returns a
 small record (or None when its dimension is 1). Parameter groups travel by name until ZeRO
@@ -20,6 +20,7 @@ from torch import nn
 from models import fetch_unit_modules
 from parallel3d.config import Zero3DConfig
 from parallel3d.config_sections import PipelineConfig, TensorParallelConfig, ZeroConfig
+from parallel3d.expert_parallel import ExpertParallelInfo, apply_expert_parallel
 from parallel3d.mesh import ParallelMesh
 from parallel3d.meta_init import value_provider
 from parallel3d.pipeline.stage import PipelineModel, split_model
@@ -28,6 +29,11 @@ from parallel3d.tensor_parallel.sequence import sequence_segment_hooks
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
 from zero.offload import OffloadSettings
 from zero.partition import stage3_fetch_modules, standalone_head
+
+
+def apply_ep(model: nn.Module, mesh: ParallelMesh) -> ExpertParallelInfo | None:
+    """Keep this rank's experts of each MoE layer and route tokens to them (``expert_parallel``)."""
+    return apply_expert_parallel(model, mesh.ep, mesh.groups.ep, mesh.groups.expert_shard)
 
 
 def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: ParallelMesh) -> TensorParallelInfo | None:
@@ -88,6 +94,7 @@ def apply_zero(
     tp_info: TensorParallelInfo | None,
     pipe: PipelineModel | None,
     source=None,
+    ep_info: ExpertParallelInfo | None = None,
 ) -> ZeroOptimizer:
     """Hand this rank's trainable params to ZeRO over the dp group (``cfg.zero_optimization``).
 
@@ -148,6 +155,9 @@ def apply_zero(
         frozen_params=frozen,
         replica_group=mesh.groups.zero_replicate if mesh.size("dp_replicate") > 1 else None,
         secondary_group=mesh.groups.zero_secondary,
+        expert_params=list(ep_info.params.values()) if ep_info else (),
+        expert_shard_group=ep_info.shard_group if ep_info else None,
+        expert_parallel_group=ep_info.group if ep_info else None,
     )
 
 

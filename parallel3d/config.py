@@ -28,8 +28,9 @@ import yaml
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from parallel3d.config_sections import (
-    NOT_SET, BF16Config, CheckpointConfig, CommConfig, CompileConfig, ContextParallelConfig, DataTypesConfig, FP16Config,
-    NonNegFloat, OptimizerConfig, PipelineConfig, PositiveFloat, PositiveInt, SchedulerConfig, Section,
+    NOT_SET, BF16Config, CheckpointConfig, CommConfig, CompileConfig, ContextParallelConfig, DataTypesConfig,
+    ExpertParallelConfig, FP16Config, NonNegFloat, OptimizerConfig, PipelineConfig, PositiveFloat, PositiveInt,
+    SchedulerConfig, Section,
     TensorParallelConfig, ZeroConfig,
     describe_validation_error, disabled_block, problem)
 from parallel3d.errors import ConfigError
@@ -56,7 +57,6 @@ _DS_TOP_LEVEL_UNIMPLEMENTED: dict[str, Any] = {
     "use_data_before_expert_parallelism": False,
     "vocabulary_size": None, "aio": {}, "datastates_ckpt": {},
     "activation_checkpointing": NOT_SET, "weight_quantization": NOT_SET,
-    "expert_parallel": NOT_SET,
     # feature blocks with an `enabled` switch: accepted while switched off
     **{key: disabled_block for key in (
         "torch_autocast", "flops_profiler", "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger",
@@ -133,6 +133,8 @@ class Zero3DConfig(Section):
     sequence_parallel_size: PositiveInt = 1
     """DeepSpeed's spelling of ``context_parallel: {"size": N, "method": "ulysses"}``; when above 1
     it sets context_parallel (giving both with different sizes is refused)."""
+    expert_parallel: ExpertParallelConfig = Field(default_factory=ExpertParallelConfig)
+    """Expert parallelism for mixture-of-experts models (DeepSpeed AutoEP's keys)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """How checkpoints are written (`async_save`)."""
     comm: CommConfig = Field(default_factory=CommConfig)
@@ -238,10 +240,13 @@ class Zero3DConfig(Section):
                               f"(world {world_size} / (tensor_parallel.size {tp} x pipeline.stages {pp}{with_cp})); "
                               f"allowed: a divisor of {dp}, or -1 for one group of all {dp}")
         hpz, shard_ranks = self.zero_optimization.zero_hpz_partition_size, self.zero_optimization.shard_size(dp) * cp
-        if hpz > 1 and shard_ranks % hpz:
-            raise ConfigError(f"zero_optimization.zero_hpz_partition_size {hpz} does not divide the {shard_ranks} ranks "
-                              "ZeRO shards over (the data-parallel size, or mics_shard_size, times context_parallel."
-                              f"size); allowed: a divisor of {shard_ranks} (the GPUs of a node, typically)")
+        _divides_shard_ranks("zero_optimization.zero_hpz_partition_size", hpz, shard_ranks, " (the GPUs of a node, typically)")
+        ep = self.expert_parallel.size
+        _divides_shard_ranks("expert_parallel.autoep_size", ep, shard_ranks, " (expert parallelism is folded over them)")
+        if ep > 1 and hpz > 1:
+            raise ConfigError("expert_parallel with zero_optimization.zero_hpz_partition_size > 1 is not supported: "
+                              "the secondary partition is cut from the data-parallel shard group, which expert "
+                              "parameters are not sharded over; set zero_hpz_partition_size to 1")
         if self.zero_optimization.offloads_params and self.zero_optimization.shard_size(dp) * cp == 1:
             raise ConfigError('zero_optimization.offload_param with device "cpu" needs at least 2 ranks to shard over '
                               "(data-parallel ranks, or with zero_optimization.mics_shard_size the ranks of one shard "
@@ -282,6 +287,14 @@ def resolve_batch_sizes(train_batch: Optional[int], micro_batch: Optional[int], 
 
 
 # --- files ------------------------------------------------------------------------------------
+
+
+def _divides_shard_ranks(key: str, size: int, shard_ranks: int, note: str) -> None:
+    """ConfigError unless ``size`` (of ``key``; 1 is always fine) divides the ``shard_ranks`` ZeRO shards over."""
+    if size > 1 and shard_ranks % size:
+        raise ConfigError(f"{key} {size} does not divide the {shard_ranks} ranks ZeRO shards over (the data-parallel "
+                          f"size, or mics_shard_size, times context_parallel.size); allowed: a divisor of "
+                          f"{shard_ranks}{note}")
 
 
 class _YamlLoader(yaml.SafeLoader):

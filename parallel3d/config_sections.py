@@ -650,6 +650,47 @@ class CompileConfig(Section):
         return kwargs
 
 
+class ExpertParallelConfig(Section):
+    """`expert_parallel`: DeepSpeed AutoEP's section (docs/expert_parallel.md).
+
+    Each MoE layer the model's ``base_model_ep_plan`` names keeps ``1/autoep_size`` of its routed
+    experts on each rank of an expert-parallel group folded over the data-parallel shard and
+    context-parallel ranks; tokens reach their experts' ranks and come back by all-to-all, with no
+    capacity limit (no token dropped). AutoEP's tuning keys are accepted at their defaults."""
+
+    ds_unimplemented = {
+        "validate_folding_routing": False, "async_split_plan": False, "preset_model": None,
+        "moe_layer_pattern": None, "expert_pattern": None, "router_pattern": None, "use_grouped_mm": True,
+        "disable_triton_grouped_mm": False, "route_norm": None, "route_scale": 1.0, "score_apply": "auto",
+        "combine_impl": "auto", "row_weighting_impl": "auto", "gate_up_impl": "separate", "comm_backend": "comm",
+        "comm_num_sm": 12, "comm_qp_margin": 4, "comm_max_tokens_per_rank": 0, "num_expert_groups": None,
+        "num_limited_groups": None, "score_func": "auto", "top_k": "auto", "load_balance_coeff": None,
+    }
+
+    enabled: bool = False
+    """Split the experts (off: every rank holds every expert, as ZeRO lays them out)."""
+
+    autoep_size: PositiveInt = 1
+    """Ranks each layer's experts are split over (``E``): it must divide the number of routed
+    experts and the data-parallel shard ranks times the context-parallel size."""
+
+    expert_tensor_parallel_size: PositiveInt = 1
+    """Ranks each expert is split over inside an expert-parallel rank; only 1 (whole experts) is
+    implemented."""
+
+    @field_validator("expert_tensor_parallel_size")
+    @classmethod
+    def _whole_experts(cls, value: int) -> int:
+        if value != 1:
+            raise rule("is not implemented: each expert-parallel rank keeps its experts whole; allowed: 1")
+        return value
+
+    @property
+    def size(self) -> int:
+        """The expert-parallel degree in effect: ``autoep_size`` when enabled, else 1."""
+        return self.autoep_size if self.enabled else 1
+
+
 class CheckpointConfig(Section):
     """`checkpoint`: how `engine.save_checkpoint` writes (DeepSpeed's section, plus async_save)."""
 

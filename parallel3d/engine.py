@@ -74,6 +74,7 @@ class Engine(DeepSpeedSurface):
         watchdog: Watchdog | None = None,
         sequence_split: SequenceSplit | None = None,
         compiled: CompiledBlocks | None = None,
+        ep_info=None,
     ) -> None:
         self.module = module
         self.client_optimizer = client_optimizer
@@ -82,6 +83,7 @@ class Engine(DeepSpeedSurface):
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.tp_info = tp_info
+        self.ep_info = ep_info  # expert parallelism (parallel3d.expert_parallel.ExpertParallelInfo) or None
         self.gradient_accumulation_steps = CallableInt(config.gradient_accumulation_steps)  # also DeepSpeed's getter
         self.train_state = TrainState()  # the counters: written here only (parallel3d/train_state.py)
         self.device = mesh.device
@@ -400,7 +402,8 @@ class Engine(DeepSpeedSurface):
         """Every trainable parameter by name, whole and in fp32 (collective over dp and tp).
 
         Tensor-parallel shards are gathered over tp and reassembled as the unmodified model
-        would hold them (vocabulary padding removed).
+        would hold them (vocabulary padding removed); expert-parallel ranks' experts are gathered
+        over the expert-parallel group in expert order.
         """
         by_param = self.optimizer.full_fp32_params()
         full = {name: by_param[p] for name, p in self.named_parameters() if p in by_param}
@@ -410,6 +413,12 @@ class Engine(DeepSpeedSurface):
                     shards = [torch.empty_like(full[name]) for _ in range(self.mesh.tp)]
                     dist.all_gather(shards, full[name], group=self.mesh.groups.tp)
                     full[name] = spec.unshard(shards)
+        if self.ep_info is not None:
+            for name in self.ep_info.params:
+                if name in full:
+                    parts = [torch.empty_like(full[name]) for _ in range(self.ep_info.size)]
+                    dist.all_gather(parts, full[name], group=self.ep_info.group)
+                    full[name] = torch.cat(parts)
         return full
 
     @_explained

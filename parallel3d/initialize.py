@@ -24,13 +24,14 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d.agreement import agree, describe
-from parallel3d.apply import apply_pipeline, apply_tp, apply_zero
+from parallel3d.apply import apply_ep, apply_pipeline, apply_tp, apply_zero
 from parallel3d.config import Zero3DConfig, load_config
 from parallel3d.ds_arguments import (check_distributed_arguments, check_model, refuse_deepspeed_partitioned,
                                      resolve_config)
 from parallel3d.config_sections import CommConfig
 from parallel3d.context_parallel import apply_context_parallel, check_context_parallel
 from parallel3d.engine import Engine
+from parallel3d.expert_parallel import check_expert_parallel
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.gathered import register
 from parallel3d.lifeline import install_exit_guard
@@ -180,6 +181,7 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     check_context_parallel(model, cfg)
+    check_expert_parallel(model, cfg.expert_parallel.size, cfg.tensor_parallel.size, on_meta(model))
     if cfg.loss_normalization == "tokens" and (problem := token_mean.model_problem(model)) is not None:
         raise ConfigError(problem)
     groups = _param_groups(model, model_parameters)
@@ -279,14 +281,15 @@ def initialize(
     dp = cfg.data_parallel_size
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s, cp=cfg.context_parallel.size,
                       dp_replicate=dp // cfg.zero_optimization.shard_size(dp),
-                      hpz=cfg.zero_optimization.zero_hpz_partition_size)
+                      hpz=cfg.zero_optimization.zero_hpz_partition_size, ep=cfg.expert_parallel.size)
     install_exit_guard()  # the mesh's gloo groups must not outlive the interpreter's teardown
     if source is None:
         model.to(device)
+    ep_info = apply_ep(model, mesh)
     tp_info = apply_tp(model, cfg.tensor_parallel, mesh)
     sequence_split = apply_context_parallel(model, cfg, mesh)
     pipe = apply_pipeline(model, cfg.pipeline, mesh, tp_info)
-    zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source)
+    zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source, ep_info)
     if (notice := persistence_notice(zero_opt)) is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(notice)
     register(zero_opt)
@@ -296,5 +299,5 @@ def initialize(
     client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe, client_optimizer=client,
                     watchdog=Watchdog.for_default_group(timeout_s), sequence_split=sequence_split,
-                    compiled=compiled)
+                    compiled=compiled, ep_info=ep_info)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler

@@ -6,7 +6,10 @@ fastest links, i.e. the GPUs of one node), then cp, then dp_shard, dp_replicate,
 parallel ranks are ``dp = dp_replicate x dp_shard``: ZeRO shards inside a ``dp_shard`` group
 and replicates across ``dp_replicate`` (hybrid sharding). An axis of size 1 costs nothing but a
 trivial group; with ``dp_replicate = cp = 1`` the layout is the pp x dp x tp mesh of before.
-Expert parallelism is to be a view folded over ``dp_shard x cp`` (docs/design.md, "The mesh").
+Expert parallelism is folded over ``dp_shard x cp`` (torchtitan's arrangement): each block of
+``E`` consecutive ranks of a ``dp_shard_cp`` group splits the experts (``ProcessGroups.ep``) and
+the ranks at one position of every block hold the same experts and shard their states
+(``ProcessGroups.expert_shard``); docs/expert_parallel.md.
 """
 
 from __future__ import annotations
@@ -109,6 +112,12 @@ class ProcessGroups:
     zero_secondary: dist.ProcessGroup | None = None
     """ZeRO++'s hpZ: consecutive blocks of ``zero_hpz_partition_size`` ranks of ``zero_shard`` (a
     node's), over which stage 3 keeps a second partition of each block's parameters for backward."""
+    ep: dist.ProcessGroup | None = None
+    """Expert parallelism: ``E`` consecutive ranks of ``zero_shard`` that split each MoE layer's experts
+    (tokens cross it by all-to-all); None without expert parallelism."""
+    expert_shard: dist.ProcessGroup | None = None
+    """The ranks of ``zero_shard`` that hold the same experts (every ``E``-th): where ZeRO shards the
+    expert parameters' states (the expert-data-parallel group); None without expert parallelism."""
     gradient_mean: dist.ProcessGroup | None = None
     """Every rank whose gradient of a weight enters its mean (``dp_cp``), and a loss's mean."""
     norm: tuple[dist.ProcessGroup, ...] = ()
@@ -137,6 +146,8 @@ class ParallelMesh:
     their maker rather than sliced from the root mesh)."""
     groups: ProcessGroups = field(default_factory=ProcessGroups, repr=False, compare=False)
     """The groups by use (:func:`build_mesh` fills them in)."""
+    ep: int = 1
+    """Expert-parallel degree ``E``, folded over ``dp_shard x cp`` (1: none)."""
 
     def __post_init__(self) -> None:
         if self.device_mesh is not None and tuple(self.device_mesh.mesh_dim_names or ()) != AXES:
@@ -183,6 +194,10 @@ class ParallelMesh:
         if self.groups.zero_secondary is not None:
             names["hpz"] = self.groups.zero_secondary
             seen.add(self.groups.zero_secondary.group_name)
+        for name, group in (("ep", self.groups.ep), ("expert_shard", self.groups.expert_shard)):
+            if group is not None and group.group_name not in seen:
+                seen.add(group.group_name)
+                names[name] = group
         for big in (True, False):
             for name in preference:
                 group = self.group(name)
@@ -218,19 +233,25 @@ class ParallelMesh:
 
 
 def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: float | None = None, *,
-               cp: int = 1, dp_replicate: int = 1, hpz: int = 1) -> ParallelMesh:
+               cp: int = 1, dp_replicate: int = 1, hpz: int = 1, ep: int = 1) -> ParallelMesh:
     """Build the mesh over the current world; ``dp_shard`` takes the ranks the other axes leave.
 
     Its groups get the collective timeout ``timeout_s`` (torch gives new groups its 30-minute
     default, not the default group's timeout). ``hpz`` > 1 also makes ZeRO++'s secondary groups
-    (``ProcessGroups.zero_secondary``); it must divide the shard group's size.
+    (``ProcessGroups.zero_secondary``); it must divide the shard group's size. ``ep`` > 1 makes the
+    expert-parallel groups (``ProcessGroups.ep``, ``ProcessGroups.expert_shard``); it must divide
+    the shard group's size too.
     """
     device = device or default_device()
     ensure_process_group(device, timeout_s)
     world = dist.get_world_size() if dist.is_initialized() else 1
     shape = MeshShape.for_world(world, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate)
+    if ep > 1 and shape.size("dp_shard_cp") % ep:
+        raise ConfigError(f"expert_parallel.autoep_size {ep} does not divide the {shape.size('dp_shard_cp')} ranks "
+                          "of dp_shard x cp it is folded over (the data-parallel shard ranks times the context-"
+                          "parallel size); allowed: a divisor of that")
     if not dist.is_initialized():
-        return ParallelMesh(shape, None, device)
+        return ParallelMesh(shape, None, device, ep=ep)
     mesh = init_device_mesh(device.type, shape.dims, mesh_dim_names=AXES)
     flattened = {name: mesh[axes]._flatten(name) for name, axes in VIEWS.items()
                  if sum(shape.size(a) > 1 for a in axes) > 1}
@@ -241,7 +262,28 @@ def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: 
     groups = _groups_of(built)
     if hpz > 1:
         groups = dataclasses.replace(groups, zero_secondary=_secondary_group(mesh, shape, hpz, timeout_s))
-    return dataclasses.replace(built, groups=groups)
+    if ep > 1:
+        ep_group, expert_shard = _expert_groups(mesh, shape, ep, timeout_s)
+        groups = dataclasses.replace(groups, ep=ep_group, expert_shard=expert_shard)
+    return dataclasses.replace(built, groups=groups, ep=ep)
+
+
+def _shard_rows(mesh: DeviceMesh, shape: MeshShape) -> torch.Tensor:
+    """Every ``dp_shard_cp`` group's global ranks, one row each, in the view's order (cp fastest)."""
+    return mesh.mesh.permute(0, 1, 4, 2, 3).reshape(-1, shape.size("dp_shard_cp"))
+
+
+def _expert_groups(mesh: DeviceMesh, shape: MeshShape, ep: int,
+                   timeout_s: float | None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """This rank's expert-parallel group (``ep`` consecutive members of its ``dp_shard_cp`` group,
+    torchtitan's inner fold) and expert-shard group (the members at its position in every block)."""
+    rows = _shard_rows(mesh, shape)
+    timeout = timedelta(seconds=timeout_s) if timeout_s else None
+    blocks = [row[i : i + ep].tolist() for row in rows for i in range(0, rows.shape[1], ep)]
+    strided = [row[j::ep].tolist() for row in rows for j in range(ep)]
+    ep_group, _ = dist.new_subgroups_by_enumeration(blocks, timeout=timeout)
+    expert_shard, _ = dist.new_subgroups_by_enumeration(strided, timeout=timeout)
+    return ep_group, expert_shard
 
 
 def _secondary_group(mesh: DeviceMesh, shape: MeshShape, hpz: int, timeout_s: float | None) -> dist.ProcessGroup:
@@ -251,7 +293,7 @@ def _secondary_group(mesh: DeviceMesh, shape: MeshShape, hpz: int, timeout_s: fl
     if size % hpz:
         raise ConfigError(f"zero_optimization.zero_hpz_partition_size {hpz} does not divide the {size} ranks "
                           "ZeRO shards over; allowed: a divisor of that")
-    ranks = mesh.mesh.permute(0, 1, 4, 2, 3).reshape(-1, size)  # rows: the shard groups, in view order
+    ranks = _shard_rows(mesh, shape)
     blocks = [row[i : i + hpz].tolist() for row in ranks for i in range(0, size, hpz)]
     group, _ = dist.new_subgroups_by_enumeration(blocks, timeout=timedelta(seconds=timeout_s) if timeout_s else None)
     return group

@@ -331,7 +331,7 @@ BAD_CONFIGS = [
     ({**MB, "checkpoint": {"use_node_local_storage": True}}, 1,
      "checkpoint.use_node_local_storage is a DeepSpeed key Zero3D does not implement yet"),
     ({**MB, "checkpoint": {"async": True}}, 1, "unknown config key 'checkpoint.async'"),
-    ({**MB, "seed": 1234}, 1, "unknown config key 'seed'; keys Zero3D implements: bf16, checkpoint, comm, compile, context_parallel, data_types, dataloader_drop_last, fp16,"),
+    ({**MB, "seed": 1234}, 1, "unknown config key 'seed'; keys Zero3D implements: bf16, checkpoint, comm, compile, context_parallel, data_types, dataloader_drop_last, expert_parallel, fp16,"),
     ({**MB, "comm": {"timeout_s": 0}}, 1, "comm.timeout_s: 0 must be >= 0.001"),
     ({**MB, "comm": {"timeout": 60}}, 1, "unknown config key 'comm.timeout'; did you mean 'comm.timeout_s'?"),
 ]

@@ -83,6 +83,8 @@ class FlatUnit:
         self.model_parallel = False  # split across a tensor-parallel group (for the grad norm)
         self.count_in_norm = True  # False for copies whose gradient another rank counts
         self.frozen = False  # untrained params: no master, no gradient, released after each use
+        self.expert = False  # expert-parallel params: sharded over ``comm_group`` (the ranks with the same experts)
+        self.comm_group = None  # an expert unit's shard group (zero.flat.shard_group_of)
         self.shapes = [p.shape for p in params]
         self.numels = [p.numel() for p in params]
         self.offsets = [0]
@@ -205,3 +207,8 @@ class FlatUnit:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-param views into a flat buffer of this unit's layout."""
         return [flat[off : off + n].view(shape) for off, n, shape in zip(self.offsets, self.numels, self.shapes)]
+
+
+def shard_group_of(unit: FlatUnit, default):
+    """The group ``unit`` is sharded and reduced over: an expert unit's own, else ``default`` (the optimizer's)."""
+    return unit.comm_group if unit.expert else default

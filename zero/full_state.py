@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero.comm import gather_shards
-from zero.flat import FlatUnit
+from zero.flat import FlatUnit, shard_group_of
 from zero.gathered import write_back
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def _assemble(optimizer: ZeroOptimizer, unit: FlatUnit, index: int, shard_values
     """The param's whole value from each rank's shard-sized fp32 ``shard_values`` (a collective if sharded)."""
     if unit.world > 1:
         full = torch.empty(unit.padded, dtype=shard_values.dtype, device=unit.device)  # host shards: gathered on the device
-        gather_shards(full, shard_values.contiguous(), optimizer.group).wait()
+        gather_shards(full, shard_values.contiguous(), shard_group_of(unit, optimizer.group)).wait()
     else:
         full = shard_values.to(unit.device)  # an offloaded shard: on the compute device, as with dp > 1
     off, n = unit.offsets[index], unit.numels[index]

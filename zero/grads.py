@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero.comm import Pending, reduce_to_shard
-from zero.flat import FlatUnit
+from zero.flat import FlatUnit, shard_group_of
 
 AVG = dist.ReduceOp.AVG
 
@@ -337,21 +337,22 @@ class GradientReducer:
     def _reduce(self, ui: int, unit: FlatUnit) -> tuple[dist.Work | Pending | None, Callable[[], None] | None]:
         """Start the unit's collective; return its handle and what to do once it is done."""
         self._ensure_unit(ui)  # a unit that got no gradient on this rank contributes zeros
+        group = shard_group_of(unit, self.group)
         if unit.world == 1:
             if self.accumulate_full:
-                if self.group_size == 1:
+                if (self.group_size if group is self.group else dist.get_world_size(group)) == 1:
                     return None, None
-                return dist.all_reduce(unit.grad_full, op=AVG, group=self.group, async_op=True), None
+                return dist.all_reduce(unit.grad_full, op=AVG, group=group, async_op=True), None
             staging, self._staging[ui] = self._staging_for(ui), None
             self._zero_missing(ui, staging)
             return None, lambda: unit.grad_shard.add_(staging)
         if self.accumulate_full:
-            return self._reduce_to_shard(unit.grad_full, unit.grad_shard, self.group, accumulate=False), None
+            return self._reduce_to_shard(unit.grad_full, unit.grad_shard, group, accumulate=False), None
         staging = self._staging_for(ui)
         self._staging[ui] = None
         self._zero_missing(ui, staging)
         fresh, self._shard_fresh[ui] = self._shard_fresh[ui], False
-        return self._reduce_to_shard(staging, unit.grad_shard, self.group, accumulate=not fresh), None
+        return self._reduce_to_shard(staging, unit.grad_shard, group, accumulate=not fresh), None
 
     def _drain(self, keep: int = 0) -> None:
         """Complete the oldest pending collectives until at most ``keep`` remain."""

@@ -24,7 +24,7 @@ from torch import nn
 from zero.comm import AVG, gather_shards, reduce_to_shard
 from zero.dp_groups import DataParallelGroups
 from zero.quantized_comm import gather_shards_int8, reduce_to_shard_int8
-from zero.flat import FlatUnit
+from zero.flat import FlatUnit, shard_group_of
 from zero.grads import GradientReducer, UnusedParametersError
 from zero.loss_scaler import LossScaler
 from zero.offload import Offloader, OffloadSettings
@@ -174,6 +174,12 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         secondary_group: stage 3, ZeRO++'s hpZ: the ranks of ``group`` over which each block's
             parameters are kept partitioned from its forward to its backward, whose gather then
             stays inside it (``zero.stage3.ParamFetcher``).
+        expert_params: expert parallelism: params of which each rank of ``expert_parallel_group``
+            holds different experts. Their units are sharded over ``expert_shard_group`` (the ranks
+            of ``group`` holding the same experts) and reduced there; each of their gradients already
+            sums every rank's tokens of the expert-parallel group (the all-to-all's backward), so the
+            average over ``expert_shard_group`` is divided by the expert-parallel size to give the
+            mean over all of ``group``, as for the other params.
     """
 
     def __init__(
@@ -199,10 +205,17 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         frozen_params: Iterable[nn.Parameter] = (),
         replica_group: dist.ProcessGroup | None = None,
         secondary_group: dist.ProcessGroup | None = None,
+        expert_params: Iterable[nn.Parameter] = (),
+        expert_shard_group: dist.ProcessGroup | None = None,
+        expert_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.settings = settings
         self.param_names = dict(param_names or {})  # for messages
         self.dp = DataParallelGroups(group, replica_group)
+        expert = {id(p) for p in expert_params}
+        self.expert_dp = DataParallelGroups(expert_shard_group, replica_group) if expert else None
+        self.expert_parallel_group = expert_parallel_group if expert else None
+        self._expert_parallel_size = dist.get_world_size(expert_parallel_group) if expert else 1
         self.dtype = dtype
         self.loss_scaler = loss_scaler or LossScaler()
         self.norm_groups = list(norm_groups)
@@ -219,9 +232,11 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         for gi, g in enumerate(param_groups):
             for kind in ((False, False), (True, False), (False, True), (True, True)):
                 ps = [p for p in g["params"] if (id(p) in split, id(p) in duplicate) == kind]
-                for part in _partition(ps, lambda p: (chunk_of.get(p, 0), id(p) if id(p) in isolated else None)):
+                for part in _partition(ps, lambda p: (chunk_of.get(p, 0), id(p) if id(p) in isolated else None,
+                                                      id(p) in expert)):
                     params.append(part)
                     origin.append((gi, *kind))
+        self._expert_parts = {i for i, part in enumerate(params) if id(part[0]) in expert}
         frozen = list(dict.fromkeys(frozen_params))
         if frozen:  # one more part, no optimizer group: its units are frozen (zero.flat.FlatUnit.frozen)
             params.append(frozen)
@@ -230,7 +245,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                              "(parallel3d.meta_init.detach_from_meta) and their values through initial_values")
         device = params[0][0].device
         self._comm_device = device  # where collectives run (offloaded shards are on the host)
-        self.layout = self._layout(params, list(fetch_modules), device)
+        self.layout = self._expert_layout(params, list(fetch_modules), device) if expert else \
+            self._layout(params, list(fetch_modules), device)
         trained = len(origin)
         self.units = [u for u in self.layout.units if u.group_index < trained]
         self.frozen_units = [u for u in self.layout.units if u.group_index == trained]
@@ -243,8 +259,10 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             unit.count_in_norm = not duplicated
         # [units, 2]: which squared unit norms count as [replicated, model-parallel] (step-invariant)
         self._norm_weights = torch.tensor(
-            [[float(u.count_in_norm and not u.model_parallel), float(u.count_in_norm and u.model_parallel)] for u in self.units]
-        )
+            [[float(u.count_in_norm and not u.model_parallel and not u.expert),
+              float(u.count_in_norm and u.model_parallel and not u.expert), float(u.count_in_norm and u.expert)]
+             for u in self.units]
+        ).reshape(len(self.units), 3)
         if initial_values is None:
             self._install_values()
         else:
@@ -298,10 +316,33 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         self.skipped_steps = 0
         self._pass_chunk = 0  # the pipeline chunk of the running backward pass
 
-    def _layout(self, params: list[list[nn.Parameter]], fetch_modules: list[nn.Module], device) -> UnitLayout:
+    def _expert_layout(self, params: list[list[nn.Parameter]], fetch_modules: list[nn.Module], device) -> UnitLayout:
+        """Lay out the expert parts over the expert shard group and the others over ``group``, as one layout
+        (a stage-3 fetch module's units are its dense units, then its expert units)."""
+        dense = [i for i in range(len(params)) if i not in self._expert_parts]
+        experts = sorted(self._expert_parts)
+        layouts = []
+        for indices, dp in ((dense, self.dp), (experts, self.expert_dp)):
+            layout = self._layout([params[i] for i in indices], fetch_modules, device, dp)
+            for unit in layout.units:
+                unit.group_index = indices[unit.group_index]
+                unit.expert, unit.comm_group = dp is self.expert_dp, dp.shard
+            layouts.append(layout)
+        by_module: dict[int, tuple[nn.Module, list[FlatUnit]]] = {}
+        for layout in layouts:
+            for module, units in layout.module_units:
+                by_module.setdefault(id(module), (module, []))[1].extend(units)
+        order = {id(m): i for i, m in enumerate(fetch_modules)}
+        return UnitLayout(units=[u for layout in layouts for u in layout.units],
+                          module_units=sorted(by_module.values(), key=lambda mu: order[id(mu[0])]),
+                          root_units=[u for layout in layouts for u in layout.root_units])
+
+    def _layout(self, params: list[list[nn.Parameter]], fetch_modules: list[nn.Module], device,
+                dp: DataParallelGroups | None = None) -> UnitLayout:
         s = self.settings
-        world = 1 if s.stage == 0 else self.dp.shard_world
-        rank = 0 if s.stage == 0 else self.dp.shard_rank
+        dp = dp or self.dp
+        world = 1 if s.stage == 0 else dp.shard_world
+        rank = 0 if s.stage == 0 else dp.shard_rank
         if s.stage == 3:
             return fetch_unit_layout(
                 params,
@@ -319,7 +360,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         """Broadcast initial values from dp rank 0 (so every replica starts equal) and shard them."""
         for unit in self.layout.units:
             full = unit.flatten_current()
-            self.dp.broadcast(full, src=0)
+            (self.expert_dp if unit.expert else self.dp).broadcast(full, src=0)  # the same experts' ranks
             unit.install(full)
 
     def _install_given(self, provide: ValueProvider) -> None:
@@ -527,20 +568,24 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
     def global_grad_norm(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """L2 norm of the whole model's gradient, from this rank's shards.
 
-        Squares of [replicated, model-parallel] units are summed over dp when sharded (the
-        shards are disjoint), the model-parallel part also over the model-parallel group
-        (its pieces are disjoint, the replicated params are the same on every rank there),
-        then everything over the norm groups.
+        Squares of [replicated, model-parallel, expert] units are summed over dp when sharded (the
+        shards are disjoint; expert shards are disjoint over the expert shard group and hold
+        other experts across the expert-parallel group, which together make up dp), the
+        model-parallel part also over the model-parallel group (its pieces are disjoint, the
+        replicated params are the same on every rank there), then everything over the norm groups.
+        Unsharded (stage 0), the expert part is summed over the expert-parallel group.
         """
-        squares = torch.zeros(2, dtype=torch.float32, device=grads[0].device if grads else None)
+        squares = torch.zeros(3, dtype=torch.float32, device=grads[0].device if grads else None)
         if grads:
             per_unit = torch.stack(torch._foreach_norm(grads)).pow(2)
             squares = self._norm_weights.to(per_unit.device).t() @ per_unit
         squares = squares.to(self._comm_device)  # offloaded gradients are summed on the host
         if self.settings.stage > 0 and self.dp.shard_world > 1:
             dist.all_reduce(squares, group=self.group)
+        elif self.expert_parallel_group is not None:
+            dist.all_reduce(squares[2:], group=self.expert_parallel_group)
         if self.model_parallel_group is not None:
-            dist.all_reduce(squares[1:], group=self.model_parallel_group)
+            dist.all_reduce(squares[1:2], group=self.model_parallel_group)
         total = squares.sum()
         for g in self.norm_groups:
             dist.all_reduce(total, group=g)
@@ -560,6 +605,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         factor = (ranks if self.settings.gradient_sum else 1) / self.loss_scaler.scale
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
+        if self._expert_parallel_size > 1:  # every expert-parallel rank's tokens are in these gradients
+            torch._foreach_mul_([g for g, u in zip(grads, self.units) if u.expert], 1.0 / self._expert_parallel_size)
         clip = self.settings.gradient_clipping
         check = self.settings.check_overflow or self.dtype == torch.float16
         overflow = False
@@ -620,7 +667,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             if unit.master is not unit.shard:
                 unit.shard.copy_(unit.master)
             if unit.persistent and unit.world > 1:
-                works.append(gather_shards(unit.full, unit.shard, self.group))
+                works.append(gather_shards(unit.full, unit.shard, shard_group_of(unit, self.group)))
         for w in works:
             w.wait()
         if self.fetcher is not None:
@@ -689,7 +736,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         for unit in self.units:
             full = torch.empty(unit.padded, dtype=torch.float32, device=unit.device)
             if unit.world > 1:
-                gather_shards(full, unit.master.detach(), self.group).wait()
+                gather_shards(full, unit.master.detach(), shard_group_of(unit, self.group)).wait()
             else:
                 full.copy_(unit.master.detach())
             for p, view in zip(unit.params, unit.views(full)):

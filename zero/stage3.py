@@ -54,7 +54,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from zero.comm import Pending, gather_shards
-from zero.flat import FlatUnit
+from zero.flat import FlatUnit, shard_group_of
 from zero.head import can_release_early, releasing_forward
 
 
@@ -186,7 +186,7 @@ class ParamFetcher:
         if secondary is not None:  # hpZ: backward gathers the copy kept since forward, inside the node
             work = gather_shards(unit.allocate_full(), secondary, self._secondary_group)
         else:
-            work = self._gather(unit.allocate_full(), unit.shard, self.group)
+            work = self._gather(unit.allocate_full(), unit.shard, shard_group_of(unit, self.group))
         self._in_flight[id(unit)] = (work, unit)
 
     def gather(self, units: Sequence[FlatUnit]) -> None:

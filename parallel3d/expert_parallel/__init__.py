@@ -1,0 +1,68 @@
+"""Expert parallelism for Hugging Face MoE models (docs/expert_parallel.md).
+
+``apply_expert_parallel`` cuts each experts module that ``base_model_ep_plan`` names to this
+rank's share of its experts and routes tokens to them by all-to-all over the mesh's ``ep`` group;
+ZeRO then shards those parameters over ``expert_shard`` (the ranks holding the same experts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch import nn
+
+from parallel3d.errors import ConfigError
+from parallel3d.expert_parallel.experts import split_experts
+from parallel3d.expert_parallel.plan import ExpertsModule, resolve_experts
+
+__all__ = ["ExpertParallelInfo", "ExpertsModule", "apply_expert_parallel", "check_expert_parallel", "resolve_experts"]
+
+
+@dataclass
+class ExpertParallelInfo:
+    """What expert parallelism changed on this rank."""
+
+    size: int
+    rank: int
+    group: dist.ProcessGroup
+    """The expert-parallel group (tokens cross it)."""
+    shard_group: dist.ProcessGroup
+    """The ranks holding the same experts (ZeRO shards expert states over it)."""
+    modules: list[ExpertsModule]
+    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    """This rank's expert parameters by full name ([num_experts / size, ...] of each stacked weight)."""
+
+    def global_shape(self, name: str, local_shape) -> tuple[int, ...]:
+        """The shape of ``name`` in one process (the local expert count times ``size``)."""
+        return (local_shape[0] * self.size, *local_shape[1:]) if name in self.params else tuple(local_shape)
+
+
+def check_expert_parallel(model: nn.Module, size: int, tp: int, meta: bool) -> None:
+    """ConfigError, before any collective, when ``model`` cannot be split over ``size`` expert-parallel ranks."""
+    if size == 1:
+        return
+    if meta:
+        raise ConfigError("expert_parallel with a model on the meta device is not supported yet: each rank would "
+                          "have to read only its experts; build the model with real weights (or pass pretrained= "
+                          "with an eagerly built model)")
+    if tp > 1:
+        raise ConfigError("expert_parallel with tensor_parallel.size > 1 is not supported yet: the tensor-parallel "
+                          "plan would split the experts that expert parallelism already keeps whole on each rank; "
+                          "use tensor_parallel.size 1 or turn expert_parallel off")
+    resolve_experts(model, size)
+
+
+def apply_expert_parallel(model: nn.Module, size: int, group: dist.ProcessGroup | None,
+                          shard_group: dist.ProcessGroup | None) -> ExpertParallelInfo | None:
+    """Split the experts of ``model`` over ``group`` (``size`` ranks; None when ``size`` is 1)."""
+    if size == 1:
+        return None
+    modules = resolve_experts(model, size)
+    info = ExpertParallelInfo(size, dist.get_rank(group), group, shard_group, modules)
+    for experts in modules:
+        module = model.get_submodule(experts.name)
+        names = [n for n, _ in module.named_parameters(recurse=False)]
+        for name, param in zip(names, split_experts(module, experts.num_experts, group)):
+            info.params[f"{experts.name}.{name}"] = param
+    return info

@@ -1,0 +1,123 @@
+"""Expert parallelism against one process: the all-to-all in float64, then training with ZeRO 0-3.
+
+Routing differs by rank (random tokens; each rank's tokens pick their own experts), and the
+router's load-balancing loss is in the loss, as the model computes it on each rank's tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import torch.distributed
+
+from parallel3d.errors import ConfigError
+from tests.tiny import rank_micro_batches, token_batches, oracle_run, update_mismatch
+from tests.tiny_moe import EXPERTS, ep_config, make_moe
+
+KINDS = ("mixtral", "qwen3_moe")
+RTOL = 1e-5
+STEPS, GAS, DP = 3, 2, 4
+
+
+def _float64_gradients(kind: str, ep: int) -> dict:
+    """One forward/backward per rank of the float64 model with its experts split over ``ep`` ranks."""
+    from parallel3d.expert_parallel import apply_expert_parallel
+    from parallel3d.mesh import build_mesh
+
+    mesh = build_mesh(1, 1, ep=ep)
+    model = make_moe(kind, experts_implementation="eager").double()  # torch._grouped_mm has no float64
+    info = apply_expert_parallel(model, ep, mesh.groups.ep, mesh.groups.expert_shard)
+    data = token_batches(1, 1, DP)[0, 0]
+    out = model(input_ids=data[torch.distributed.get_rank()], labels=data[torch.distributed.get_rank()])
+    out.loss.backward()
+    return {"loss": out.loss.item(), "aux": out.aux_loss.item(), "ep_rank": info.rank,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+@functools.cache
+def _oracle_gradients(kind: str) -> list[dict]:
+    start = make_moe(kind, experts_implementation="eager").double()
+    data = token_batches(1, 1, DP)[0, 0]
+    out = []
+    for rank in range(DP):
+        model = copy.deepcopy(start)
+        result = model(input_ids=data[rank], labels=data[rank])
+        result.loss.backward()
+        out.append({"loss": result.loss.item(), "aux": result.aux_loss.item(),
+                    "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
+    return out
+
+
+@pytest.mark.parametrize("kind,ep", [(k, e) for k in KINDS for e in (2, 4)])
+def test_float64_all_to_all_matches_single_process(dist, kind, ep):
+    """Dense gradients are each rank's own; a local expert's gradient sums the ep group's tokens."""
+    want = _oracle_gradients(kind)
+    got = dist.run(DP, _float64_gradients, kind, ep)
+    local = EXPERTS // ep
+    for rank, result in enumerate(got):
+        assert result["loss"] == pytest.approx(want[rank]["loss"], rel=1e-12)
+        assert result["aux"] == pytest.approx(want[rank]["aux"], rel=1e-12)
+        block = range(rank - rank % ep, rank - rank % ep + ep)  # this rank's expert-parallel group
+        for name, grad in result["grads"].items():
+            if ".experts." in name:
+                lo = result["ep_rank"] * local
+                expected = sum(want[r]["grads"][name] for r in block)[lo : lo + local]
+            else:
+                expected = want[rank]["grads"][name]
+            assert torch.allclose(grad, expected, rtol=1e-10, atol=1e-13), f"rank {rank} {name}"
+
+
+def _train(kind: str, stage: int, ep: int) -> tuple[list[float], dict, dict]:
+    import parallel3d
+
+    config = ep_config(stage, GAS, DP, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000)
+    engine, _, _, _ = parallel3d.initialize(model=make_moe(kind), config=config)
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, DP), torch.distributed.get_rank()))
+    losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
+    return losses, engine.full_parameters(), engine.memory_report()
+
+
+@functools.cache
+def _oracle(kind: str):
+    return oracle_run(kind, token_batches(STEPS, GAS, DP), model=make_moe(kind))
+
+
+@pytest.mark.parametrize("kind,stage,ep", [(k, s, e) for k in KINDS for e in (2, 4) for s in (0, 1, 2, 3)])
+def test_training_matches_single_process(dist, kind, stage, ep):
+    want_losses, want_params = _oracle(kind)
+    start = dict(make_moe(kind).named_parameters())
+    for losses, params, _ in dist.run(DP, _train, kind, stage, ep):
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        ratio, name, rel = update_mismatch(params, want_params, start, STEPS, RTOL)
+        assert ratio <= 1, f"{name}: update off by {rel:.2e}"
+
+
+def _initialize_error(model, **ep) -> str:
+    import parallel3d
+
+    config = ep_config(1, 1, 1, 1)
+    config["expert_parallel"] = {"enabled": True, **ep}
+    with pytest.raises(ConfigError) as info:
+        parallel3d.initialize(model=model, config=config)
+    return str(info.value)
+
+
+def test_refusals_name_the_problem():
+    from parallel3d.expert_parallel import resolve_experts
+    from tests.tiny import make_model
+
+    assert "does not divide the 8 experts of model.layers.0.mlp.experts; allowed: 1, 2, 4, 8" in str(
+        pytest.raises(ConfigError, resolve_experts, make_moe("mixtral"), 3).value)
+    assert "declares no base_model_ep_plan" in str(pytest.raises(ConfigError, resolve_experts, make_model("llama"), 2).value)
+    no_moe = make_moe("qwen3_moe", mlp_only_layers=[0, 1])
+    assert "builds none of them (no mixture-of-experts layer)" in str(
+        pytest.raises(ConfigError, resolve_experts, no_moe, 2).value)
+    assert "expert_parallel.autoep_size 2 does not divide the 1 ranks ZeRO shards over" in _initialize_error(
+        make_moe("mixtral"), autoep_size=2)
+    assert "expert_parallel.expert_tensor_parallel_size: 2 is not implemented" in _initialize_error(
+        make_moe("mixtral"), expert_tensor_parallel_size=2)
+    assert "expert_parallel.preset_model is a DeepSpeed key Zero3D does not implement" in _initialize_error(
+        make_moe("mixtral"), preset_model="mixtral")

@@ -1,0 +1,42 @@
+"""Tiny Mixtral and Qwen3-MoE models (8 experts, top 2, router auxiliary loss on) for expert parallelism.
+
+Random init and random tokens: each rank's tokens choose their own experts, so routing differs
+by rank and by step, and some experts get no token on a rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tests.tiny import VOCAB
+
+EXPERTS = 8
+
+
+def make_moe(kind: str, seed: int = 0, **overrides) -> nn.Module:
+    """A tiny ``mixtral`` or ``qwen3_moe`` causal LM with its load-balancing loss in the loss."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
+                  router_aux_loss_coef=0.05)
+    if kind == "mixtral":
+        cfg = MixtralConfig(**{**common, "intermediate_size": 32, "num_local_experts": EXPERTS, **overrides})
+        return MixtralForCausalLM(cfg)
+    if kind == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**{**common, "intermediate_size": 48, "moe_intermediate_size": 32, "num_experts": EXPERTS,
+                                "head_dim": 8, **overrides})
+        return Qwen3MoeForCausalLM(cfg)
+    raise ValueError(f"unknown tiny MoE {kind!r}")
+
+
+def ep_config(stage: int, gas: int, dp: int, ep: int, **zero) -> dict:
+    """tests.tiny.ds_config with ``expert_parallel`` at ``ep`` ranks (off at 1)."""
+    from tests.tiny import ds_config
+
+    config = ds_config(stage, gas, dp, **zero)
+    if ep > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
+    return config
