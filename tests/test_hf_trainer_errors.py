@@ -11,11 +11,20 @@ from tests.tiny import make_model
 ZERO3 = {"zero_optimization": {"stage": 3}}
 
 
-def make(tmp_path, config=ZERO3, **arg_overrides):
+def make(tmp_path, config=ZERO3, trainer_kwargs: dict | None = None, **arg_overrides):
     from parallel3d.hf import Trainer
 
     return Trainer(model=make_model("llama"), args=training_args(str(tmp_path), 2, **arg_overrides),
-                   train_dataset=rows(8), zero3d_config=config)
+                   train_dataset=rows(8), zero3d_config=config, **(trainer_kwargs or {}))
+
+
+def refusal(out: str, *args, **kwargs) -> str:
+    """The message ``make(out, *args, **kwargs)`` stops with (run on every rank)."""
+    try:
+        make(out, *args, **kwargs)
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
 
 
 def test_deepspeed_argument_beside_a_zero3d_config(tmp_path):
@@ -59,18 +68,17 @@ def test_missing_config_and_model_init(tmp_path):
         Trainer(model=str(tmp_path / "nowhere"), args=training_args(str(tmp_path), 2), zero3d_config=ZERO3)
 
 
-def pipeline_with_own_loss(out: str) -> str:
-    from parallel3d.hf import Trainer
-
-    try:
-        Trainer(model=make_model("llama"), args=training_args(out, 4), train_dataset=rows(8),
-                compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss,
-                zero3d_config={"pipeline": {"stages": 2}})
-    except ConfigError as exc:
-        return str(exc)
-    return "no error"
+def own_loss(outputs, labels, num_items_in_batch=None):
+    return outputs.loss
 
 
 def test_pipeline_with_a_loss_of_the_trainers_own(dist, tmp_path):
-    for message in dist.run(2, pipeline_with_own_loss, str(tmp_path)):
+    for message in dist.run(2, refusal, str(tmp_path), {"pipeline": {"stages": 2}},
+                            {"compute_loss_func": own_loss}):
         assert message.startswith("pipeline.stages 2 with parallel3d.hf.Trainer, and compute_loss_func is set")
+
+
+def test_accelerate_seeing_another_world(dist, tmp_path):
+    for message in dist.run(2, refusal, str(tmp_path), use_cpu=False):
+        assert message.startswith("the Trainer's accelerate state sees 1 process(es) and the process group has 2")
+        assert message.endswith("TrainingArguments(use_cpu=True)")

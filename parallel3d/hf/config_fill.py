@@ -68,9 +68,34 @@ def _as_dict(source: Any) -> dict:
                       f"{type(source).__name__}")
 
 
-def trainer_config(source: Any, args: Any) -> tuple[dict, dict | None]:
+def _hidden_size(model: Any) -> int | None:
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(config, "hidden_size", None)
+    return size if isinstance(size, int) else max(getattr(config, "hidden_sizes", None) or [0]) or None
+
+
+def _fill_by_hidden_size(data: dict, model: Any) -> None:
+    """transformers' ``trainer_config_finalize``: bucket sizes and the persistence threshold from the
+    model's hidden size, where the config says "auto"."""
+    zero = data.get("zero_optimization")
+    keys = {"reduce_bucket_size": lambda h: h * h, "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+            "stage3_param_persistence_threshold": lambda h: 10 * h}
+    wanted = [k for k in keys if isinstance(zero, dict) and zero.get(k) == "auto"]
+    if not wanted:
+        return
+    hidden = _hidden_size(model)
+    if hidden is None:
+        raise ConfigError(f"zero_optimization.{wanted[0]} is \"auto\", which is filled from the model's hidden_size, "
+                          "and the model's config has none; give a number")
+    for key in wanted:
+        zero[key] = keys[key](hidden)
+
+
+def trainer_config(source: Any, args: Any, model: Any = None) -> tuple[dict, dict | None]:
     """The config dict for ``initialize`` and the held-back ``scheduler`` section (or None)."""
     data = _as_dict(source)
+    _fill_by_hidden_size(data, model)
     if data.get("train_batch_size") == "auto":
         del data["train_batch_size"]  # Zero3D derives it from the micro-batch, accumulation and dp size
     filler = _Filler(data)

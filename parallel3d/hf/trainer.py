@@ -44,6 +44,7 @@ from parallel3d.hf.launch_check import refuse_accelerate_launch, refuse_competin
 from parallel3d.hf.model_source import meta_model
 from parallel3d.hf.saving import engine_dir, export_model
 from parallel3d.lr_build import build_lr_scheduler
+from parallel3d.worker_errors import install as install_worker_errors
 
 
 class Zero3DTrainerMixin:
@@ -53,6 +54,7 @@ class Zero3DTrainerMixin:
 
     def __init__(self, model: Any = None, args: Any = None, *rest: Any, zero3d_config: Any = None,
                  trust_remote_code: bool = False, **kwargs: Any) -> None:
+        install_worker_errors()  # under torchrun: a ConfigError ends each worker with one line
         if zero3d_config is None:
             raise ConfigError("parallel3d.hf.Trainer needs zero3d_config= (a Zero3D/DeepSpeed config dict or the path "
                               "of its .json/.yaml file)")
@@ -71,7 +73,7 @@ class Zero3DTrainerMixin:
     # -- the engine --------------------------------------------------------------------
 
     def _build_engine(self, zero3d_config: Any, pretrained: str | None) -> None:
-        config, self._scheduler_section = trainer_config(zero3d_config, self.args)
+        config, self._scheduler_section = trainer_config(zero3d_config, self.args, self.model)
         self._refuse_layout(config)
         if "loss_normalization" not in config and config.get("pipeline", {}).get("stages", 1) != 1 \
                 and self.model_accepts_loss_kwargs:
@@ -84,6 +86,7 @@ class Zero3DTrainerMixin:
                                                      optimizer=optimizer, lr_scheduler=client_scheduler,
                                                      pretrained=pretrained)
         self._client_scheduler = client_scheduler is not None
+        self._refuse_other_world()
         self._refuse_pipeline_features()
         self.model_wrapped = EngineModel(self.engine)
         self.optimizer = EngineOptimizer(self.engine)
@@ -109,6 +112,14 @@ class Zero3DTrainerMixin:
             raise ConfigError(f"context_parallel.size {cp!r} with parallel3d.hf.Trainer: the Trainer's loss and its "
                               "token counts are per whole sequence, and context parallelism cuts sequences; train "
                               "it with engine.train_batch or `zero3d train`, or use context_parallel.size 1")
+
+    def _refuse_other_world(self) -> None:
+        """accelerate (which the Trainer asks for the process count) must see the engine's ranks."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        if self.accelerator.num_processes != world:
+            raise ConfigError(f"the Trainer's accelerate state sees {self.accelerator.num_processes} process(es) and the "
+                              f"process group has {world}: accelerate joins a torchrun group on a machine without "
+                              "GPUs only with TrainingArguments(use_cpu=True)")
 
     def _refuse_pipeline_features(self) -> None:
         """With pipeline stages the model's own loss runs through the schedule: a loss the Trainer
