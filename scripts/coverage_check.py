@@ -21,8 +21,12 @@ and the composed layouts, four ranks each (``--layouts`` of ``scripts/coverage.p
 * ``tp2-dp2-z3``: two tensor-parallel ranks in each of two ZeRO-3 data-parallel groups.
 
 and beyond those (``--more``): ``tp2-sp``, tensor parallel with sequence parallelism on two
-ranks, and on four ``pp2-tp2-sp`` (the same with two 1F1B pipeline stages) and ``pp2-dp2-z2``
-(two pipeline stages of two ZeRO-2 data-parallel ranks, 1F1B).
+ranks, and ``cp2-ring``, context parallelism with ring attention over two ranks (ZeRO 0); on
+four ``pp2-tp2-sp`` (the same with two 1F1B pipeline stages), ``pp2-dp2-z2`` (two pipeline stages
+of two ZeRO-2 data-parallel ranks, 1F1B) and ``cp2-dp2-z3-ring`` (ring attention over two
+context-parallel ranks in each of two ZeRO-3 data-parallel groups). Context parallelism refuses
+padding masks, so its layouts and their oracle take the micro-batches without the mask (the
+padded tokens' labels still ignored).
 
 A data-parallel rank trains its share of the step's two micro-batches (dp 2: one each). A
 resumed layout ``A>B`` (``--resume``) trains the first step under A with momentum SGD, saves a
@@ -55,8 +59,8 @@ COMPOSED = ("pp2-tp2", "pp2-dp2-z3", "tp2-dp2-z3")  # four ranks each
 # a checkpoint saved under the first layout resumed under the second, each axis changed
 RESUMES = ("zero3>tp2", "tp2>pp2", "pp2>zero3")
 COMPOSED_RESUMES = ("pp2-tp2>tp2-dp2-z3", "tp2-dp2-z3>pp2-dp2-z3", "pp2-dp2-z3>pp2-tp2")
-MORE = ("tp2-sp",)  # sequence parallelism
-MORE_COMPOSED = ("pp2-tp2-sp", "pp2-dp2-z2")  # sequence parallelism and ZeRO-2 inside pipelines
+MORE = ("tp2-sp", "cp2-ring")  # sequence parallelism, context parallelism
+MORE_COMPOSED = ("pp2-tp2-sp", "pp2-dp2-z2", "cp2-dp2-z3-ring")  # also ZeRO-2 inside pipelines, ZeRO-3 with cp
 MOMENTUM = 0.9  # resumed runs: the optimizer's state must come through the checkpoint too
 
 
@@ -68,10 +72,12 @@ class Layout:
     stage: int = 0
     schedule: str = "1f1b"
     sequence_parallel: bool = False
+    cp: int = 1
+    method: str = "ulysses"
 
     @property
     def dp(self) -> int:
-        return self.world // (self.pp * self.tp)
+        return self.world // (self.pp * self.tp * self.cp)
 
 
 SHAPES = {
@@ -82,6 +88,8 @@ SHAPES = {
     "tp2-sp": Layout(2, tp=2, sequence_parallel=True),
     "pp2-tp2-sp": Layout(4, pp=2, tp=2, stage=1, sequence_parallel=True),
     "pp2-dp2-z2": Layout(4, pp=2, stage=2),
+    "cp2-ring": Layout(2, cp=2, method="ring"),
+    "cp2-dp2-z3-ring": Layout(4, stage=3, cp=2, method="ring"),
 }
 
 
@@ -100,10 +108,10 @@ def tiny_model(model_type: str, **from_config: Any) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, attn_implementation="eager", **from_config)
 
 
-def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
-    """The step's two micro-batches; the second right-padded with ignored labels. Without a key/value
-    cache, which training does not use (a hybrid model's cache wants an attention layer among the
-    first few)."""
+def micro_batches(step: int, padded: bool = True) -> list[dict[str, torch.Tensor]]:
+    """The step's two micro-batches; the second right-padded with ignored labels (``padded`` False:
+    the labels ignored, no mask). Without a key/value cache, which training does not use (a hybrid
+    model's cache wants an attention layer among the first few)."""
     g = torch.Generator().manual_seed(5 + step)
     out = []
     for i in range(2):
@@ -112,11 +120,13 @@ def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
         if i == 1:
             mask[1, -2:] = 0
             labels[1, -2:] = -100
-        out.append({"input_ids": ids, "labels": labels, "attention_mask": mask, "use_cache": False})
+        batch = {"input_ids": ids, "labels": labels, "use_cache": False}
+        out.append(batch | {"attention_mask": mask} if padded else batch)
     return out
 
 
-def oracle(model_type: str, momentum: float = 0.0) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def oracle(model_type: str, momentum: float = 0.0,
+           padded: bool = True) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Single process: losses per step, and every parameter (by every name) before and after."""
     model = tiny_model(model_type)
     with torch.no_grad():  # a forward that draws random numbers in training agrees with no other run
@@ -132,7 +142,7 @@ def oracle(model_type: str, momentum: float = 0.0) -> tuple[list[float], dict[st
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
         total = 0.0
-        for mb in micro_batches(step):
+        for mb in micro_batches(step, padded):
             loss = model(**mb).loss  # called as the engine calls it
             (loss / 2).backward()
             total += loss.item() / 2
@@ -156,6 +166,8 @@ def engine_config(layout: str, blocks: int | None = None, momentum: float = 0.0)
     }
     if shape.tp > 1:
         config["tensor_parallel"] = {"size": shape.tp, "sequence_parallel": shape.sequence_parallel}
+    if shape.cp > 1:
+        config["context_parallel"] = {"size": shape.cp, "method": shape.method}
     if shape.pp > 1:
         config["pipeline"] = {"stages": shape.pp, "schedule": shape.schedule}
         if shape.schedule == "interleaved_1f1b":
@@ -211,15 +223,17 @@ def _blocks(model: torch.nn.Module) -> int | None:
     return found[1] if found else None
 
 
-_ORACLE: dict[tuple[str, float], Any] = {}  # the last type's oracle (or its exception), shared by its layouts
+_ORACLE: dict[tuple[str, float, bool], Any] = {}  # the last type's oracles (or exceptions), shared by its layouts
 
 
-def _cached_oracle(model_type: str, momentum: float) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    key = (model_type, momentum)
+def _cached_oracle(model_type: str, momentum: float,
+                   padded: bool = True) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    key = (model_type, momentum, padded)
     if key not in _ORACLE:
-        _ORACLE.clear()
+        for other in [k for k in _ORACLE if k[0] != model_type]:
+            del _ORACLE[other]
         try:
-            _ORACLE[key] = oracle(model_type, momentum)
+            _ORACLE[key] = oracle(model_type, momentum, padded)
         except Exception as exc:  # noqa: BLE001 - kept to be raised again for every layout
             _ORACLE[key] = exc
     found = _ORACLE[key]
@@ -251,9 +265,10 @@ def _engine(model_type: str, layout: str, meta: bool, momentum: float) -> Any:
 
 
 def _train(engine: Any, layout: str, steps: range) -> list[float]:
-    dp_rank, gas = engine.mesh.local_rank("dp"), 2 // SHAPES[layout].dp
-    return [engine.train_batch(iter(copy.deepcopy(micro_batches(step)[dp_rank * gas:(dp_rank + 1) * gas])))
-            for step in steps]
+    shape = SHAPES[layout]
+    dp_rank, gas = engine.mesh.local_rank("dp"), 2 // shape.dp
+    mine = slice(dp_rank * gas, (dp_rank + 1) * gas)
+    return [engine.train_batch(iter(copy.deepcopy(micro_batches(step, shape.cp == 1)[mine]))) for step in steps]
 
 
 def check(model_type: str, layout: str, meta: bool = False, scratch: str | None = None) -> str:
@@ -267,7 +282,7 @@ def check(model_type: str, layout: str, meta: bool = False, scratch: str | None 
     resume = ">" in layout
     momentum = MOMENTUM if resume else 0.0
     try:
-        want, before, after = _cached_oracle(model_type, momentum)
+        want, before, after = _cached_oracle(model_type, momentum, all(SHAPES[p].cp == 1 for p in layout.split(">")))
     except Exception as exc:  # noqa: BLE001 - the tiny config is not one transformers runs
         return f"skip: tiny config fails in transformers ({_what(exc)})"
     try:

@@ -3,7 +3,8 @@
 Each rank takes its two chunks of the same random q, k, v (``ring_index``), runs the ring, and
 compares its output and its tokens' dq, dk, dv (the backward's dk/dv travel back around the
 ring) with one process's eager attention: causal, with a sliding window shorter than the
-sequence, with softcapping, and with fewer kv heads than cp ranks (one kv head at cp 4).
+sequence, with softcapping, with fewer kv heads than cp ranks (one kv head at cp 4), and with a
+block's query rows taken in small tiles.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ def _inputs(heads: int, kv_heads: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
 
 
-def _ring_part(heads: int, kv_heads: int, window, softcap) -> list[torch.Tensor]:
+def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int) -> list[torch.Tensor]:
     import torch.distributed as dist
 
+    from parallel3d.context_parallel import ring
     from parallel3d.context_parallel.ring import RingAttention, ring_index
+
+    ring._TILE_ELEMENTS = tile
 
     q, k, v, grad = _inputs(heads, kv_heads)
     index = ring_index(dist.get_rank(), dist.get_world_size(), LENGTH)
@@ -51,15 +55,17 @@ def _ring_part(heads: int, kv_heads: int, window, softcap) -> list[torch.Tensor]
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("heads, kv_heads, window, softcap", [
-    (4, 2, None, None), (4, 1, None, None), (4, 4, 5, None), (4, 2, 7, 2.0), (2, 1, 30, None)])
-def test_ring_equals_plain_attention(dist, cp, heads, kv_heads, window, softcap):
+@pytest.mark.parametrize("heads, kv_heads, window, softcap, tile", [
+    (4, 2, None, None, 1 << 22), (4, 1, None, None, 1 << 22), (4, 4, 5, None, 1 << 22), (4, 2, 7, 2.0, 1 << 22),
+    (2, 1, 30, None, 1 << 22), (4, 2, 7, None, 40), (4, 2, None, 2.0, 1)])
+def test_ring_equals_plain_attention(dist, cp, heads, kv_heads, window, softcap, tile):
+    """``tile``: scores per row tile (the last two cases take a block's rows a few at a time)."""
     from parallel3d.context_parallel.ring import ring_index
 
     q, k, v, grad = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_inputs(heads, kv_heads)))
     want = _reference(q, k, v, 0.3, window, softcap)
     want.backward(grad)
-    for rank, (out, dq, dk, dv) in enumerate(dist.run(cp, _ring_part, heads, kv_heads, window, softcap)):
+    for rank, (out, dq, dk, dv) in enumerate(dist.run(cp, _ring_part, heads, kv_heads, window, softcap, tile)):
         index = ring_index(rank, cp, LENGTH)
         torch.testing.assert_close(out, want.detach()[:, index], rtol=1e-12, atol=1e-12)
         for got, full in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):

@@ -32,6 +32,11 @@ c tanh(scores / c), its derivative in the backward). Refused with the reason: at
 above 0 (one process draws its mask over whole rows; the ring's blocks cannot reproduce it),
 an added mask or position bias, attention sinks, non-causal layers.
 
+Kernels: on the CPU, a block wholly visible or under exactly the causal mask (the diagonal
+pairs) runs torch's fused flash-attention kernels, which return the block's log-sum-exp and
+take the final one back in the backward (as torch's own context_parallel does); other blocks
+(a window cutting through them, softcapping, other devices) run the blocked arithmetic here,
+their query rows in tiles of ``_TILE_ELEMENTS`` scores so the transient memory stays bounded.
 Arithmetic runs in the inputs' dtype, float32 for half precision inputs.
 """
 
@@ -55,11 +60,9 @@ def ring_index(rank: int, size: int, length: int, device: torch.device | None = 
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in ring_chunks(rank, size)])
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[s, t] True where query position q may see key position k (causal, inside the window)."""
-    diff = q_pos[:, None] - k_pos[None, :]
-    allowed = diff >= 0
-    return allowed & (diff < window) if window is not None else allowed
+_TILE_ELEMENTS = 1 << 22
+"""Scores computed at once (16 MiB in float32): a block's query rows are taken in tiles of this
+many scores, so the transient memory of a long chunk stays bounded (flash attention's tiling)."""
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, softcap: float | None):
@@ -78,12 +81,28 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 
 class _Block:
-    """One (query chunk, key chunk) pair's mask: None when wholly visible; ``skip`` when wholly masked."""
+    """One (query chunk, key chunk) pair, chunks as global position ranges [q0, q0 + n), [k0, k0 + m):
+    ``skip`` when wholly masked; ``masked`` unless wholly visible (causal, inside the window)."""
 
-    def __init__(self, q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> None:
-        visible = _visible(q_pos, k_pos, window)
-        self.skip = not bool(visible.any())
-        self.mask = None if self.skip or bool(visible.all()) else visible
+    def __init__(self, q0: int, k0: int, n: int, m: int, window: int | None) -> None:
+        self.q0, self.k0, self.window = q0, k0, window
+        nearest, farthest = q0 - (k0 + m - 1), q0 + n - 1 - k0  # smallest and largest q - k in the pair
+        inside = window if window is not None else farthest + 1
+        self.skip = farthest < 0 or nearest >= inside
+        self.masked = not self.skip and (nearest < 0 or farthest >= inside)
+        self.causal = self.masked and q0 == k0 and n == m and farthest < inside  # the mask is exactly causal
+
+    def tiles(self, rows: int, columns: int, heads: int):
+        """Row ranges of at most ``_TILE_ELEMENTS`` scores, each with its mask (None: all visible)."""
+        step = max(1, _TILE_ELEMENTS // max(1, columns * heads))
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            mask = None
+            if self.masked:
+                diff = (torch.arange(self.q0 + start, self.q0 + stop)[:, None]
+                        - torch.arange(self.k0, self.k0 + columns)[None, :])
+                mask = diff >= 0 if self.window is None else (diff >= 0) & (diff < self.window)
+            yield slice(start, stop), mask
 
 
 class _Ring:
@@ -111,29 +130,70 @@ class _Ring:
 
 
 class _Settings:
-    """What one attention call needs besides tensors: the ring, the chunks' positions, the kernel's options."""
+    """What one attention call needs besides tensors: the ring, the chunk length, the kernel's options."""
 
     def __init__(self, ring: _Ring, chunk: int, scale: float, window: int | None, softcap: float | None) -> None:
         self.ring, self.chunk, self.scale, self.window, self.softcap = ring, chunk, scale, window, softcap
 
-    def positions(self, rank: int, device: torch.device) -> list[torch.Tensor]:
-        return [torch.arange(c * self.chunk, (c + 1) * self.chunk, device=device)
-                for c in ring_chunks(rank, self.ring.size)]
-
-    def blocks(self, source: int, device: torch.device) -> list[list[_Block]]:
+    def blocks(self, source: int) -> list[list[_Block]]:
         """blocks[a][b]: this rank's query chunk a against cp rank ``source``'s key chunk b."""
-        mine, theirs = self.positions(self.ring.rank, device), self.positions(source, device)
-        return [[_Block(q, k, self.window) for k in theirs] for q in mine]
+        size, n = self.ring.size, self.chunk
+        return [[_Block(a * n, b * n, n, n, self.window) for b in ring_chunks(source, size)]
+                for a in ring_chunks(self.ring.rank, size)]
+
+
+def _fused(q: torch.Tensor, block: _Block, settings: _Settings) -> bool:
+    """Whether the block runs torch's fused CPU flash-attention kernels (which return the log-sum-exp
+    and take it back in the backward): on the CPU, without softcapping, for a block wholly visible
+    or under exactly the causal mask. Otherwise the blocked arithmetic below runs."""
+    return q.device.type == "cpu" and settings.softcap is None and (not block.masked or block.causal)
+
+
+def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q [B, Hkv, g, s, D] as [B, Hq, s, D] and k, v repeated per query head, as the fused kernels take them."""
+    groups = q.shape[2]
+    return (q.flatten(1, 2), k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
 
 
 def _forward_block(q, k, v, block: _Block, settings: _Settings):
     """Softmax-normalized output [B, Hkv, g, s, D] of one block and its log-sum-exp [B, Hkv, g, s]."""
-    scores, _ = _scores(q, k, settings.scale, settings.softcap)
-    if block.mask is not None:
-        scores = scores.masked_fill(~block.mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    probabilities = torch.exp(scores - _finite(lse).unsqueeze(-1))
-    return probabilities @ v.unsqueeze(2), lse
+    if _fused(q, block, settings):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *_heads(q, k, v), 0.0, block.causal, scale=settings.scale)
+        return out.view(q.shape), lse.view(q.shape[:-1])
+    outs, lses = [], []
+    for rows, mask in block.tiles(q.shape[3], k.shape[2], q.shape[0] * q.shape[1] * q.shape[2]):
+        scores, _ = _scores(q[:, :, :, rows], k, settings.scale, settings.softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        outs.append(torch.exp(scores - _finite(lse).unsqueeze(-1)) @ v.unsqueeze(2))
+        lses.append(lse)
+    return torch.cat(outs, dim=3), torch.cat(lses, dim=3)
+
+
+def _backward_block(q, k, v, out, grad_out, lse, delta, block: _Block, settings: _Settings, dq, dk, dv) -> None:
+    """Add one block's gradient to dq [B, Hkv, g, s, D] and dk, dv [B, Hkv, t, D] (flash attention's
+    backward: P recomputed from the final log-sum-exp, dS = P (dP - rowsum(dO O)))."""
+    if _fused(q, block, settings):
+        dq_block, dk_block, dv_block = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.flatten(1, 2), *_heads(q, k, v), out.flatten(1, 2), lse.flatten(1, 2), 0.0, block.causal,
+            scale=settings.scale)
+        dq += dq_block.view(q.shape)
+        dk += dk_block.unflatten(1, (k.shape[1], q.shape[2])).sum(2)
+        dv += dv_block.unflatten(1, (k.shape[1], q.shape[2])).sum(2)
+        return
+    for rows, mask in block.tiles(q.shape[3], k.shape[2], q.shape[0] * q.shape[1] * q.shape[2]):
+        scores, capped = _scores(q[:, :, :, rows], k, settings.scale, settings.softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+        p = torch.exp(scores - lse[:, :, :, rows].unsqueeze(-1))
+        dv += (p.transpose(-1, -2) @ grad_out[:, :, :, rows]).sum(2)
+        ds = p * (grad_out[:, :, :, rows] @ v.unsqueeze(2).transpose(-1, -2) - delta[:, :, :, rows].unsqueeze(-1))
+        if capped is not None:
+            ds = ds * (1 - capped * capped)
+        dq[:, :, :, rows] += ds @ k.unsqueeze(2) * settings.scale
+        dk += (ds.transpose(-1, -2) @ q[:, :, :, rows]).sum(2) * settings.scale
 
 
 def _combine(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor):
@@ -160,7 +220,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.start(held) if step < ring.size - 1 else None
             ks, vs = _chunks(held[0], 2), _chunks(held[1], 2)
-            for a, row in enumerate(settings.blocks(source, q.device)):
+            for a, row in enumerate(settings.blocks(source)):
                 for b, block in enumerate(row):
                     if not block.skip:
                         out[a], lse[a] = _combine(out[a], lse[a], *_forward_block(qs[a], ks[b], vs[b], block, settings))
@@ -176,7 +236,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         settings = ctx.settings
         ring = settings.ring
-        qs, dos, lses = _chunks(q, 3), _chunks(grad_out, 3), _chunks(lse, 3)
+        qs, outs, dos, lses = _chunks(q, 3), _chunks(out, 3), _chunks(grad_out, 3), _chunks(lse, 3)
         deltas = _chunks((grad_out * out).sum(-1), 3)
         dqs = [torch.zeros_like(c) for c in qs]
         held, source = torch.stack([k, v]), ring.rank
@@ -185,20 +245,11 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(held) if step < ring.size - 1 else None
             ks, vs = _chunks(held[0], 2), _chunks(held[1], 2)
             dks, dvs = _chunks(travelling[0], 2), _chunks(travelling[1], 2)  # views: += fills travelling
-            for a, row in enumerate(settings.blocks(source, q.device)):
+            for a, row in enumerate(settings.blocks(source)):
                 for b, block in enumerate(row):
-                    if block.skip:
-                        continue
-                    scores, capped = _scores(qs[a], ks[b], settings.scale, settings.softcap)
-                    if block.mask is not None:
-                        scores = scores.masked_fill(~block.mask, float("-inf"))
-                    p = torch.exp(scores - lses[a].unsqueeze(-1))
-                    dvs[b] += (p.transpose(-1, -2) @ dos[a]).sum(2)
-                    ds = p * (dos[a] @ vs[b].unsqueeze(2).transpose(-1, -2) - deltas[a].unsqueeze(-1))
-                    if capped is not None:
-                        ds = ds * (1 - capped * capped)
-                    dqs[a] += ds @ ks[b].unsqueeze(2) * settings.scale
-                    dks[b] += (ds.transpose(-1, -2) @ qs[a]).sum(2) * settings.scale
+                    if not block.skip:
+                        _backward_block(qs[a], ks[b], vs[b], outs[a], dos[a], lses[a], deltas[a], block, settings,
+                                        dqs[a], dks[b], dvs[b])
             if pending is not None:  # the k/v exchange first: one message at a time on each link
                 held, source = _Ring.finish(*pending), (source - 1) % ring.size
             travelling = _Ring.finish(*ring.start(travelling))  # dk, dv follow their block (home after cp hops)
