@@ -107,8 +107,8 @@ def engine_logits(trainer) -> torch.Tensor:
 
 
 def save_and_resume(out: str) -> dict:
-    """Train 4 steps saving at 2, save_model; resume a fresh Trainer from checkpoint-2; start a third
-    from the saved directory (on the meta device)."""
+    """Train 4 steps saving at 2, save_model, generate; resume a fresh Trainer from checkpoint-2; start
+    a third from the saved directory (on the meta device)."""
     from parallel3d.hf import Trainer
 
     config = {"zero_optimization": {"stage": 3}}
@@ -118,15 +118,16 @@ def save_and_resume(out: str) -> dict:
     first.train()
     first.save_model(os.path.join(out, "final"))
     trained = engine_logits(first)
+    generated = first.generate(input_ids=PROBE[:, :4], max_new_tokens=6, do_sample=False)
     resumed = Trainer(model=make_model("llama", seed=1), args=training_args(out, micro), train_dataset=rows(),
                       zero3d_config=config)
     resumed.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
     from_dir = Trainer(model=os.path.join(out, "final"), args=training_args(out, micro), zero3d_config=config)
-    return {"losses": logged(first), "resumed": logged(resumed), "trained": trained,
+    return {"losses": logged(first), "resumed": logged(resumed), "trained": trained, "generated": generated,
             "after_resume": engine_logits(resumed), "from_dir": engine_logits(from_dir)}
 
 
-def test_save_resume_and_from_pretrained(dist, tmp_path):
+def test_save_resume_generate_and_from_pretrained(dist, tmp_path):
     from transformers import LlamaForCausalLM
 
     results = dist.run(2, save_and_resume, str(tmp_path))
@@ -134,8 +135,10 @@ def test_save_resume_and_from_pretrained(dist, tmp_path):
     assert {"trainer_state.json", "zero3d"} <= set(os.listdir(tmp_path / "checkpoint-2"))
     assert got["resumed"] == got["losses"]  # the history of steps 1-2 from the checkpoint, then 3-4 trained again
     torch.testing.assert_close(got["after_resume"], got["trained"], rtol=0, atol=0)
+    saved = LlamaForCausalLM.from_pretrained(tmp_path / "final")
     with torch.no_grad():
-        reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "final")(input_ids=PROBE).logits
+        reloaded = saved(input_ids=PROBE).logits
     torch.testing.assert_close(reloaded, got["trained"], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got["generated"], saved.generate(input_ids=PROBE[:, :4], max_new_tokens=6, do_sample=False))
     torch.testing.assert_close(got["from_dir"], got["trained"], rtol=1e-5, atol=1e-5)
     assert all(torch.equal(r["trained"], got["trained"]) for r in results)
