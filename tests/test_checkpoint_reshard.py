@@ -6,9 +6,9 @@ or schedule, and a different init seed, so only the checkpoint can give it A's s
 and trains three more. All six steps' losses and B's final parameters must match one process
 running AdamW over the same global batches with the learning rates the engines used (1e-5).
 
-Every layout reads the same four micro-batches per step: a layout with dp ranks gives rank r
-the micro-batches ``r, r + dp, ...`` (gradient_accumulation_steps = 4 / dp), so the global
-batch, and with it the gradient, is the same everywhere.
+Every layout reads the same four micro-batches per step (eight in the 8-rank cases): a layout
+with dp ranks gives rank r the micro-batches ``r, r + dp, ...`` (gradient_accumulation_steps =
+4 / dp), so the global batch, and with it the gradient, is the same everywhere.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _engine(kind: str, layout: dict, seed: int):
     world = torch.distributed.get_world_size()
     pp, tp = layout.get("pp", 1), layout.get("tp", 1)
     dp = world // (pp * tp)
-    gas = MICRO_PER_STEP // dp
+    gas = layout.get("micro", MICRO_PER_STEP) // dp
     config = ds_config(layout["stage"], gas, dp, stage3_param_persistence_threshold=0, reduce_bucket_size=3000,
                        mics_shard_size=layout.get("shard", -1))
     config["scheduler"] = SCHEDULER
@@ -66,11 +66,11 @@ def _engine(kind: str, layout: dict, seed: int):
     return engine
 
 
-def _data(engine, first_step: int):
-    data = token_batches(STEPS, MICRO_PER_STEP, 1)
+def _data(engine, first_step: int, micro: int):
+    data = token_batches(STEPS, micro, 1)
     dp, r = engine.mesh.dp, engine.mesh.local_rank("dp")
     return iter([{"input_ids": data[s, a, 0], "labels": data[s, a, 0]}
-                 for s in range(first_step, STEPS) for a in range(r, MICRO_PER_STEP, dp)])
+                 for s in range(first_step, STEPS) for a in range(r, micro, dp)])
 
 
 def _train(engine, data, steps: int) -> tuple[list[float], list[float]]:
@@ -83,7 +83,7 @@ def _train(engine, data, steps: int) -> tuple[list[float], list[float]]:
 
 def run_a(kind: str, layout: dict, root: str) -> dict:
     engine = _engine(kind, layout, seed=0)
-    losses, lrs = _train(engine, _data(engine, 0), SAVE_AT)
+    losses, lrs = _train(engine, _data(engine, 0, layout.get("micro", MICRO_PER_STEP)), SAVE_AT)
     engine.save_checkpoint(root, client_state={"step": SAVE_AT})
     return {"losses": losses, "lrs": lrs}
 
@@ -92,25 +92,25 @@ def run_b(kind: str, layout: dict, root: str) -> dict:
     engine = _engine(kind, layout, seed=123)
     _, client = engine.load_checkpoint(root)
     counters = (engine.global_steps, engine.micro_steps)
-    losses, lrs = _train(engine, _data(engine, SAVE_AT), STEPS - SAVE_AT)
+    losses, lrs = _train(engine, _data(engine, SAVE_AT, layout.get("micro", MICRO_PER_STEP)), STEPS - SAVE_AT)
     return {"losses": losses, "lrs": lrs, "params": engine.full_parameters(), "client": client, "counters": counters,
             "gas": engine.gradient_accumulation_steps}
 
 
-def oracle(kind: str, lrs: list[list[float]], two_groups: bool) -> tuple[list[float], dict]:
+def oracle(kind: str, lrs: list[list[float]], two_groups: bool, micro: int) -> tuple[list[float], dict]:
     """One process, AdamW with the given per-step, per-group learning rates, clipping at 0.5."""
     model = _model(kind, seed=0)
     opt = torch.optim.AdamW(_param_groups(model, two_groups), lr=1.0, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    data, losses = token_batches(STEPS, MICRO_PER_STEP, 1), []
+    data, losses = token_batches(STEPS, micro, 1), []
     for s in range(STEPS):
         for g, lr in zip(opt.param_groups, lrs[s], strict=True):
             g["lr"] = lr
-        loss = sum(model(input_ids=data[s, a, 0], labels=data[s, a, 0]).loss for a in range(MICRO_PER_STEP))
-        (loss / MICRO_PER_STEP).backward()
+        loss = sum(model(input_ids=data[s, a, 0], labels=data[s, a, 0]).loss for a in range(micro))
+        (loss / micro).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
-        losses.append(loss.item() / MICRO_PER_STEP)
+        losses.append(loss.item() / micro)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -126,6 +126,11 @@ CASES = {
     # hybrid sharding: the first replica writes; the shards are read back into any grouping
     "dp4 as 2 replicas x 2-z3 -> dp4 flat-z2": ("llama", 4, {"stage": 3, "shard": 2}, 4, {"stage": 2}),
     "dp4 flat-z1 -> dp4 as 2 replicas x 2-z2": ("llama", 4, {"stage": 1}, 4, {"stage": 2, "shard": 2}),
+    # a job moves from 8 flat ranks to 2 x 4 and back
+    "dp8 flat-z3 -> dp8 as 2 replicas x 4-z3": ("llama", 8, {"stage": 3, "micro": 8}, 8,
+                                               {"stage": 3, "shard": 4, "micro": 8}),
+    "dp8 as 2 replicas x 4-z1 -> dp8 flat-z2": ("llama", 8, {"stage": 1, "shard": 4, "micro": 8}, 8,
+                                               {"stage": 2, "micro": 8}),
     # 2 kv heads on 4 tp ranks: each kv head held by two ranks, written once
     "tp4 (kv heads replicated)-z1 -> dp2-z2": ("llama", 4, {"stage": 1, "tp": 4}, 2, {"stage": 2}),
     # ZeRO cuts the replicas of the one kv head differently on the two tp ranks: one writes it
@@ -146,7 +151,9 @@ def test_resume_on_another_layout_matches_one_process(dist, tmp_path, case):
     lrs = a[0]["lrs"] + b[0]["lrs"]
     # WarmupLR holds its minimum for one extra first step (as DeepSpeed's), then moves every step
     assert len({tuple(lr) for lr in lrs[1:]}) == STEPS - 1, "the learning rate must move across the save"
-    want_losses, want_params = oracle(kind, lrs, layout_a.get("groups", False))
+    micro = layout_a.get("micro", MICRO_PER_STEP)
+    assert layout_b.get("micro", MICRO_PER_STEP) == micro
+    want_losses, want_params = oracle(kind, lrs, layout_a.get("groups", False), micro)
     for r in a:
         assert r["losses"] == pytest.approx(want_losses[:SAVE_AT], rel=RTOL)
     seen = set()

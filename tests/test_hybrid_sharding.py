@@ -62,6 +62,11 @@ def test_two_replicas_of_two_match_single_process(dist, stage, shard):
     _assert_matches(dist.run(4, train, stage, 4, shard), dp=4, pp=1)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_replicas_of_four_match_single_process(dist, stage):
+    _assert_matches(dist.run(8, train, stage, 8, 4), dp=8, pp=1)
+
+
 @pytest.mark.parametrize("stage,tp,pp", [(3, 2, 1), (2, 1, 2)])
 def test_hybrid_sharding_with_tp_and_pp_on_8_ranks(dist, stage, tp, pp):
     dp = 8 // (tp * pp)
