@@ -11,6 +11,13 @@ the meta device and goes through the normal ``parallel3d.initialize`` path, so o
 share is ever materialized. Receive buffers are zero-filled on the fake backend
 (parallel3d/fake_backend.py): the step is never skipped for garbage gradients.
 
+One departure from a real start: the values. ``initialize`` normally fills a meta model with
+what eager construction would give (``models.materialize.InitReplay``), which replays the whole
+model's random draws on every rank: minutes of CPU for a 7B model, for values a simulation does
+not need (its peers send zeros anyway). :class:`DrawnValues` keeps the replay's names, shapes,
+tying and buffers and draws each parameter rectangle the rank asks for from N(0, 0.02) instead,
+into the same ZeRO buffers; what is allocated is the same.
+
 Measured: on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``) and reserved
 bytes; on CPU the peak of tensor bytes alive (every storage created from before
 ``initialize`` on, the figure CUDA's allocator would report without rounding and cache;
@@ -20,6 +27,8 @@ bytes; on CPU the peak of tensor bytes alive (every storage created from before
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import logging
 import re
@@ -50,10 +59,55 @@ class RankSpec:
     trust_remote_code: bool = False
 
 
+class DrawnValues:
+    """A ``models.tensor_source`` for a simulated rank: ``InitReplay``'s names, aliases and buffers
+    (the buffers draw nothing), each requested parameter rectangle drawn from N(0, ``std``)."""
+
+    def __init__(self, replay, std: float = 0.02) -> None:
+        self.replay, self.std = replay, std
+
+    def names(self) -> list[str]:
+        return self.replay.names()
+
+    def aliases(self) -> dict[str, str]:
+        return self.replay.aliases()
+
+    def shape(self, name: str) -> torch.Size:
+        return self.replay.shape(name)
+
+    def buffer_names(self, *, persistent: bool | None = None) -> list[str]:
+        return self.replay.buffer_names(persistent=persistent)
+
+    def buffers(self):
+        return self.replay.buffers()
+
+    def fill(self, destinations) -> None:
+        with torch.no_grad():
+            for items in destinations.values():
+                for _, dest in items:
+                    dest.normal_(0.0, self.std)
+
+
+def _drawn_source(model):
+    """``initialize``'s ``take_source`` for a simulated rank (see the module docstring)."""
+    from parallel3d.meta_init import take_source
+
+    return DrawnValues(take_source(model))
+
+
 def _status_bytes(name: str) -> int:
     with open("/proc/self/status") as f:
         match = re.search(rf"^{name}:\s+(\d+) kB", f.read(), re.M)
     return int(match[1]) * 1024 if match else 0
+
+
+def _reset_rss_peak() -> None:
+    """Start VmHWM again from the current resident set (Linux ``clear_refs`` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        logger.info("cannot reset the resident-set peak here: VmHWM includes initialize")
 
 
 def _tracker():
@@ -76,6 +130,17 @@ def _batches(vocab: int, spec: RankSpec, step: int, device: torch.device):
     for _ in range(spec.grad_accum):
         ids = torch.randint(0, vocab, (spec.micro_batch, spec.seq_len), generator=g).to(device)
         yield {"input_ids": ids, "labels": ids}
+
+
+@contextlib.contextmanager
+def _values_drawn():
+    init_module = importlib.import_module("parallel3d.initialize")  # the module, not the function the package exports
+    original = init_module.take_source
+    init_module.take_source = _drawn_source
+    try:
+        yield
+    finally:
+        init_module.take_source = original
 
 
 def simulate(spec: RankSpec) -> dict:
@@ -103,9 +168,16 @@ def simulate(spec: RankSpec) -> dict:
                                   "pipeline stages (transformers' gradient_checkpointing_enable)")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         vocab = model.config.vocab_size
-        engine, *_ = parallel3d.initialize(model=model, config=spec.config, device=device)
+        with _values_drawn():
+            engine, *_ = parallel3d.initialize(model=model, config=spec.config, device=device)
         del model
         init_s = time.perf_counter() - started
+        init_peak = live.peak
+        live.reset_peak()  # the steps' peak: initialize's transients (the replay's buffers) are not the job's
+        _reset_rss_peak()
+        if cuda:
+            init_peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         step_s = []
         for step in range(spec.steps):
             t = time.perf_counter()
@@ -123,7 +195,7 @@ def simulate(spec: RankSpec) -> dict:
         "tp_rank": engine.mesh.local_rank("tp"),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "memory_report": {k: int(v) for k, v in engine.memory_report().items()},
-        "tensor_peak_bytes": int(live.peak),
+        "tensor_peak_bytes": int(live.peak), "init_peak_bytes": int(init_peak),
         "rss_peak_bytes": _status_bytes("VmHWM"), "rss_start_bytes": rss_start,
         "init_seconds": init_s, "step_seconds": step_s, "steps": spec.steps,
     }
