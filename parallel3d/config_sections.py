@@ -623,7 +623,7 @@ class CompileConfig(Section):
     @field_validator("kwargs", mode="after")
     @classmethod
     def _known_kwargs(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
-        for key, value in kwargs.items():
+        for key in kwargs:
             if key == "backend":
                 raise key_rule(key, "is set by compile.backend; give it there")
             if key not in COMPILE_KWARGS:
@@ -645,7 +645,7 @@ class CompileConfig(Section):
             raise key_rule("options", f"must be a mapping of inductor options, got {show(options)}")
         if options.get("triton.cudagraphs"):
             raise key_rule("options", "triton.cudagraphs records CUDA graphs, refused for the reason given for mode")
-        if options and kwargs.get("mode") not in (None, "default"):
+        if "options" in kwargs and kwargs.get("mode") is not None:
             raise key_rule("options", "and mode cannot both be given (torch.compile refuses the pair)")
         return kwargs
 

@@ -35,13 +35,13 @@ from scripts.suite_report import goals, markdown, update_docs  # noqa: E402
 
 GPU = {"check_model": "A", "check_cases": None,
        "bench": ["--model", "1B", "--seq", "2048", "--micro", "2", "--steps", "8", "--warmup", "3", "--rounds", "2"],
-       "simulate": {"layers": 80, "tp": 8, "pp": 8, "dp": 16, "seq": 4096, "micro": 1, "stage": 1},
-       "check_s": 120, "simulate_s": 100}
+       "simulate": {"layers": 80, "tp": 8, "pp": 8, "dp": 16, "seq": 4096, "micro": 1, "stage": 1, "ranks": []},  # []: simulate's own (first, last, fullest stage)
+       "check_s": 120, "simulate_s": 150}
 CPU = {"check_model": "T", "check_cases": "z3 fp32,z1 bf16",  # test_gpu_check.py runs every case on CPU
        "bench": ["--model", "tiny", "--seq", "64", "--micro", "1", "--steps", "2", "--warmup", "1", "--rounds", "1",
                  "--compile-backend", "aot_eager"],
-       "simulate": {"layers": 4, "tp": 2, "pp": 2, "dp": 2, "seq": 64, "micro": 1, "stage": 1},
-       "check_s": 240, "simulate_s": 120}
+       "simulate": {"layers": 4, "tp": 2, "pp": 2, "dp": 2, "seq": 64, "micro": 1, "stage": 1, "ranks": [0]},
+       "check_s": 240, "simulate_s": 240}
 
 LLAMA_70B = dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
                  num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
@@ -61,11 +61,12 @@ def run_part(argv: list[str], timeout: float) -> dict:
     t = time.perf_counter()
     try:
         done = subprocess.run(argv, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
-        status, out = done.returncode, done.stdout + done.stderr
+        status, stdout, stderr = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as exc:
         status = "timeout"
-        out = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr))
-    return {"status": status, "seconds": round(time.perf_counter() - t, 1), "tail": out[-3000:]}
+        stdout, stderr = (x.decode() if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr))
+    return {"status": status, "seconds": round(time.perf_counter() - t, 1), "tail": (stdout + stderr)[-3000:],
+            "stdout": stdout}
 
 
 def check_part(sizes: dict, out: Path, timeout: float) -> dict:
@@ -75,6 +76,7 @@ def check_part(sizes: dict, out: Path, timeout: float) -> dict:
     part = run_part([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29531",
                      "scripts/gpu_check.py", "--model", sizes["check_model"], "--json", str(path), *cases], timeout)
     part["cases"] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    del part["stdout"]
     return part
 
 
@@ -85,6 +87,7 @@ def bench_part(sizes: dict, out: Path, timeout: float) -> dict:
     part = run_part([sys.executable, "scripts/bench_bf16_peers.py", "--out", str(path), *sizes["bench"],
                      "--budget-s", str(max(timeout - 20, 1))], timeout)
     part["result"] = json.loads(path.read_text()) if path.exists() else None
+    del part["stdout"]
     return part
 
 
@@ -108,24 +111,19 @@ def simulate_part(sizes: dict, out: Path, timeout: float, cpu_sized: bool, avail
     LlamaConfig(**shape, num_hidden_layers=s["layers"], max_position_embeddings=max(s["seq"], 256)).save_pretrained(model_dir)
     part = run_part([sys.executable, "-m", "parallel3d.cli", "simulate", str(model_dir), "--tp", str(s["tp"]),
                      "--pp", str(s["pp"]), "--dp", str(s["dp"]), "--seq-len", str(s["seq"]),
-                     "--micro-batch", str(s["micro"]), "--stage", str(s["stage"]), "--json"], timeout)
+                     "--micro-batch", str(s["micro"]), "--stage", str(s["stage"]), "--precision", "bf16",
+                     "--steps", "2", "--json", *(a for r in s["ranks"] for a in ("--rank", str(r)))], timeout)
     part["layout"] = layout
-    part["ranks"] = _json_list(part["tail"]) if part["status"] == 0 else None
+    part["ranks"] = _json_list(part.pop("stdout")) if part["status"] == 0 else None
     return part
 
 
-def _json_list(text: str) -> list | None:
-    """The JSON list ``--json`` printed (the last line that parses as one)."""
-    for line in reversed(text.splitlines()):
-        try:
-            value = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(value, list):
-            return value
-    start = text.find("[")
+def _json_list(stdout: str) -> list | None:
+    """The JSON list ``--json`` printed: stdout from its first line that opens a list."""
+    lines = stdout.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("[")), None)
     try:
-        return json.loads(text[start:]) if start >= 0 else None
+        return json.loads("\n".join(lines[start:])) if start is not None else None
     except ValueError:
         return None
 

@@ -81,11 +81,16 @@ def _simulate_table(part: dict) -> list[str]:
     lines = [f"**zero3d simulate** ({part['layout']}): {_status(part)}", ""]
     ranks = part.get("ranks") or []
     if ranks:
-        lines += ["| rank | measured peak GiB | predicted peak GiB | measured / predicted |", "|---|---|---|---|"]
+        lines += ["| rank (pp stage) | measured peak MiB | predicted peak MiB | measured / predicted | model states MiB |",
+                  "|---|---|---|---|---|"]
         for r in ranks:
-            m, p = r.get("measured_peak_bytes"), r.get("predicted_peak_bytes")
-            lines.append(f"| {r.get('rank', '-')} | {_num(m and m / 2**30, '.2f')} | {_num(p and p / 2**30, '.2f')} | "
-                         f"{_num(m / p if m and p else None, '.3f')} |")
+            if "error" in r:
+                lines.append(f"| {r.get('rank', '-')} | failed: {str(r['error'])[:120]} | | | |")
+                continue
+            m, p = r["measured_peak_bytes"], r["predicted_peak_bytes"]
+            states = r.get("measured", {}).get("model_states")
+            lines.append(f"| {r['rank']} ({r.get('pp_rank', '-')}) | {m / 2**20:,.1f} | {p / 2**20:,.1f} | {m / p:.3f} | "
+                         f"{_num(states and states / 2**20, ',.1f')} |")
     return lines
 
 

@@ -25,7 +25,8 @@ STEPS = 4
 RTOL = 1e-5
 
 
-def _train(kind: str, config: dict, compiled: dict | None, layers: int, by_method: bool = False):
+def _train(kind: str, config: dict, compiled: dict | None, layers: int, by_method: bool = False,
+           hf_checkpointing: bool = False):
     """Losses, full parameters and the counters after each step, on this rank."""
     import torch.distributed as dist
 
@@ -35,6 +36,8 @@ def _train(kind: str, config: dict, compiled: dict | None, layers: int, by_metho
     gas = config["gradient_accumulation_steps"]
     layer_key = "num_hidden_layers" if kind == "llama" else "n_layer"
     model = make_model(kind, **{layer_key: layers})
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compiled and not by_method:
         config = dict(config, compile={"enabled": True, **compiled})
     engine, *_ = parallel3d.initialize(model=model, config=config)
@@ -63,13 +66,14 @@ def _train(kind: str, config: dict, compiled: dict | None, layers: int, by_metho
     return losses, params, counts
 
 
-def compiled_against_eager(kind: str, config: dict, compiled: dict, layers: int = 3, by_method: bool = False):
+def compiled_against_eager(kind: str, config: dict, compiled: dict, layers: int = 3, by_method: bool = False,
+                           hf_checkpointing: bool = False):
     import torch._dynamo
 
     torch._dynamo.reset()
-    eager = _train(kind, config, None, layers)
+    eager = _train(kind, config, None, layers, hf_checkpointing=hf_checkpointing)
     start = _counts_now()
-    got = _train(kind, config, compiled, layers, by_method)
+    got = _train(kind, config, compiled, layers, by_method, hf_checkpointing)
     counts = [{k: c[k] - start[k] for k in c} for c in got[2]]
     return eager[:2], got[:2], counts
 
@@ -111,6 +115,12 @@ def test_zero3_inductor(dist):
     _check(dist.run(2, compiled_against_eager, "llama", _config(3, 2), INDUCTOR))
 
 
+def test_zero3_activation_checkpointing(dist):
+    """HF's gradient checkpointing re-runs each compiled block inside backward, where ZeRO-3's hooks
+    keep its parameters gathered."""
+    _check(dist.run(2, compiled_against_eager, "llama", _config(3, 2), AOT, hf_checkpointing=True))
+
+
 def test_tensor_parallel_inductor(dist):
     """The tp collectives inside each block are traced (functional collectives on gloo)."""
     _check(dist.run(2, compiled_against_eager, "llama", _config(1, 1, tensor_parallel={"size": 2}), INDUCTOR))
@@ -127,6 +137,12 @@ def test_pipeline_inductor(dist):
     """Two stages with two blocks each under 1F1B; each rank compiles its own blocks."""
     _check(dist.run(2, compiled_against_eager, "llama", _config(1, 1, gas=2, pipeline={"stages": 2}), INDUCTOR,
                     layers=4))
+
+
+def test_pipeline_activation_checkpointing_zero2(dist):
+    """The pipeline's own recomputation (``pipeline.activation_checkpointing``) around compiled blocks."""
+    layout = {"pipeline": {"stages": 2, "activation_checkpointing": True}}
+    _check(dist.run(2, compiled_against_eager, "llama", _config(2, 1, gas=2, **layout), AOT, layers=4))
 
 
 def test_pipeline_tensor_parallel_zero3(dist):
