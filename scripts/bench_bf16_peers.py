@@ -48,6 +48,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.bench_runners import ADAMW, CLIP, _reset_peak_rss, _status_kib, import_deepspeed  # noqa: E402
 
+_LINEAR = torch.nn.functional.linear
+"""DeepSpeed's ZeRO-3 replaces ``torch.nn.functional.linear`` for the rest of the process (its
+memory-efficient linear, "persists unless manually reset"); every runner starts with torch's."""
+
 RUNNERS = ("zero3d-z1", "zero3d-z1-compiled", "zero3d-z3", "zero3d-z3-compiled", "torch", "torch-compiled", "fsdp2",
            "deepspeed-z3")
 
@@ -187,6 +191,7 @@ def _sync() -> None:
 
 def run_one(name: str, shape: Shape, batches: list[torch.Tensor], warmup: int, backend: str) -> dict:
     """Build, warm up, time and free one runner; its step times, peak memory and last loss."""
+    torch.nn.functional.linear = _LINEAR
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
