@@ -80,6 +80,8 @@ def zero3d_run(out: str, config: dict, **overrides) -> tuple[list[float], list[f
 LAYOUTS = {  # config, TrainingArguments overrides
     "zero3_dp2": ({"zero_optimization": {"stage": 3}}, {}),
     "zero3_dp2_checkpointed": ({"zero_optimization": {"stage": 3}}, {"activation_checkpointing": True}),
+    # the engine's own token mean: the Trainer's dp factor must not apply on top of the engine's
+    "zero3_dp2_tokens": ({"zero_optimization": {"stage": 3}, "loss_normalization": "tokens"}, {}),
     "tp2": ({"zero_optimization": {"stage": 3}, "tensor_parallel": {"size": 2}}, {}),
     "pp2": ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}, {}),
 }
