@@ -41,17 +41,26 @@ def _model(family: str, **overrides) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**sizes, **overrides}))
 
 
+def packed_positions() -> torch.Tensor:
+    """Position ids of packed rows: documents of 5, 7 and 4 tokens in the first row, 9 and 7 in
+    the second (boundaries inside the ring's chunks and on them). Passed with use_cache False, as
+    the engine requires: with a cache transformers builds no packed mask for one process."""
+    rows = [[5, 7, 4], [9, 7]]
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
+
+
 @functools.cache
-def _oracle(gas: int, dp: int, family: str = "llama",
-            overrides: tuple = ()) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+def _oracle(gas: int, dp: int, family: str = "llama", overrides: tuple = (),
+            packed: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
     norms: list[float] = []
-    losses, params = oracle_run(family, _data(gas, dp), model=_model(family, **dict(overrides)), grad_norms=norms)
+    losses, params = oracle_run(family, _data(gas, dp), model=_model(family, **dict(overrides)), grad_norms=norms,
+                                position_ids=packed_positions() if packed else None)
     return losses, params, norms
 
 
 def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalization: str = "micro_batch",
              deepspeed_key: bool = False, family: str = "llama", method: str = "ulysses",
-             overrides: tuple = ()) -> tuple[list[float], dict]:
+             overrides: tuple = (), packed: bool = False) -> tuple[list[float], dict]:
     import parallel3d
 
     config = ds_config(stage, gas, dp, stage3_param_persistence_threshold=0)
@@ -65,6 +74,8 @@ def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalizat
     engine, _, _, _ = parallel3d.initialize(model=_model(family, **dict(overrides)), config=config)
     assert engine.mesh.cp == cp and engine.mesh.dp == dp
     batches = rank_micro_batches(_data(gas, dp), engine.mesh.local_rank("dp"))
+    if packed:
+        batches = [{**batch, "position_ids": packed_positions(), "use_cache": False} for batch in batches]
     losses, norms = [], []
     for s in range(STEPS):
         losses.append(engine.train_batch(iter(batches[s * gas:(s + 1) * gas])))
@@ -72,8 +83,9 @@ def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalizat
     return losses, engine.full_parameters(), norms
 
 
-def _check(results: list, gas: int, dp: int, family: str = "llama", overrides: tuple = ()) -> None:
-    want_losses, want_params, want_norms = _oracle(gas, dp, family, overrides)
+def _check(results: list, gas: int, dp: int, family: str = "llama", overrides: tuple = (),
+           packed: bool = False) -> None:
+    want_losses, want_params, want_norms = _oracle(gas, dp, family, overrides, packed)
     for losses, params, norms in results:
         assert losses == pytest.approx(want_losses, rel=RTOL)
         assert norms == pytest.approx(want_norms, rel=RTOL)  # before clipping: ZeRO's shards over dp_shard x cp
@@ -134,6 +146,14 @@ def test_ring_qwen3(dist, cp):
         assert norms == pytest.approx(want_norms, rel=RTOL)
 
 
+@pytest.mark.parametrize("cp, family, overrides", [(2, "llama", ()), (4, "mistral", WINDOW)])
+def test_ring_packed_documents(dist, cp, family, overrides):
+    """Packed rows (position ids restarting per document): the ring keeps the documents apart as
+    one process's mask does (at cp 4 with Mistral's 5-token window too)."""
+    _check(dist.run(cp, train_cp, cp, 2, 1, family=family, method="ring", overrides=overrides, packed=True), 2, 1,
+           family, overrides, packed=True)
+
+
 def test_ring_dp2_cp2_zero3(dist):
     _check(dist.run(4, train_cp, 2, 3, 2, method="ring"), 2, 2)
 
@@ -169,8 +189,8 @@ def test_token_mean_dp2_cp2(dist):
     _check(dist.run(4, train_cp, 2, 2, 2, normalization="tokens"), 2, 2)
 
 
-def _float64_gradient(cp: int, method: str = "ulysses", family: str = "llama",
-                      overrides: tuple = ()) -> tuple[dict, float]:
+def _float64_gradient(cp: int, method: str = "ulysses", family: str = "llama", overrides: tuple = (),
+                      packed: bool = False) -> tuple[dict, float]:
     """One forward/backward of a float64 model through the cp cut and the cp attention; the
     gradients summed over cp (each rank's loss is cp times its share, so the mean is the loss)."""
     from parallel3d.config import load_config
@@ -183,7 +203,8 @@ def _float64_gradient(cp: int, method: str = "ulysses", family: str = "llama",
     check_context_parallel(model, config)
     split = apply_context_parallel(model, config, build_mesh(1, 1, torch.device("cpu"), cp=cp))
     ids = _data(1, 1)[0, 0, 0]
-    loss = split.run(model, {"input_ids": ids, "labels": ids}).loss
+    extra = {"position_ids": packed_positions(), "use_cache": False} if packed else {}
+    loss = split.run(model, {"input_ids": ids, "labels": ids, **extra}).loss
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     for g in grads.values():
@@ -195,13 +216,18 @@ def _float64_gradient(cp: int, method: str = "ulysses", family: str = "llama",
 
 @pytest.mark.parametrize("cp, method, family, overrides", [
     (2, "ulysses", "llama", ()), (4, "ulysses", "llama", ()), (2, "ring", "llama", ()), (4, "ring", "llama", ()),
-    (2, "ring", "qwen3", ()), (4, "ring", "qwen3", ()), (4, "ring", "mistral", WINDOW), (2, "ring", "llama", MQA)])
+    (2, "ring", "qwen3", ()), (4, "ring", "qwen3", ()), (4, "ring", "mistral", WINDOW), (2, "ring", "llama", MQA),
+    (4, "ring", "llama", "packed"), (2, "ring", "mistral", "packed")])
 def test_float64_gradient(dist, cp, method, family, overrides):
+    """``overrides`` "packed": packed documents (position ids restarting), Mistral with its window."""
+    packed = overrides == "packed"
+    overrides = (WINDOW if family == "mistral" else ()) if packed else overrides
     model = _model(family, **dict(overrides)).double()
     ids = _data(1, 1)[0, 0, 0]
-    loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids, **({"position_ids": packed_positions(), "use_cache": False} if packed
+                                               else {})).loss
     loss.backward()
-    for grads, got_loss in dist.run(cp, _float64_gradient, cp, method, family, overrides):
+    for grads, got_loss in dist.run(cp, _float64_gradient, cp, method, family, overrides, packed):
         assert got_loss == pytest.approx(loss.item(), rel=1e-12)
         for n, p in model.named_parameters():
             assert torch.allclose(grads[n], p.grad, rtol=1e-10, atol=1e-13), n

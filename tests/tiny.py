@@ -96,10 +96,11 @@ def ds_config(stage: int, gas: int, dp: int, clip: float = 0.5, lr: float = 1e-3
 def oracle_run(
     kind: str, data: torch.Tensor, clip: float = 0.5, lr: float = 1e-3, model: torch.nn.Module | None = None,
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-    grad_norms: list[float] | None = None,
+    grad_norms: list[float] | None = None, position_ids: torch.Tensor | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW (or ``optimizer(params)``) over the global batch: per-step mean losses
-    and final params. ``grad_norms``, if given, receives each step's total gradient norm."""
+    and final params. ``grad_norms``, if given, receives each step's total gradient norm;
+    ``position_ids``, if given, go with every micro-batch (packed documents)."""
     model = model if model is not None else make_model(kind)
     if optimizer is None:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -110,7 +111,8 @@ def oracle_run(
     for s in range(steps):
         total = 0.0
         for a in range(gas):
-            loss = sum(model(input_ids=data[s, a, r], labels=data[s, a, r]).loss for r in range(dp)) / dp
+            extra = {} if position_ids is None else {"position_ids": position_ids, "use_cache": False}
+            loss = sum(model(input_ids=data[s, a, r], labels=data[s, a, r], **extra).loss for r in range(dp)) / dp
             (loss / gas).backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))

@@ -9,8 +9,9 @@ a tp group are, so a data loader does not change; the engine cuts it here before
   are shifted over the whole sequence first (``shift_labels``, which transformers' causal LM
   loss takes as given), so the last token of a piece keeps its target, the next token.
 * ``position_ids`` are the global positions of the rank's tokens (RoPE sees the positions one
-  process would). Position ids that restart inside a row (packed documents) are refused: the
-  attention runs one causal mask over the whole row.
+  process would). Position ids that restart inside a row (packed documents): ring keeps the
+  documents apart as one process does (transformers' ``find_packed_sequence_indices`` of the
+  whole row, handed to the attention); Ulysses refuses them (its kernel runs one causal mask).
 * An ``attention_mask`` of ones is dropped (it means no mask); one with zeros (padding) is
   refused: the attention runs a plain causal mask (with the model's sliding window).
 
@@ -37,6 +38,10 @@ from parallel3d.context_parallel.ulysses import UlyssesAttention
 from parallel3d.errors import ConfigError
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")
+
+
+def _rows(batch: dict) -> int:
+    return next(batch[key].shape[0] for key in ("input_ids", "inputs_embeds") if isinstance(batch.get(key), torch.Tensor))
 
 
 def _sequence_length(batch: dict) -> int | None:
@@ -84,11 +89,12 @@ class SequenceSplit:
             return ("context_parallel does not support an attention_mask with zeros (padding): the attention runs "
                     "a plain causal mask over the whole sequence; pack or cut the sequences to one length instead")
         positions = batch.get("position_ids")
-        if isinstance(positions, torch.Tensor):
+        if isinstance(positions, torch.Tensor) and self.method != "ring":
             steps = positions[:, 1:] - positions[:, :-1]
             if not bool((steps == 1).all()):
-                return ("context_parallel needs position_ids that rise by 1 along each row; position ids that restart "
-                        "(packed documents) are not supported: the attention would not keep the documents apart")
+                return ("context_parallel (ulysses) needs position_ids that rise by 1 along each row; position ids "
+                        "that restart (packed documents) are not supported: its attention would not keep the "
+                        'documents apart; method "ring" does')
         return None
 
     def differing(self, batches: list, device: torch.device) -> str | None:
@@ -127,6 +133,8 @@ class SequenceSplit:
         if not isinstance(positions, torch.Tensor):
             positions = torch.arange(length, device=device)[None]
         out["position_ids"] = positions[:, piece]
+        if self.method == "ring":
+            self.attention.documents = self._documents(batch, positions)
         shifted = batch.get("shift_labels")
         if not isinstance(shifted, torch.Tensor) and isinstance(batch.get("labels"), torch.Tensor):
             shifted = nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -135,6 +143,18 @@ class SequenceSplit:
             out["num_items_in_batch"] = self._divisor(shifted, batch.get("num_items_in_batch"))
         out["use_cache"] = False  # a cache of this rank's keys would be a slice of the sequence's
         return out
+
+    @staticmethod
+    def _documents(batch: dict, positions: torch.Tensor) -> torch.Tensor | None:
+        """Each token's document when the rows are packed (position ids that do not rise by 1), as
+        transformers finds them for one process: only without an attention mask (with one, one
+        process attends across the documents, and so does the ring)."""
+        from transformers.masking_utils import find_packed_sequence_indices
+
+        if batch.get("attention_mask") is not None:
+            return None
+        rows = _rows(batch)
+        return find_packed_sequence_indices(positions.expand(rows, -1))
 
     def _divisor(self, shifted: torch.Tensor, given: Any) -> Any:
         """``num_items_in_batch`` for this rank's loss (see the module docstring)."""

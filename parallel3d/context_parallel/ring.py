@@ -84,13 +84,19 @@ class _Block:
     """One (query chunk, key chunk) pair, chunks as global position ranges [q0, q0 + n), [k0, k0 + m):
     ``skip`` when wholly masked; ``masked`` unless wholly visible (causal, inside the window)."""
 
-    def __init__(self, q0: int, k0: int, n: int, m: int, window: int | None) -> None:
+    def __init__(self, q0: int, k0: int, n: int, m: int, window: int | None,
+                 documents: torch.Tensor | None = None) -> None:
         self.q0, self.k0, self.window = q0, k0, window
         nearest, farthest = q0 - (k0 + m - 1), q0 + n - 1 - k0  # smallest and largest q - k in the pair
         inside = window if window is not None else farthest + 1
         self.skip = farthest < 0 or nearest >= inside
         self.masked = not self.skip and (nearest < 0 or farthest >= inside)
         self.causal = self.masked and q0 == k0 and n == m and farthest < inside  # the mask is exactly causal
+        self.documents = None
+        if documents is not None and not self.skip:  # packed rows: a key is visible in its own document only
+            self.documents = (documents[:, q0:q0 + n], documents[:, k0:k0 + m])
+            self.skip = not bool((self.documents[0][:, :, None] == self.documents[1][:, None, :]).any())
+            self.masked, self.causal = not self.skip, False
 
     def tiles(self, rows: int, columns: int, heads: int):
         """Row ranges of at most ``_TILE_ELEMENTS`` scores, each with its mask (None: all visible)."""
@@ -102,6 +108,9 @@ class _Block:
                 diff = (torch.arange(self.q0 + start, self.q0 + stop)[:, None]
                         - torch.arange(self.k0, self.k0 + columns)[None, :])
                 mask = diff >= 0 if self.window is None else (diff >= 0) & (diff < self.window)
+            if self.documents is not None:  # [B, 1, 1, rows, columns]
+                same = self.documents[0][:, start:stop, None] == self.documents[1][:, None, :]
+                mask = (same & mask.to(same.device))[:, None, None]
             yield slice(start, stop), mask
 
 
@@ -132,13 +141,15 @@ class _Ring:
 class _Settings:
     """What one attention call needs besides tensors: the ring, the chunk length, the kernel's options."""
 
-    def __init__(self, ring: _Ring, chunk: int, scale: float, window: int | None, softcap: float | None) -> None:
+    def __init__(self, ring: _Ring, chunk: int, scale: float, window: int | None, softcap: float | None,
+                 documents: torch.Tensor | None) -> None:
         self.ring, self.chunk, self.scale, self.window, self.softcap = ring, chunk, scale, window, softcap
+        self.documents = documents
 
     def blocks(self, source: int) -> list[list[_Block]]:
         """blocks[a][b]: this rank's query chunk a against cp rank ``source``'s key chunk b."""
         size, n = self.ring.size, self.chunk
-        return [[_Block(a * n, b * n, n, n, self.window) for b in ring_chunks(source, size)]
+        return [[_Block(a * n, b * n, n, n, self.window, self.documents) for b in ring_chunks(source, size)]
                 for a in ring_chunks(self.ring.rank, size)]
 
 
@@ -152,7 +163,9 @@ def _fused(q: torch.Tensor, block: _Block, settings: _Settings) -> bool:
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """q [B, Hkv, g, s, D] as [B, Hq, s, D] and k, v repeated per query head, as the fused kernels take them."""
     groups = q.shape[2]
-    return (q.flatten(1, 2), k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1))
+    if groups == 1:
+        return q.squeeze(2), k, v
+    return q.flatten(1, 2), k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 def _forward_block(q, k, v, block: _Block, settings: _Settings):
@@ -273,6 +286,9 @@ class RingAttention:
         self.model_type = model_type
         self.calls = 0
         self.windowed = 0
+        self.documents: torch.Tensor | None = None
+        """[B, S]: each token's document in a packed row (transformers' ``find_packed_sequence_indices``
+        of the whole sequence's position ids, set by the batch cutter), or None: one document a row."""
 
     def reset(self) -> None:
         self.calls = self.windowed = 0
@@ -302,8 +318,11 @@ class RingAttention:
         if sliding_window is not None:
             self.windowed += 1
         work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+        if self.documents is not None and self.documents.shape != (batch, length * self.size):
+            raise self._refuse(f"document ids of shape {tuple(self.documents.shape)} for {batch} rows of "
+                               f"{length * self.size} tokens")
         settings = _Settings(self.ring, length // 2, dim ** -0.5 if scaling is None else scaling, sliding_window,
-                             softcap)
+                             softcap, self.documents)
         grouped = query.to(work).reshape(batch, kv_heads, heads // kv_heads, length, dim)
         output = _RingAttention.apply(grouped, key.to(work), value.to(work), settings)
         return output.reshape(batch, heads, length, dim).transpose(1, 2).contiguous().to(query.dtype), None
