@@ -41,7 +41,8 @@ _SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "posit
 
 
 def _rows(batch: dict) -> int:
-    return next(batch[key].shape[0] for key in ("input_ids", "inputs_embeds") if isinstance(batch.get(key), torch.Tensor))
+    present = [batch[key] for key in ("input_ids", "inputs_embeds") if isinstance(batch.get(key), torch.Tensor)]
+    return present[0].shape[0]
 
 
 def _sequence_length(batch: dict) -> int | None:
@@ -170,9 +171,10 @@ class SequenceSplit:
         output = module(**self.cut(kwargs))
         if self.attention.calls != self.layers:
             raise ConfigError(f"context_parallel: the forward called the {self.method} attention "
-                              f"{self.attention.calls} times for {self.attention.model_type}'s {self.layers} layers, not once each: a layer that "
-                              "bypasses transformers' AttentionInterface would attend within its slice only, and one "
-                              "that calls attention several times (differential attention) is not reproduced")
+                              f"{self.attention.calls} times for {self.attention.model_type}'s {self.layers} layers, "
+                              "not once each: a layer that bypasses transformers' AttentionInterface would attend "
+                              "within its slice only, and one that calls attention several times (differential "
+                              "attention) is not reproduced")
         if self.method == "ring" and self.attention.windowed != self.windowed_layers:
             raise ConfigError(f"context_parallel (ring): {self.attention.model_type} has {self.windowed_layers} "
                               f"sliding-window layers but {self.attention.windowed} attention calls passed a "
