@@ -155,6 +155,7 @@ def simulate(spec: RankSpec) -> dict:
     device = torch.device(spec.device)
     cuda = device.type == "cuda"
     if cuda:
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
     dist.init_process_group("fake", store=FakeStore(), rank=spec.rank, world_size=spec.world)
     rss_start = _status_bytes("VmRSS")
