@@ -47,7 +47,7 @@ from parallel3d.checkpoint_storage import (DTYPES_BY_NAME, disk_full_text, plan_
                                            save_chunks, write_json_atomically)
 from parallel3d.errors import ConfigError
 from parallel3d.peft_model import adapter_configs
-from parallel3d.tensor_parallel.sharding import ShardSpec
+from parallel3d.tensor_parallel.sharding import ShardSpec, make_spec
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class ParamEntry:
     name: str  # the checkpoint name (for a tied copy: the name its first holder saves it under)
     spec: ShardSpec | None
     save: bool  # False for the second copy of a tied parameter (the first holder writes it)
+    split: tuple[int, int] | None = None  # (rank, ranks) of ``spec`` when not tensor parallelism's: an expert slice
 
     def global_shape(self, local_shape) -> tuple[int, ...]:
         shape = list(local_shape)
@@ -78,6 +79,7 @@ class ParamEntry:
 def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
     """This rank's trainable parameters and their checkpoint names."""
     specs = engine.tp_info.shard_specs if engine.tp_info is not None else {}
+    ep = engine.ep_info
     tied = {t.param: t for t in (engine.pipe.tied if engine.pipe is not None else ())}
     out = {}
     for name, p in engine.named_parameters():
@@ -88,6 +90,9 @@ def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
             save = False  # a replicated kv head: its first holder writes it (ZeRO may cut the copies differently)
         if p in tied and not tied[p].first:
             name, save = next(n for n in tied[p].names if n != name), False
+        if ep is not None and name in ep.params:  # this rank's experts: a slice of dim 0 of the stacked weight
+            out[p] = ParamEntry(name, make_spec(ep.experts[name], 0, ep.size), save, (ep.rank, ep.size))
+            continue
         out[p] = ParamEntry(name, spec, save)
     return out
 
@@ -114,7 +119,8 @@ def _pieces(engine):
         e = entries[param]
 
         def chunks_of(name: str, flat: torch.Tensor, e=e, first=first, shape=shape) -> list[Chunk]:
-            return piece_chunks(name, flat, first, shape, e.global_shape(shape), e.spec, tp_rank, tp)
+            rank, ranks = e.split or (tp_rank, tp)
+            return piece_chunks(name, flat, first, shape, e.global_shape(shape), e.spec, rank, ranks)
 
         yield e, master, chunks_of
 

@@ -380,9 +380,10 @@ class Engine(DeepSpeedSurface):
 
     # -- state ---------------------------------------------------------------------------
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes of model state on this rank: params, gradients, master params, optimizer states."""
-        return self.optimizer.memory_report()
+    def memory_report(self, experts: bool | None = None) -> dict[str, int]:
+        """Bytes of model state on this rank: params, gradients, master params, optimizer states; with
+        ``experts`` True (False) those of the expert-parallel parameters only (of the others)."""
+        return self.optimizer.memory_report(experts)
 
     def named_parameters(self):
         """(HF name, parameter) of the parameters this rank trains."""

@@ -77,7 +77,7 @@ def _train(kind: str, stage: int, ep: int) -> tuple[list[float], dict, dict]:
     engine, _, _, _ = parallel3d.initialize(model=make_moe(kind), config=config)
     data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, DP), torch.distributed.get_rank()))
     losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
-    return losses, engine.full_parameters(), engine.memory_report()
+    return losses, engine.full_parameters(), engine.memory_report(experts=True)
 
 
 @functools.cache
@@ -89,8 +89,13 @@ def _oracle(kind: str):
 def test_training_matches_single_process(dist, kind, stage, ep):
     want_losses, want_params = _oracle(kind)
     start = dict(make_moe(kind).named_parameters())
-    for losses, params, _ in dist.run(DP, _train, kind, stage, ep):
+    experts = [p for n, p in start.items() if ".experts." in n]
+    expert_bytes = 4 * sum(p.numel() for p in experts) // ep  # fp32, 1/E of them
+    for losses, params, memory in dist.run(DP, _train, kind, stage, ep):
         assert losses == pytest.approx(want_losses, rel=RTOL)
+        if stage == 0:  # unsharded: a rank's experts whole, with a gradient, two Adam moments and a step count each
+            assert memory == {"params": expert_bytes, "gradients": expert_bytes, "master_params": 0,
+                              "optimizer_states": 2 * expert_bytes + 4 * len(experts), "frozen_params": 0}
         ratio, name, rel = update_mismatch(params, want_params, start, STEPS, RTOL)
         assert ratio <= 1, f"{name}: update off by {rel:.2e}"
 
@@ -121,3 +126,52 @@ def test_refusals_name_the_problem():
         make_moe("mixtral"), expert_tensor_parallel_size=2)
     assert "expert_parallel.preset_model is a DeepSpeed key Zero3D does not implement" in _initialize_error(
         make_moe("mixtral"), preset_model="mixtral")
+
+
+SAVE_AT = 2
+
+
+def _engine(kind: str, stage: int, ep: int, seed: int = 0):
+    import parallel3d
+
+    config = ep_config(stage, GAS, DP, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000)
+    return parallel3d.initialize(model=make_moe(kind, seed=seed), config=config)[0]
+
+
+def _save(kind: str, stage: int, ep: int, path: str) -> dict:
+    engine = _engine(kind, stage, ep)
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, DP), torch.distributed.get_rank()))
+    for _ in range(SAVE_AT):
+        engine.train_batch(data_iter)
+    engine.save_checkpoint(path)
+    return engine.full_parameters()
+
+
+def _resume(kind: str, stage: int, ep: int, path: str) -> tuple[list[float], dict]:
+    engine = _engine(kind, stage, ep, seed=5)  # other weights: only the checkpoint can give the saved state
+    engine.load_checkpoint(path)
+    batches = rank_micro_batches(token_batches(STEPS, GAS, DP), torch.distributed.get_rank())
+    data_iter = iter(batches[SAVE_AT * GAS :])
+    losses = [engine.train_batch(data_iter) for _ in range(STEPS - SAVE_AT)]
+    return losses, engine.full_parameters()
+
+
+@pytest.mark.parametrize("kind,save,load", [("mixtral", (2, 4), (3, 1)), ("qwen3_moe", (3, 2), (1, 4))])
+def test_checkpoint_resumes_across_ep_sizes_and_exports(dist, tmp_path, kind, save, load):
+    """Saved at (stage, ep), resumed at another stage and ep (1: without expert parallelism): the run
+    goes on as one process would; the checkpoint exports to an HF directory holding every expert."""
+    from transformers import AutoModelForCausalLM
+
+    from parallel3d.export import export_checkpoint
+
+    saved = dist.run(DP, _save, kind, *save, str(tmp_path / "ckpt"))[0]
+    want_losses, want_params = _oracle(kind)
+    start = dict(make_moe(kind).named_parameters())
+    for losses, params in dist.run(DP, _resume, kind, *load, str(tmp_path / "ckpt")):
+        assert losses == pytest.approx(want_losses[SAVE_AT:], rel=RTOL)
+        ratio, name, rel = update_mismatch(params, want_params, start, STEPS, RTOL)
+        assert ratio <= 1, f"{name}: update off by {rel:.2e}"
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    exported = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    for name, value in saved.items():
+        assert torch.equal(exported[name].detach(), value), name

@@ -37,7 +37,7 @@ untouched, as ``torch.optim`` skips a parameter whose ``.grad`` is None.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -186,9 +186,11 @@ class GradientReducer:
         self._shard_fresh = [True] * len(self.units)
         self.received = [[False] * len(u.params) for u in self.units]
 
-    def buffer_bytes(self) -> int:
-        """Bytes of this rank's gradient buffers while they all exist (during a step's backward)."""
-        return sum((u.padded if self.accumulate_full else u.shard_size) * u.dtype.itemsize for u in self.units)
+    def buffer_bytes(self, units: Iterable[FlatUnit] | None = None) -> int:
+        """Bytes of this rank's gradient buffers (of ``units``; default all) while they all exist (during a
+        step's backward)."""
+        return sum((u.padded if self.accumulate_full else u.shard_size) * u.dtype.itemsize
+                   for u in (self.units if units is None else units))
 
     def _repair_grad_views(self) -> None:
         """Re-point ``.grad`` at the flat buffer where user code replaced it.

@@ -743,8 +743,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 out[p] = view.clone()
         return out
 
-    def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for each kind of model state, at their largest in a step.
+    def memory_report(self, experts: bool | None = None) -> dict[str, int]:
+        """Bytes this rank holds for each kind of model state, at their largest in a step: of every
+        param, or (``experts`` True / False) of the expert-parallel params only / of the others.
 
         Gradients count from the first backward on: their buffers exist from each unit's first
         gradient of a step to the end of the step (none between steps or through the forward;
@@ -768,22 +769,26 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
 
         offload = self.settings.offload
         used = self.reducer.used
-        report = {"params": 0, "gradients": self.reducer.buffer_bytes() if used else 0,
+        units = [u for u in self.units if experts is None or u.expert == experts]
+        report = {"params": 0, "gradients": self.reducer.buffer_bytes(units) if used else 0,
                   "master_params": 0, "optimizer_states": 0, "frozen_params": 0}
         if offload.enabled:
             report.update(dict.fromkeys(HOST_CATEGORIES, 0))
             if offload.optimizer and used:
-                report["offloaded_gradients"] = sum(4 * u.shard_size for u in self.units)
-        for unit in self.frozen_units:
+                report["offloaded_gradients"] = sum(4 * u.shard_size for u in units)
+        for unit in self.frozen_units if not experts else ():
             report["frozen_params"] += nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
-        for unit in self.units:
+        for unit in units:
             kept = nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
             report["offloaded_params" if offload.params and not unit.persistent else "params"] += kept
             if unit.master is not unit.shard:
                 report["offloaded_master_params" if offload.optimizer else "master_params"] += nbytes(unit.master)
         states = "offloaded_optimizer_states" if offload.optimizer else "optimizer_states"
-        for state in self.inner.state.values():
-            for value in state.values():
+        chosen = {id(u) for u in units}
+        for piece, master in zip(self.pieces, self.master_pieces):
+            if id(self.units[piece.unit]) not in chosen:
+                continue
+            for value in self.inner.state.get(master, {}).values():
                 if isinstance(value, torch.Tensor):
                     report[states] += nbytes(value)
         return report

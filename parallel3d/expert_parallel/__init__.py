@@ -32,10 +32,8 @@ class ExpertParallelInfo:
     modules: list[ExpertsModule]
     params: dict[str, nn.Parameter] = field(default_factory=dict)
     """This rank's expert parameters by full name ([num_experts / size, ...] of each stacked weight)."""
-
-    def global_shape(self, name: str, local_shape) -> tuple[int, ...]:
-        """The shape of ``name`` in one process (the local expert count times ``size``)."""
-        return (local_shape[0] * self.size, *local_shape[1:]) if name in self.params else tuple(local_shape)
+    experts: dict[str, int] = field(default_factory=dict)
+    """The routed-expert count (in one process) of each of ``params``."""
 
 
 def check_expert_parallel(model: nn.Module, size: int, tp: int, meta: bool) -> None:
@@ -65,4 +63,5 @@ def apply_expert_parallel(model: nn.Module, size: int, group: dist.ProcessGroup 
         names = [n for n, _ in module.named_parameters(recurse=False)]
         for name, param in zip(names, split_experts(module, experts.num_experts, group)):
             info.params[f"{experts.name}.{name}"] = param
+            info.experts[f"{experts.name}.{name}"] = experts.num_experts
     return info
