@@ -155,6 +155,7 @@ def apply_zero(
         frozen_params=frozen,
         replica_group=mesh.groups.zero_replicate if mesh.size("dp_replicate") > 1 else None,
         secondary_group=mesh.groups.zero_secondary,
+        node_groups=(mesh.groups.zero_node, mesh.groups.zero_across_nodes) if mesh.groups.zero_node else None,
         expert_params=list(ep_info.params.values()) if ep_info else (),
         expert_shard_group=ep_info.shard_group if ep_info else None,
         expert_parallel_group=ep_info.group if ep_info else None,

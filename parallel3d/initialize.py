@@ -281,7 +281,8 @@ def initialize(
     dp = cfg.data_parallel_size
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s, cp=cfg.context_parallel.size,
                       dp_replicate=dp // cfg.zero_optimization.shard_size(dp),
-                      hpz=cfg.zero_optimization.zero_hpz_partition_size, ep=cfg.expert_parallel.size)
+                      hpz=cfg.zero_optimization.zero_hpz_partition_size, ep=cfg.expert_parallel.size,
+                      node_shard_ranks=_node_shard_ranks(cfg))
     install_exit_guard()  # the mesh's gloo groups must not outlive the interpreter's teardown
     if source is None:
         model.to(device)
@@ -301,3 +302,14 @@ def initialize(
                     watchdog=Watchdog.for_default_group(timeout_s), sequence_split=sequence_split,
                     compiled=compiled, ep_info=ep_info)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler
+
+
+def _node_shard_ranks(cfg) -> int:
+    """ZeRO's shard-group members on one node, for qgZ's two hops (0: not quantizing gradients, or
+    the node size unknown). The node is the launcher's ``LOCAL_WORLD_SIZE`` ranks (torchrun and
+    ``zero3d launch`` set it); tp is the mesh's fastest axis, so they hold LOCAL_WORLD_SIZE / tp
+    consecutive members of each shard group."""
+    local, tp = os.environ.get("LOCAL_WORLD_SIZE", ""), cfg.tensor_parallel.size
+    if not cfg.zero_optimization.zero_quantized_gradients or not local.isdigit() or int(local) % tp:
+        return 0
+    return int(local) // tp

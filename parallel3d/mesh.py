@@ -112,6 +112,11 @@ class ProcessGroups:
     zero_secondary: dist.ProcessGroup | None = None
     """ZeRO++'s hpZ: consecutive blocks of ``zero_hpz_partition_size`` ranks of ``zero_shard`` (a
     node's), over which stage 3 keeps a second partition of each block's parameters for backward."""
+    zero_node: dist.ProcessGroup | None = None
+    """The members of ``zero_shard`` on this rank's node (consecutive blocks): qgZ's first hop; None
+    unless ``zero_quantized_gradients`` runs on a shard group that spans nodes."""
+    zero_across_nodes: dist.ProcessGroup | None = None
+    """The members of ``zero_shard`` at this rank's place on every node (strided): qgZ's second hop."""
     ep: dist.ProcessGroup | None = None
     """Expert parallelism: ``E`` consecutive ranks of ``zero_shard`` that split each MoE layer's experts
     (tokens cross it by all-to-all); None without expert parallelism."""
@@ -194,7 +199,8 @@ class ParallelMesh:
         if self.groups.zero_secondary is not None:
             names["hpz"] = self.groups.zero_secondary
             seen.add(self.groups.zero_secondary.group_name)
-        for name, group in (("ep", self.groups.ep), ("expert_shard", self.groups.expert_shard)):
+        for name, group in (("ep", self.groups.ep), ("expert_shard", self.groups.expert_shard),
+                            ("node", self.groups.zero_node), ("across_nodes", self.groups.zero_across_nodes)):
             if group is not None and group.group_name not in seen:
                 seen.add(group.group_name)
                 names[name] = group
@@ -233,14 +239,16 @@ class ParallelMesh:
 
 
 def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: float | None = None, *,
-               cp: int = 1, dp_replicate: int = 1, hpz: int = 1, ep: int = 1) -> ParallelMesh:
+               cp: int = 1, dp_replicate: int = 1, hpz: int = 1, ep: int = 1, node_shard_ranks: int = 0) -> ParallelMesh:
     """Build the mesh over the current world; ``dp_shard`` takes the ranks the other axes leave.
 
     Its groups get the collective timeout ``timeout_s`` (torch gives new groups its 30-minute
     default, not the default group's timeout). ``hpz`` > 1 also makes ZeRO++'s secondary groups
     (``ProcessGroups.zero_secondary``); it must divide the shard group's size. ``ep`` > 1 makes the
     expert-parallel groups (``ProcessGroups.ep``, ``ProcessGroups.expert_shard``); it must divide
-    the shard group's size too.
+    the shard group's size too. ``node_shard_ranks``: members of a shard group on one node; where
+    it divides the group and is neither 1 nor all of it, the groups of qgZ's two hops are made
+    (``ProcessGroups.zero_node``, ``ProcessGroups.zero_across_nodes``).
     """
     device = device or default_device()
     ensure_process_group(device, timeout_s)
@@ -263,8 +271,11 @@ def build_mesh(tp: int, pp: int, device: torch.device | None = None, timeout_s: 
     if hpz > 1:
         groups = dataclasses.replace(groups, zero_secondary=_secondary_group(mesh, shape, hpz, timeout_s))
     if ep > 1:
-        ep_group, expert_shard = _expert_groups(mesh, shape, ep, timeout_s)
+        ep_group, expert_shard = _folded_groups(mesh, shape, ep, timeout_s)
         groups = dataclasses.replace(groups, ep=ep_group, expert_shard=expert_shard)
+    if 1 < node_shard_ranks < shape.size("dp_shard_cp") and shape.size("dp_shard_cp") % node_shard_ranks == 0:
+        node, across = _folded_groups(mesh, shape, node_shard_ranks, timeout_s)
+        groups = dataclasses.replace(groups, zero_node=node, zero_across_nodes=across)
     return dataclasses.replace(built, groups=groups, ep=ep)
 
 
@@ -273,10 +284,11 @@ def _shard_rows(mesh: DeviceMesh, shape: MeshShape) -> torch.Tensor:
     return mesh.mesh.permute(0, 1, 4, 2, 3).reshape(-1, shape.size("dp_shard_cp"))
 
 
-def _expert_groups(mesh: DeviceMesh, shape: MeshShape, ep: int,
+def _folded_groups(mesh: DeviceMesh, shape: MeshShape, ep: int,
                    timeout_s: float | None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's expert-parallel group (``ep`` consecutive members of its ``dp_shard_cp`` group,
-    torchtitan's inner fold) and expert-shard group (the members at its position in every block)."""
+    """This rank's block of ``ep`` consecutive members of its ``dp_shard_cp`` group and the members
+    at its position in every block: the expert-parallel and expert-shard groups (torchtitan's inner
+    fold), or a node's shard ranks and their peers on the other nodes (qgZ's two hops)."""
     rows = _shard_rows(mesh, shape)
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
     blocks = [row[i : i + ep].tolist() for row in rows for i in range(0, rows.shape[1], ep)]

@@ -86,12 +86,12 @@ def test_quantized_collectives_need_their_stage(zero, message):
         load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, 2)
 
 
-def _losses(stage: int, quantized: bool) -> list[float]:
+def _losses(stage: int, quantized: bool, dp: int = 2) -> list[float]:
     import parallel3d
 
-    config = ds_config(stage, 2, 2, reduce_bucket_size=3000, zero_quantized_gradients=quantized)
+    config = ds_config(stage, 2, dp, reduce_bucket_size=3000, zero_quantized_gradients=quantized)
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
-    data = iter(rank_micro_batches(token_batches(3, 2, 2), engine.mesh.local_rank("dp")))
+    data = iter(rank_micro_batches(token_batches(3, 2, dp), engine.mesh.local_rank("dp")))
     return [engine.train_batch(data) for _ in range(3)]
 
 
@@ -103,3 +103,74 @@ def test_int8_gradients_at_stages_1_and_2(dist, stage):
     int8 = dist.run(2, _losses, stage, True)[0]
     assert int8 != full  # the int8 path ran
     assert int8 == pytest.approx(full, rel=1e-2)
+
+
+def _two_hop_reduce(n: int) -> float:
+    """4 ranks as 2 nodes of 2: qgZ's two hops against their definition (each hop quantizes
+    what it sends, row by row: inside the node a row holds the chunks of one place on every node)."""
+    rank, world, local = dist.get_rank(), dist.get_world_size(), 2
+    nodes = world // local
+    node, _ = dist.new_subgroups_by_enumeration([[0, 1], [2, 3]])
+    across, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    grads = [torch.randn(world * n, generator=torch.Generator().manual_seed(7 + r)) for r in range(world)]
+    shard = torch.ones(n)
+    reduce_to_shard_int8(grads[rank].clone(), shard, dist.group.WORLD, accumulate=True,
+                         hops=(dist.group.WORLD, node, across)).wait()
+    place, mine = rank % local, rank // local
+
+    def row(g: torch.Tensor) -> torch.Tensor:  # the chunks of ``place`` on every node, as sent in the node
+        return dequantize(*quantize(g.view(nodes, local, n)[:, place].reshape(-1)))
+
+    node_sums = [sum(row(grads[a * local + i]) for i in range(local)).view(nodes, n) for a in range(nodes)]
+    want = 1 + sum(dequantize(*quantize(node_sums[a][mine])) for a in range(nodes)) / world
+    return (shard - want).abs().max().item()
+
+
+def test_two_hops_equal_their_definition(dist):
+    for error in dist.run(4, _two_hop_reduce, 300):
+        assert error < 1e-6
+
+
+def _node_step(local_world: str | None, stage: int) -> dict:
+    import os
+
+    import parallel3d
+
+    saved = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    if local_world is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = local_world
+    try:
+        config = ds_config(stage, 2, 4, reduce_bucket_size=3000, zero_quantized_gradients=True)
+        engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
+        if saved is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = saved
+    data = iter(rank_micro_batches(token_batches(3, 2, 4), engine.mesh.local_rank("dp")))
+    losses = [engine.train_batch(data)]
+    with count_collectives(engine.mesh) as counter:
+        losses.append(engine.train_batch(data))
+    losses.append(engine.train_batch(data))
+    moved = {}
+    for call in counter.calls:
+        if call.op == "all_to_all":
+            moved[call.group] = moved.get(call.group, 0) + call.nbytes
+    return {"losses": losses, "moved": moved, "two_hops": engine.mesh.groups.zero_node is not None}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_cross_nodes_once_per_node_peer(dist, stage):
+    """On 2 nodes of 2 ranks (``LOCAL_WORLD_SIZE`` 2) the int8 reduction takes two hops: the
+    all-to-all across nodes carries half of what the one-hop all-to-all carries over all four
+    ranks (one chunk per node instead of one per rank, scales included), and the losses stay
+    those of the full-precision reduction to int8's accuracy."""
+    one_node = dist.run(4, _node_step, "4", stage)
+    two_nodes = dist.run(4, _node_step, "2", stage)
+    exact = dist.run(4, _losses, stage, False, 4)[0]
+    for one, two in zip(one_node, two_nodes):
+        assert two["two_hops"] and not one["two_hops"]
+        assert set(two["moved"]) == {"node", "across_nodes"} and set(one["moved"]) == {"dp"}
+        assert two["moved"]["across_nodes"] == pytest.approx(one["moved"]["dp"] / 2, rel=0.02)
+        assert two["losses"] != one["losses"]  # another rounding: the two-hop path ran
+        assert two["losses"] == pytest.approx(exact, rel=1e-2)

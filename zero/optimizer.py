@@ -13,6 +13,7 @@ step count), and per-parameter step counts stay per parameter.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -174,6 +175,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         secondary_group: stage 3, ZeRO++'s hpZ: the ranks of ``group`` over which each block's
             parameters are kept partitioned from its forward to its backward, whose gather then
             stays inside it (``zero.stage3.ParamFetcher``).
+        node_groups: ``quantized_gradients`` on a ``group`` that spans nodes: (its members on this
+            rank's node, their peers on the other nodes), over which gradients take qgZ's two
+            hops (``zero.quantized_comm``); None: one all-to-all over ``group``.
         expert_params: expert parallelism: params of which each rank of ``expert_parallel_group``
             holds different experts. Their units are sharded over ``expert_shard_group`` (the ranks
             of ``group`` holding the same experts) and reduced there; each of their gradients already
@@ -205,6 +209,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         frozen_params: Iterable[nn.Parameter] = (),
         replica_group: dist.ProcessGroup | None = None,
         secondary_group: dist.ProcessGroup | None = None,
+        node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
         expert_params: Iterable[nn.Parameter] = (),
         expert_shard_group: dist.ProcessGroup | None = None,
         expert_parallel_group: dist.ProcessGroup | None = None,
@@ -297,7 +302,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             on_unit_reduced=self._release_after_reduce if self.fetcher and not self._hold_all else None,
             accumulate_full=full,
             launch_order=launch_order(self.units, param_order or [p for ps in params for p in ps]),
-            reduce=reduce_to_shard_int8 if settings.quantized_gradients else reduce_to_shard,
+            reduce=_gradient_reduce(settings.quantized_gradients, group, node_groups),
         )
         # Full gradients of a tied copy are summed across stages before they are reduced, so
         # their units wait for finish_window; reduced shards are summed after (same layout).
@@ -792,3 +797,14 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 if isinstance(value, torch.Tensor):
                     report[states] += nbytes(value)
         return report
+
+
+def _gradient_reduce(quantized: bool, group: dist.ProcessGroup | None,
+                     node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None) -> Callable[..., object]:
+    """How a unit's gradient is reduced to its shard: in the working precision, or as int8 in one
+    hop or, on ``group`` when it spans nodes, two (``zero.quantized_comm``)."""
+    if not quantized:
+        return reduce_to_shard
+    if node_groups is None or group is None:
+        return reduce_to_shard_int8
+    return functools.partial(reduce_to_shard_int8, hops=(group, *node_groups))

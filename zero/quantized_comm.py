@@ -12,8 +12,12 @@ bf16's (ZeRO++, Wang et al. 2023, sections 3.1 and 3.3).
 * ``reduce_to_shard_int8`` (``zero_quantized_gradients``): the reduce-scatter becomes one
   all-to-all: each rank quantizes its gradient's chunk for every other rank and sends it there;
   a rank dequantizes the chunks it received, all of its own shard, and averages them in fp32.
-  This is qgZ's single-hop form: ZeRO++ adds a hop inside the node first, which on one node is
-  the same exchange.
+  Where the shard group spans nodes (``hops``: its members on this node and their peers on the
+  others), it takes qgZ's two hops instead (ZeRO++, section 3.3): an all-to-all inside the node
+  sums the node's gradients of the shards its members' peers own (each member one 1/L of the
+  gradient), then an all-to-all across the nodes, requantized, delivers each rank its own
+  shard. Across nodes each rank then sends (M - 1) / N of the gradient, M nodes of L members,
+  instead of (N - L) / N: L times less, for one more rounding.
 
 The masters, the optimizer and the gradient norm stay in full precision: the error enters
 through the weights a forward uses and the gradient shards the step reads (docs/deepspeed.md
@@ -81,23 +85,59 @@ def gather_shards_int8(full: torch.Tensor, shard: torch.Tensor, group: dist.Proc
 
 
 def reduce_to_shard_int8(full: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup | None, *,
-                         accumulate: bool) -> Pending:
+                         accumulate: bool, hops: tuple[dist.ProcessGroup, dist.ProcessGroup,
+                                                       dist.ProcessGroup] | None = None) -> Pending:
     """Start averaging ``full`` over ``group`` into this rank's chunk, written to (or added to)
-    ``shard``, with every chunk sent as int8 with block scales (one all-to-all)."""
+    ``shard``, with every chunk sent as int8 with block scales: one all-to-all, or where ``hops``
+    = (the shard group, its members on this node, their peers across nodes) names ``group``, two."""
+    if hops is not None and group is hops[0]:
+        return _two_hops(full, shard, hops[1], hops[2], accumulate=accumulate)
     world, n = dist.get_world_size(group), shard.numel()
-    chunks = [quantize(chunk) for chunk in full.view(world, n)]
+    got_values, got_scales, works = _exchange(full.view(world, n), group)
+
+    def average() -> None:
+        _store(_dequantized_sum(got_values, got_scales, world, n) / world, shard, accumulate)
+
+    return Pending(works, average)
+
+
+def _exchange(rows: torch.Tensor, group: dist.ProcessGroup | None):
+    """Send row r of ``rows`` to rank r of ``group`` as int8 (quantized row by row); what arrives."""
+    chunks = [quantize(row) for row in rows]
     values = torch.cat([v for v, _ in chunks])
     scales = torch.cat([s for _, s in chunks])
     got_values, got_scales = torch.empty_like(values), torch.empty_like(scales)
     works = [dist.all_to_all_single(got_values, values, group=group, async_op=True),
              dist.all_to_all_single(got_scales, scales, group=group, async_op=True)]
+    return got_values, got_scales, works
 
-    def average() -> None:
-        per_rank = got_scales.view(world, -1)
-        total = sum(dequantize(got_values[r * n : (r + 1) * n], per_rank[r]) for r in range(world)) / world
-        if accumulate:
-            shard.add_(total.to(shard.dtype))
-        else:
-            shard.copy_(total)
 
-    return Pending(works, average)
+def _dequantized_sum(values: torch.Tensor, scales: torch.Tensor, senders: int, n: int) -> torch.Tensor:
+    per_rank = scales.view(senders, -1)
+    return sum(dequantize(values[r * n : (r + 1) * n], per_rank[r]) for r in range(senders))
+
+
+def _store(total: torch.Tensor, shard: torch.Tensor, accumulate: bool) -> None:
+    if accumulate:
+        shard.add_(total.to(shard.dtype))
+    else:
+        shard.copy_(total)
+
+
+def _two_hops(full: torch.Tensor, shard: torch.Tensor, node: dist.ProcessGroup, across: dist.ProcessGroup, *,
+              accumulate: bool) -> Pending:
+    """qgZ over M nodes of L shard ranks each (the shard group's member j = node j // L, place
+    j % L): inside the node, member l gets the chunks of every node's member l and sums its
+    node's; across, the member l of node b gets the sums of chunk b L + l from every node."""
+    local, nodes, n = dist.get_world_size(node), dist.get_world_size(across), shard.numel()
+    by_place = full.view(nodes, local, n).transpose(0, 1).reshape(local, nodes * n)  # row l: chunks b L + l
+    got_values, got_scales, works = _exchange(by_place, node)
+
+    def across_nodes() -> None:
+        node_sum = _dequantized_sum(got_values, got_scales, local, nodes * n)  # chunks b L + l, this node's sum
+        values, scales, second = _exchange(node_sum.view(nodes, n), across)
+        for work in second:
+            work.wait()
+        _store(_dequantized_sum(values, scales, nodes, n) / (local * nodes), shard, accumulate)
+
+    return Pending(works, across_nodes)
