@@ -144,3 +144,25 @@ def test_save_resume_generate_and_from_pretrained(dist, tmp_path):
     assert torch.equal(got["generated"], saved.generate(input_ids=PROBE[:, :4], max_new_tokens=6, do_sample=False))
     torch.testing.assert_close(got["from_dir"], got["trained"], rtol=1e-5, atol=1e-5)
     assert all(torch.equal(r["trained"], got["trained"]) for r in results)
+
+
+def best_model_run(out: str) -> tuple[list[float], str, list[str], float]:
+    from parallel3d.hf import Trainer
+
+    trainer = Trainer(model=make_model("llama"), train_dataset=rows(), eval_dataset=rows(8, seed=9),
+                      args=training_args(out, GLOBAL_MICRO // 2, eval_strategy="steps", eval_steps=1,
+                                         save_strategy="steps", save_steps=1, save_total_limit=2,
+                                         load_best_model_at_end=True),
+                      zero3d_config={"zero_optimization": {"stage": 3}})
+    trainer.train()
+    return (logged(trainer, "eval_loss"), trainer.state.best_model_checkpoint, sorted(os.listdir(out)),
+            trainer.evaluate()["eval_loss"])
+
+
+def test_load_best_model_at_end(dist, tmp_path):
+    """Evaluated and saved every step, two checkpoints kept: the best step's weights come back."""
+    for evals, best, kept, final in dist.run(2, best_model_run, str(tmp_path)):
+        step = min(range(len(evals)), key=evals.__getitem__) + 1
+        assert step < len(evals)  # else the last weights would pass for the best
+        assert best == str(tmp_path / f"checkpoint-{step}") and f"checkpoint-{step}" in kept and len(kept) <= 3
+        assert final == pytest.approx(evals[step - 1], rel=1e-6)
