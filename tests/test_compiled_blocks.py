@@ -16,6 +16,9 @@ dynamo's either way) but skips the C++ build, minutes on two shared cores.
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,8 +37,7 @@ def _train(kind: str, config: dict, compiled: dict | None, layers: int, by_metho
     from parallel3d.compiled_blocks import compile_counts
 
     gas = config["gradient_accumulation_steps"]
-    layer_key = "num_hidden_layers" if kind == "llama" else "n_layer"
-    model = make_model(kind, **{layer_key: layers})
+    model, vocab = _model(kind, layers)
     if hf_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compiled and not by_method:
@@ -45,7 +47,7 @@ def _train(kind: str, config: dict, compiled: dict | None, layers: int, by_metho
         engine.compile(backend=compiled["backend"], compile_kwargs=compiled.get("kwargs"))
     assert engine.is_compiled == bool(compiled)
     dp = engine.mesh.size("dp")
-    batches = rank_micro_batches(token_batches(STEPS, gas, dp), engine.mesh.local_rank("dp"))
+    batches = rank_micro_batches(token_batches(STEPS, gas, dp) % vocab, engine.mesh.local_rank("dp"))
     losses, counts = [], []
     for s in range(STEPS):
         window = batches[s * gas:(s + 1) * gas]
@@ -64,6 +66,19 @@ def _train(kind: str, config: dict, compiled: dict | None, layers: int, by_metho
     params = engine.full_parameters()
     engine.destroy()
     return losses, params, counts
+
+
+def _model(kind: str, layers: int) -> tuple[torch.nn.Module, int]:
+    """tests.tiny's Llama or GPT-2 with ``layers`` blocks, or another family's tiny model
+    (scripts/coverage_check.py, dropout off); and its vocabulary size."""
+    if kind in ("llama", "gpt2"):
+        model = make_model(kind, **{"num_hidden_layers" if kind == "llama" else "n_layer": layers})
+        return model, model.config.vocab_size
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from coverage_check import tiny_model
+
+    model = tiny_model(kind)
+    return model, model.config.vocab_size
 
 
 def compiled_against_eager(kind: str, config: dict, compiled: dict, layers: int = 3, by_method: bool = False,
@@ -149,6 +164,13 @@ def test_pipeline_tensor_parallel_zero3(dist):
     """pp 2 x tp 2 on four ranks, ZeRO-3, GPipe."""
     layout = {"pipeline": {"stages": 2, "schedule": "gpipe"}, "tensor_parallel": {"size": 2}}
     _check(dist.run(4, compiled_against_eager, "llama", _config(3, 1, gas=2, **layout), AOT, layers=4))
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3", "gemma2", "falcon", "mixtral"])
+def test_families_zero3(dist, family):
+    """More families' blocks (sliding windows, soft-capping, parallel attention, routed experts)
+    compile whole at ZeRO-3 on one rank: the families whose tiny models coverage_check builds."""
+    _check(dist.run(1, compiled_against_eager, family, _config(3, 1), AOT))
 
 
 # --- refusals (no process group) ------------------------------------------------------------
