@@ -284,18 +284,18 @@ def _shard_rows(mesh: DeviceMesh, shape: MeshShape) -> torch.Tensor:
     return mesh.mesh.permute(0, 1, 4, 2, 3).reshape(-1, shape.size("dp_shard_cp"))
 
 
-def _folded_groups(mesh: DeviceMesh, shape: MeshShape, ep: int,
+def _folded_groups(mesh: DeviceMesh, shape: MeshShape, block: int,
                    timeout_s: float | None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
-    """This rank's block of ``ep`` consecutive members of its ``dp_shard_cp`` group and the members
-    at its position in every block: the expert-parallel and expert-shard groups (torchtitan's inner
-    fold), or a node's shard ranks and their peers on the other nodes (qgZ's two hops)."""
+    """This rank's block of ``block`` consecutive members of its ``dp_shard_cp`` group and the
+    members at its position in every block: the expert-parallel and expert-shard groups
+    (torchtitan's inner fold), or a node's shard ranks and their peers on the other nodes (qgZ)."""
     rows = _shard_rows(mesh, shape)
     timeout = timedelta(seconds=timeout_s) if timeout_s else None
-    blocks = [row[i : i + ep].tolist() for row in rows for i in range(0, rows.shape[1], ep)]
-    strided = [row[j::ep].tolist() for row in rows for j in range(ep)]
-    ep_group, _ = dist.new_subgroups_by_enumeration(blocks, timeout=timeout)
-    expert_shard, _ = dist.new_subgroups_by_enumeration(strided, timeout=timeout)
-    return ep_group, expert_shard
+    blocks = [row[i : i + block].tolist() for row in rows for i in range(0, rows.shape[1], block)]
+    strided = [row[j::block].tolist() for row in rows for j in range(block)]
+    inner, _ = dist.new_subgroups_by_enumeration(blocks, timeout=timeout)
+    across, _ = dist.new_subgroups_by_enumeration(strided, timeout=timeout)
+    return inner, across
 
 
 def _secondary_group(mesh: DeviceMesh, shape: MeshShape, hpz: int, timeout_s: float | None) -> dist.ProcessGroup:
