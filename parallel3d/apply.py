@@ -36,13 +36,16 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> ExpertParallelInfo | None:
     return apply_expert_parallel(model, mesh.ep, mesh.groups.ep, mesh.groups.expert_shard)
 
 
-def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: ParallelMesh) -> TensorParallelInfo | None:
-    """Replace the model's projections, embedding and head by tensor-parallel layers (tp > 1)."""
+def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: ParallelMesh,
+             ep_info: ExpertParallelInfo | None = None) -> TensorParallelInfo | None:
+    """Replace the model's projections, embedding and head by tensor-parallel layers (tp > 1); experts
+    that expert parallelism split stay whole."""
     if mesh.tp == 1:
         return None
     # under pipeline stages each chunk is its own sequence-parallel run (apply_pipeline)
+    whole = frozenset(m.name for m in ep_info.modules) if ep_info is not None else frozenset()
     return apply_tensor_parallel(model, mesh.groups.tp, sequence_parallel=section.sequence_parallel,
-                                 sequence_segments=mesh.pp == 1)
+                                 sequence_segments=mesh.pp == 1, whole=whole)
 
 
 def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: ParallelMesh,

@@ -175,3 +175,43 @@ def test_checkpoint_resumes_across_ep_sizes_and_exports(dist, tmp_path, kind, sa
     exported = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
     for name, value in saved.items():
         assert torch.equal(exported[name].detach(), value), name
+
+
+COMPOSED = {  # world 4: expert parallelism folded over the 2 data-parallel ranks of each tp or pp slice
+    "tp2": ({"tensor_parallel": {"size": 2}}, {}),  # experts whole on each tp rank, attention split
+    "pp2": ({"pipeline": {"stages": 2}}, {"output_router_logits": False}),  # pipeline stages refuse the router loss
+}
+
+
+def _train_composed(kind: str, layout: str, stage: int) -> tuple[list[float], dict]:
+    import parallel3d
+
+    extra, overrides = COMPOSED[layout]
+    config = {**ep_config(stage, GAS, 2, 2, stage3_param_persistence_threshold=0, reduce_bucket_size=2000), **extra}
+    engine = parallel3d.initialize(model=make_moe(kind, **overrides), config=config)[0]
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, 2), engine.mesh.local_rank("dp")))
+    return [engine.train_batch(data_iter) for _ in range(STEPS)], engine.full_parameters()
+
+
+@pytest.mark.parametrize("kind,layout,stage", [("qwen3_moe", "tp2", 1), ("mixtral", "tp2", 3), ("mixtral", "pp2", 1),
+                                               ("qwen3_moe", "pp2", 3)])
+def test_composes_with_tp_and_pp(dist, kind, layout, stage):
+    overrides = COMPOSED[layout][1]
+    want_losses, want_params = oracle_run(kind, token_batches(STEPS, GAS, 2), model=make_moe(kind, **overrides))
+    start = dict(make_moe(kind, **overrides).named_parameters())
+    seen = set()
+    for losses, params in dist.run(4, _train_composed, kind, layout, stage):
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        ratio, name, rel = update_mismatch(params, {n: want_params[n] for n in params}, start, STEPS, RTOL)
+        assert ratio <= 1, f"{name}: update off by {rel:.2e}"
+        seen |= set(params)
+    assert seen == set(want_params)
+
+
+def test_sequence_parallel_is_refused():
+    from parallel3d.expert_parallel import check_expert_parallel
+
+    with pytest.raises(ConfigError, match="expert_parallel with tensor_parallel.sequence_parallel is not supported"):
+        check_expert_parallel(make_moe("mixtral"), 2, sequence_parallel=True, meta=False)
+    with pytest.raises(ConfigError, match="expert_parallel with a model on the meta device is not supported yet"):
+        check_expert_parallel(make_moe("mixtral"), 2, sequence_parallel=False, meta=True)

@@ -36,7 +36,7 @@ class ExpertParallelInfo:
     """The routed-expert count (in one process) of each of ``params``."""
 
 
-def check_expert_parallel(model: nn.Module, size: int, tp: int, meta: bool) -> None:
+def check_expert_parallel(model: nn.Module, size: int, sequence_parallel: bool, meta: bool) -> None:
     """ConfigError, before any collective, when ``model`` cannot be split over ``size`` expert-parallel ranks."""
     if size == 1:
         return
@@ -44,10 +44,10 @@ def check_expert_parallel(model: nn.Module, size: int, tp: int, meta: bool) -> N
         raise ConfigError("expert_parallel with a model on the meta device is not supported yet: each rank would "
                           "have to read only its experts; build the model with real weights (or pass pretrained= "
                           "with an eagerly built model)")
-    if tp > 1:
-        raise ConfigError("expert_parallel with tensor_parallel.size > 1 is not supported yet: the tensor-parallel "
-                          "plan would split the experts that expert parallelism already keeps whole on each rank; "
-                          "use tensor_parallel.size 1 or turn expert_parallel off")
+    if sequence_parallel:
+        raise ConfigError("expert_parallel with tensor_parallel.sequence_parallel is not supported yet: the tensor-"
+                          "parallel ranks would route different parts of the sequence to experts they all hold "
+                          "whole; turn sequence_parallel off (tensor parallelism without it composes)")
     resolve_experts(model, size)
 
 

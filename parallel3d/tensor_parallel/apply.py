@@ -291,14 +291,19 @@ class Preparation:
     whole_mixers: list[str] = field(default_factory=list)
 
 
-def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: bool = False) -> Preparation:
+def prepare_tensor_parallel(model: nn.Module, world: int, sequence_parallel: bool = False,
+                            whole: frozenset[str] = frozenset()) -> Preparation:
     """Plan ``world``-way tensor parallelism of ``model``; ``ConfigError`` naming the reason when it
-    cannot be done (every check ``apply_tensor_parallel`` makes, none of its changes)."""
+    cannot be done (every check ``apply_tensor_parallel`` makes, none of its changes). The modules
+    named in ``whole`` (experts that expert parallelism keeps whole) are left out of the plan."""
     try:
         plan = resolve_tp_plan(model, world)
         base_model_prefix(model)
     except TPPlanError as exc:
         raise ConfigError(str(exc)) from None
+    for name in whole:
+        plan.experts.pop(name, None)
+        plan.layers.pop(name, None)
     layout = head_layout(model, plan, world)
     _check_intermediate(model, world)
     _check_row_outputs(model, plan)
@@ -343,19 +348,21 @@ def head_input_hooks(model: nn.Module, prep: Preparation, rank: int) -> list[Any
 
 
 def apply_tensor_parallel(model: nn.Module, tp_group: ProcessGroup, *, sequence_parallel: bool = False,
-                          sequence_segments: bool = True) -> TensorParallelInfo:
+                          sequence_segments: bool = True, whole: frozenset[str] = frozenset()) -> TensorParallelInfo:
     """Shard ``model`` (an unmodified HF causal LM, same weights on every tp rank) in place.
 
     With ``sequence_parallel`` the block list is one sequence-parallel run (scattered at its
     first block, gathered after its last); ``sequence_segments=False`` leaves that to the caller
-    (:func:`sequence_segment_hooks` per pipeline chunk).
+    (:func:`sequence_segment_hooks` per pipeline chunk). Modules named in ``whole`` stay as they are
+    (experts that expert parallelism keeps whole: every tp rank runs them on the same tokens, like a
+    norm, and their gradients agree across tp).
 
     Returns a ``TensorParallelInfo``. Afterwards ``model(input_ids=..., labels=...)``
     returns a ``CausalLMOutputWithPast`` whose ``.loss`` equals the single-process loss;
     ``.logits`` are gathered only with ``gather_logits=True`` (or when no labels are given).
     """
     world, rank = dist.get_world_size(tp_group), dist.get_rank(tp_group)
-    prep = prepare_tensor_parallel(model, world, sequence_parallel)
+    prep = prepare_tensor_parallel(model, world, sequence_parallel, whole)
     plan, layout, kv_layers, left_behind, experts = prep.plan, prep.layout, prep.kv_layers, prep.left_behind, prep.experts
     regions = plan.regions
     specs: dict[str, ShardSpec] = {}
