@@ -53,17 +53,18 @@ def logged(trainer, key: str = "loss") -> list[float]:
 
 
 @functools.cache
-def oracle(tmp: str) -> tuple[list[float], list[float], float]:
+def oracle(tmp: str, n_rows: int | None = None, **overrides) -> tuple[list[float], list[float], float]:
     """The plain Trainer on this one process: losses, grad norms, eval loss."""
     from transformers import Trainer
 
-    trainer = Trainer(model=make_model("llama"), args=training_args(tmp, GLOBAL_MICRO), train_dataset=rows(),
-                      eval_dataset=rows(8, seed=9))
+    trainer = Trainer(model=make_model("llama"), args=training_args(tmp, GLOBAL_MICRO, **overrides),
+                      train_dataset=rows(n_rows) if n_rows else rows(), eval_dataset=rows(8, seed=9))
     trainer.train()
     return logged(trainer), logged(trainer, "grad_norm"), trainer.evaluate()["eval_loss"]
 
 
-def zero3d_run(out: str, config: dict, **overrides) -> tuple[list[float], list[float], float]:
+def zero3d_run(out: str, config: dict, n_rows: int | None = None,
+               **overrides) -> tuple[list[float], list[float], float]:
     import torch.distributed as dist
 
     from parallel3d.hf import Trainer
@@ -71,8 +72,8 @@ def zero3d_run(out: str, config: dict, **overrides) -> tuple[list[float], list[f
     dp = dist.get_world_size() // config.get("tensor_parallel", {}).get("size", 1) \
         // config.get("pipeline", {}).get("stages", 1)
     trainer = Trainer(model=make_model("llama"), args=training_args(out, GLOBAL_MICRO // dp, **overrides),
-                      train_dataset=rows(),
-                      eval_dataset=rows(8, seed=9), zero3d_config=config)
+                      train_dataset=rows(n_rows) if n_rows else rows(), eval_dataset=rows(8, seed=9),
+                      zero3d_config=config)
     trainer.train()
     return logged(trainer), logged(trainer, "grad_norm"), trainer.evaluate()["eval_loss"]
 
@@ -98,6 +99,19 @@ def test_matches_plain_trainer(dist, tmp_path_factory, layout):
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=RTOL, atol=0)
         assert eval_loss == pytest.approx(want_eval, rel=RTOL)
+
+
+def test_short_last_window_of_an_epoch(dist, tmp_path_factory):
+    """One epoch of 7 micro-batches per rank at 2 accumulation steps: the last window has one; the
+    Trainer's loop tells the engine where each window ends."""
+    epoch = dict(max_steps=-1, num_train_epochs=1)
+    want_loss, want_norm, _ = oracle(str(tmp_path_factory.mktemp("oracle_short")), 28, **epoch)
+    results = dist.run(2, zero3d_run, str(tmp_path_factory.mktemp("short")), {"zero_optimization": {"stage": 3}}, 28,
+                       **epoch)
+    assert len(want_loss) == 4
+    for loss, norm, _ in results:
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=RTOL, atol=0)
+        torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=RTOL, atol=0)
 
 
 PROBE = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB
