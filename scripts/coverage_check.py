@@ -33,7 +33,8 @@ resumed layout ``A>B`` (``--resume``) trains the first step under A with momentu
 checkpoint, and takes the second step in a fresh engine under B that loads it: the oracle is
 then momentum SGD too, so the optimizer's state has to come through the checkpoint.
 
-An outcome is ``pass``, ``refused: <Zero3D's reason>`` (a ``ConfigError`` from ``initialize``),
+An outcome is ``pass``, ``refused: <Zero3D's reason>`` (a ``ConfigError`` from ``initialize``, or
+from the run-time checks of a forward, as context parallelism's),
 ``fail: <what went wrong>`` (a mismatch or an error while training: a bug), or ``skip: <why>``
 when the tiny config does not build or train in transformers itself.
 """
@@ -305,7 +306,11 @@ def check(model_type: str, layout: str, meta: bool = False, scratch: str | None 
 
 
 def _guarded(call: Any, what: str) -> Any:
+    from parallel3d.errors import ConfigError
+
     try:
         return call()
+    except ConfigError as exc:  # refused at run time (context parallelism's checks of each forward)
+        raise _Outcome(f"refused: {_reason(exc)}") from exc
     except Exception as exc:  # noqa: BLE001 - a bug: report it and go on
         raise _Outcome(f"fail: {what} raised {type(exc).__name__}: {str(exc).splitlines()[0][:120]}") from exc

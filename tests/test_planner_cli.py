@@ -67,8 +67,17 @@ def test_pins_and_hostfile(capsys, model_dir, tmp_path):
     assert rows and all(r["layout"].startswith("pp2 ") and " z1 " in r["layout"] for r in rows)
 
 
+def test_context_parallel_prices_both_methods(capsys, model_dir):
+    code, out, err = _plan(capsys, model_dir, "--gpus", 8, "--gpu-memory", "2GB", "--seq-len", 64,
+                           "--global-batch", 16, "--tp", 1, "--context-parallel", 2)
+    assert code == 0, err
+    table = out[out.index("context parallelism 2 (per rank"):].splitlines()
+    assert [line.split()[0] for line in table[2:4]] == ["ulysses", "ring"]
+
+
 @pytest.mark.parametrize("args,message", [
     ([], "--gpus N or as --hostfile"),
+    (["--gpus", 4, "--context-parallel", 0], "--context-parallel must be >= 1"),
     (["--gpus", 0], "--gpus must be >= 1"),
     (["--gpus", 4, "--gpu-memory", "lots"], "--gpu-memory 'lots'"),
     (["--gpus", 4, "--efficiency", 2], "--efficiency must be in (0, 1]"),

@@ -31,21 +31,21 @@ def _reference(q, k, v, scale, window, softcap):
     return (scores.softmax(-1) @ v).transpose(1, 2)
 
 
-def _inputs(heads: int, kv_heads: int) -> list[torch.Tensor]:
+def _inputs(heads: int, kv_heads: int, value_dim: int = DIM) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
-    shapes = [(2, heads, LENGTH, DIM), (2, kv_heads, LENGTH, DIM), (2, kv_heads, LENGTH, DIM), (2, LENGTH, heads, DIM)]
+    shapes = [(2, heads, LENGTH, DIM), (2, kv_heads, LENGTH, DIM), (2, kv_heads, LENGTH, value_dim),
+              (2, LENGTH, heads, value_dim)]
     return [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
 
 
-def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int) -> list[torch.Tensor]:
+def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int, value_dim: int) -> list[torch.Tensor]:
     import torch.distributed as dist
 
     from parallel3d.context_parallel import ring
     from parallel3d.context_parallel.ring import RingAttention, ring_index
 
     ring._TILE_ELEMENTS = tile
-
-    q, k, v, grad = _inputs(heads, kv_heads)
+    q, k, v, grad = _inputs(heads, kv_heads, value_dim)
     index = ring_index(dist.get_rank(), dist.get_world_size(), LENGTH)
     mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
     attention = RingAttention(dist.group.WORLD, "test")
@@ -55,17 +55,20 @@ def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int) -> list[to
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-@pytest.mark.parametrize("heads, kv_heads, window, softcap, tile", [
-    (4, 2, None, None, 1 << 22), (4, 1, None, None, 1 << 22), (4, 4, 5, None, 1 << 22), (4, 2, 7, 2.0, 1 << 22),
-    (2, 1, 30, None, 1 << 22), (4, 2, 7, None, 40), (4, 2, None, 2.0, 1)])
-def test_ring_equals_plain_attention(dist, cp, heads, kv_heads, window, softcap, tile):
-    """``tile``: scores per row tile (the last two cases take a block's rows a few at a time)."""
+@pytest.mark.parametrize("heads, kv_heads, window, softcap, tile, value_dim", [
+    (4, 2, None, None, 1 << 22, DIM), (4, 1, None, None, 1 << 22, DIM), (4, 4, 5, None, 1 << 22, DIM),
+    (4, 2, 7, 2.0, 1 << 22, DIM), (2, 1, 30, None, 1 << 22, DIM), (4, 2, 7, None, 40, DIM), (4, 2, None, 2.0, 1, DIM),
+    (4, 2, None, None, 1 << 22, 4)])
+def test_ring_equals_plain_attention(dist, cp, heads, kv_heads, window, softcap, tile, value_dim):
+    """``tile``: scores per row tile (two cases take a block's rows a few at a time); ``value_dim``:
+    values narrower than keys (multi-head latent attention)."""
     from parallel3d.context_parallel.ring import ring_index
 
-    q, k, v, grad = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_inputs(heads, kv_heads)))
+    q, k, v, grad = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_inputs(heads, kv_heads, value_dim)))
     want = _reference(q, k, v, 0.3, window, softcap)
     want.backward(grad)
-    for rank, (out, dq, dk, dv) in enumerate(dist.run(cp, _ring_part, heads, kv_heads, window, softcap, tile)):
+    results = dist.run(cp, _ring_part, heads, kv_heads, window, softcap, tile, value_dim)
+    for rank, (out, dq, dk, dv) in enumerate(results):
         index = ring_index(rank, cp, LENGTH)
         torch.testing.assert_close(out, want.detach()[:, index], rtol=1e-12, atol=1e-12)
         for got, full in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
@@ -88,3 +91,62 @@ def _dropout_refused() -> str:
 def test_dropout_is_refused(dist):
     for got in dist.run(2, _dropout_refused):
         assert "context_parallel (ring) cannot run llama's attention: attention dropout 0.1" in got
+
+
+def _bytes_sent(method: str, heads: int, kv_heads: int) -> tuple[int, int]:
+    """Bytes this rank sends through the cp attention's forward and then its backward (float64)."""
+    import torch.distributed as dist
+
+    from parallel3d.context_parallel.ring import RingAttention, ring_index
+    from parallel3d.context_parallel.ulysses import UlyssesAttention
+
+    sent = [0]
+    batch_send, exchange = dist.batch_isend_irecv, dist.all_to_all_single
+
+    def count_p2p(ops):
+        sent[0] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return batch_send(ops)
+
+    def count_all_to_all(output, tensor, *args, **kwargs):
+        sent[0] += tensor.numel() * tensor.element_size() * (dist.get_world_size() - 1) // dist.get_world_size()
+        return exchange(output, tensor, *args, **kwargs)
+
+    q, k, v, grad = _inputs(heads, kv_heads)
+    index = ring_index(dist.get_rank(), dist.get_world_size(), LENGTH)
+    mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
+    attention = (RingAttention(dist.group.WORLD, "test") if method == "ring"
+                 else UlyssesAttention(dist.group.WORLD, "sdpa", "test"))
+    dist.batch_isend_irecv, dist.all_to_all_single = count_p2p, count_all_to_all
+    try:
+        out, _ = attention(_Module(), *mine, None, scaling=0.3)
+        forward = sent[0]
+        out.backward(grad[:, index])
+    finally:
+        dist.batch_isend_irecv, dist.all_to_all_single = batch_send, exchange
+    return forward, sent[0] - forward
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("method, heads, kv_heads", [("ring", 4, 2), ("ring", 4, 1), ("ulysses", 4, 4),
+                                                     ("ulysses", 4, 2)])
+def test_planner_prices_the_bytes_sent(dist, cp, method, heads, kv_heads):
+    """zero3d plan's per-layer bytes (parallel3d/planner/context.py) are what the attention sends."""
+    from parallel3d.planner.context import AttentionShape, context_cost
+
+    cost = context_cost(method, cp, LENGTH, 2, AttentionShape(heads, kv_heads, DIM), 8)
+    for forward, backward in dist.run(cp, _bytes_sent, method, heads, kv_heads):
+        assert (forward, backward) == (cost.forward_bytes, cost.backward_bytes)
+
+
+def test_plan_table_refuses_ulysses_beyond_the_heads():
+    from transformers import LlamaConfig
+
+    from parallel3d.planner.context import context_table
+    from parallel3d.planner.hardware import Link
+
+    config = LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=4, num_hidden_layers=2)
+    lines = context_table(config, 8, 4096, 1, 1, 2, Link(100e9, 5e-6)).splitlines()
+    assert lines[2].startswith("ulysses  refused: 12 attention heads per tensor-parallel rank do not divide by "
+                               "context_parallel.size 8")
+    # one hop: 2 x 512 tokens x 4 kv heads x 8 dims x 4 bytes; 7 hops forward, 15 backward
+    assert lines[3].split()[:3] == ["ring", "0.92", "1.97"]

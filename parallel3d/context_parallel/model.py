@@ -46,7 +46,7 @@ def windowed_layers(model: nn.Module) -> int:
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         return sum(kind == "sliding_attention" for kind in layer_types)
-    return config.num_hidden_layers if getattr(config, "sliding_window", None) is not None else 0
+    return getattr(config, "num_hidden_layers", 0) if getattr(config, "sliding_window", None) is not None else 0
 
 
 def check_model(model: nn.Module, cp: int, tp: int, pp: int, method: str = "ulysses") -> None:
@@ -73,6 +73,9 @@ def check_model(model: nn.Module, cp: int, tp: int, pp: int, method: str = "ulys
         raise refuse("its attention does not go through transformers' AttentionInterface")
     if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "use_bidirectional_attention", False):
         raise refuse("it has bidirectional (non-causal) attention")
+    if not isinstance(getattr(config, "num_hidden_layers", None), int):
+        raise refuse("its config names no num_hidden_layers (the engine checks after each forward that every layer's "
+                     "attention went through the cp attention)")
     layer_types = set(getattr(config, "layer_types", None) or ())
     reproduced = {"full_attention", "sliding_attention"} if method == "ring" else {"full_attention"}
     if layer_types - reproduced:
@@ -101,13 +104,20 @@ def check_model(model: nn.Module, cp: int, tp: int, pp: int, method: str = "ulys
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     if not isinstance(heads, int):
         raise refuse("its config names no num_attention_heads")
-    q_local, kv_local = _local_heads(heads, tp), _local_heads(kv_heads, tp)
-    if q_local % cp:
-        raise refuse(f"{q_local} attention heads per tensor-parallel rank (num_attention_heads {heads} / "
-                     f"tensor_parallel.size {tp}) do not divide by context_parallel.size {cp}")
-    if kv_local % cp and cp % kv_local:
-        raise refuse(f"{kv_local} key/value heads per tensor-parallel rank neither divide by context_parallel.size "
-                     f"{cp} nor divide it (then each would be repeated cp / kv-heads times)")
+    problem = ulysses_head_problem(_local_heads(heads, tp), _local_heads(kv_heads, tp), cp)
+    if problem is not None:
+        raise refuse(f"{problem} (num_attention_heads {heads}, num_key_value_heads {kv_heads}, tensor_parallel.size "
+                     f'{tp}); method "ring" has no head limit')
+
+
+def ulysses_head_problem(heads: int, kv_heads: int, cp: int) -> str | None:
+    """Why Ulysses cannot split these (tensor-parallel-local) heads over ``cp`` ranks, or None."""
+    if heads % cp:
+        return f"{heads} attention heads per tensor-parallel rank do not divide by context_parallel.size {cp}"
+    if kv_heads % cp and cp % kv_heads:
+        return (f"{kv_heads} key/value heads per tensor-parallel rank neither divide by context_parallel.size {cp} "
+                "nor divide it (then each would be repeated cp / kv-heads times)")
+    return None
 
 
 def install_attention(model: nn.Module, mesh: ParallelMesh, method: str) -> UlyssesAttention | RingAttention:

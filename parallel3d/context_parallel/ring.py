@@ -124,15 +124,16 @@ class _Ring:
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.previous = dist.get_global_rank(group, (self.rank - 1) % self.size)
 
-    def start(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Begin passing ``tensor`` on; returns the buffer the previous rank's arrives in and the works."""
-        received = torch.empty_like(tensor)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, self.next, self.group),
-                                        dist.P2POp(dist.irecv, received, self.previous, self.group)])
-        return received, works
+    def start(self, tensors: tuple[torch.Tensor, ...]) -> tuple[tuple[torch.Tensor, ...], list]:
+        """Begin passing ``tensors`` on (k and v, or their gradients: their head dimensions may differ,
+        as in multi-head latent attention); returns the buffers the previous rank's arrive in and the works."""
+        received = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors)  # contiguous
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.previous, self.group) for r in received]
+        return received, dist.batch_isend_irecv(ops)
 
     @staticmethod
-    def finish(received: torch.Tensor, works: list) -> torch.Tensor:
+    def finish(received: tuple[torch.Tensor, ...], works: list) -> tuple[torch.Tensor, ...]:
         for work in works:
             work.wait()
         return received
@@ -153,11 +154,13 @@ class _Settings:
                 for a in ring_chunks(self.ring.rank, size)]
 
 
-def _fused(q: torch.Tensor, block: _Block, settings: _Settings) -> bool:
+def _fused(q: torch.Tensor, v: torch.Tensor, block: _Block, settings: _Settings) -> bool:
     """Whether the block runs torch's fused CPU flash-attention kernels (which return the log-sum-exp
     and take it back in the backward): on the CPU, without softcapping, for a block wholly visible
-    or under exactly the causal mask. Otherwise the blocked arithmetic below runs."""
-    return q.device.type == "cpu" and settings.softcap is None and (not block.masked or block.causal)
+    or under exactly the causal mask, with values as wide as the keys. Otherwise the blocked
+    arithmetic below runs."""
+    return (q.device.type == "cpu" and settings.softcap is None and (not block.masked or block.causal)
+            and q.shape[-1] == v.shape[-1])
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
@@ -170,7 +173,7 @@ def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
 
 def _forward_block(q, k, v, block: _Block, settings: _Settings):
     """Softmax-normalized output [B, Hkv, g, s, D] of one block and its log-sum-exp [B, Hkv, g, s]."""
-    if _fused(q, block, settings):
+    if _fused(q, v, block, settings):
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *_heads(q, k, v), 0.0, block.causal, scale=settings.scale)
         return out.view(q.shape), lse.view(q.shape[:-1])
@@ -188,7 +191,7 @@ def _forward_block(q, k, v, block: _Block, settings: _Settings):
 def _backward_block(q, k, v, out, grad_out, lse, delta, block: _Block, settings: _Settings, dq, dk, dv) -> None:
     """Add one block's gradient to dq [B, Hkv, g, s, D] and dk, dv [B, Hkv, t, D] (flash attention's
     backward: P recomputed from the final log-sum-exp, dS = P (dP - rowsum(dO O)))."""
-    if _fused(q, block, settings):
+    if _fused(q, v, block, settings):
         dq_block, dk_block, dv_block = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad_out.flatten(1, 2), *_heads(q, k, v), out.flatten(1, 2), lse.flatten(1, 2), 0.0, block.causal,
             scale=settings.scale)
@@ -227,9 +230,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, settings: _Settings):
         ring = settings.ring
         qs = _chunks(q, 3)
-        out = [torch.zeros_like(c) for c in qs]
+        out = [c.new_zeros(*c.shape[:-1], v.shape[-1]) for c in qs]  # values may be narrower than keys (MLA)
         lse = [torch.full(c.shape[:-1], float("-inf"), dtype=c.dtype, device=c.device) for c in qs]
-        held, source = torch.stack([k, v]), ring.rank
+        held, source = (k, v), ring.rank
         for step in range(ring.size):
             pending = ring.start(held) if step < ring.size - 1 else None
             ks, vs = _chunks(held[0], 2), _chunks(held[1], 2)
@@ -252,8 +255,8 @@ class _RingAttention(torch.autograd.Function):
         qs, outs, dos, lses = _chunks(q, 3), _chunks(out, 3), _chunks(grad_out, 3), _chunks(lse, 3)
         deltas = _chunks((grad_out * out).sum(-1), 3)
         dqs = [torch.zeros_like(c) for c in qs]
-        held, source = torch.stack([k, v]), ring.rank
-        travelling = torch.zeros_like(held)  # dk, dv of the block held, summed over the ranks it has visited
+        held, source = (k, v), ring.rank
+        travelling = (torch.zeros_like(k), torch.zeros_like(v))  # dk, dv of the block held, over the ranks visited
         for step in range(ring.size):
             pending = ring.start(held) if step < ring.size - 1 else None
             ks, vs = _chunks(held[0], 2), _chunks(held[1], 2)
@@ -325,4 +328,5 @@ class RingAttention:
                              softcap, self.documents)
         grouped = query.to(work).reshape(batch, kv_heads, heads // kv_heads, length, dim)
         output = _RingAttention.apply(grouped, key.to(work), value.to(work), settings)
-        return output.reshape(batch, heads, length, dim).transpose(1, 2).contiguous().to(query.dtype), None
+        output = output.reshape(batch, heads, length, value.shape[-1])
+        return output.transpose(1, 2).contiguous().to(query.dtype), None

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--virtual-stages", type=int)
     pin.add_argument("--checkpointing", choices=("on", "off"))
     pin.add_argument("--sequence-parallel", choices=("on", "off"))
+    pin.add_argument("--context-parallel", type=int, metavar="N",
+                     help="also price context parallelism over N ranks per attention layer (Ulysses and ring), "
+                          "for the best layout's tp and micro-batch; the layouts themselves do not include cp")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -210,6 +213,15 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
 
 
+def _context_lines(args: argparse.Namespace, model, layout, hw) -> str:
+    from parallel3d.planner.context import context_table
+
+    cp = args.context_parallel
+    element_bytes = 4 if args.precision == "fp32" else 2
+    return context_table(model.config.get_text_config(), cp, args.seq_len, layout.micro_batch, layout.tp,
+                         element_bytes, hw.link(layout.tp, cp))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
@@ -224,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     quiet_transformers()  # its deprecation and use_cache notices are about the profile's model, not the plan
     try:
-        for value, flag in ((args.seq_len, "--seq-len"), (args.global_batch, "--global-batch")):
+        for value, flag in ((args.seq_len, "--seq-len"), (args.global_batch, "--global-batch"),
+                            (args.context_parallel, "--context-parallel")):
             _positive(value, flag)
         hw = hardware_from_args(args)
         choice = _choice(args)
@@ -254,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n\n".join([header(hw, args.precision, args.seq_len, args.global_batch),
                             format_table(rows, hw, considered), LEGEND,
                             snippet(best[0].layout, args.global_batch, args.precision)]))
+        if args.context_parallel:
+            print("\n" + _context_lines(args, model, best[0].layout, hw))
     if args.png:
         draw(best, hw, args.png)
         print(f"wrote {args.png}")
