@@ -59,19 +59,19 @@ def _bench_table(part: dict) -> list[str]:
     head = (f"**bf16 training** (scripts/bench_bf16_peers.py): {_status(part)}; model {bench.get('model', '-')}, "
             f"{shape.get('micro', '-')} x {shape.get('seq', '-')} tokens a step, {bench.get('rounds', '-')} rounds of "
             f"{bench.get('steps', '-')} timed steps, compile backend {bench.get('compile_backend', '-')}")
-    lines = [head, "", "| runner | tokens/s | vs PyTorch compiled | MFU | TFLOP/s | peak GiB | last loss |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| runner | tokens/s | vs PyTorch compiled | MFU | TFLOP/s | peak GiB | last loss | rounds run |",
+             "|---|---|---|---|---|---|---|---|"]
     runners = bench.get("runners", [])
     base = next((r.get("tokens_per_s") for r in runners if r["runner"] == "torch-compiled"), None)
     for r in runners:
         if "error" in r:
-            lines.append(f"| {LABEL.get(r['runner'], r['runner'])} | failed: {r['error'][:120]} | | | | | |")
+            lines.append(f"| {LABEL.get(r['runner'], r['runner'])} | failed: {r['error'][:120]} | | | | | | |")
             continue
         vs = r["tokens_per_s"] / base if base else None
         peak = r["peak_bytes"] / 2**30 if r.get("peak_bytes") else None
         lines.append(f"| {LABEL.get(r['runner'], r['runner'])} | {r['tokens_per_s']:,.0f} | {_num(vs, '.3f')} | "
                      f"{_num(r['mfu'] * 100 if r['mfu'] is not None else None, '.1f')}{'%' if r['mfu'] else ''} | "
-                     f"{r['achieved_tflops']:.1f} | {_num(peak, '.2f')} | {r['last_loss']:.4f} |")
+                     f"{r['achieved_tflops']:.1f} | {_num(peak, '.2f')} | {r['last_loss']:.4f} | {r.get('rounds', '-')} |")
     return lines
 
 
