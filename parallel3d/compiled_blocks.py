@@ -83,10 +83,12 @@ def random_draws(blocks: Sequence[nn.Module]) -> list[str]:
     return sorted(set(found))
 
 
-def check_layout(model: nn.Module, tensor_parallel_size: int, context_parallel_size: int) -> None:
+def check_layout(model: nn.Module, tensor_parallel_size: int, context_parallel_size: int,
+                 expert_parallel_size: int = 1) -> None:
     """Before any process group: with tensor parallelism the blocks must not drop out (see the
-    module); context parallelism is refused."""
+    module); context and expert parallelism are refused."""
     _refuse_context_parallel(context_parallel_size)
+    _refuse_expert_parallel(expert_parallel_size)
     blocks = fetch_unit_modules(model)
     if not blocks:
         raise ConfigError(f"compile.enabled: {type(model).__name__} has no repeated blocks to compile (no "
@@ -100,6 +102,15 @@ def _refuse_context_parallel(context_parallel_size: int) -> None:
             f"compile.enabled with context_parallel.size {context_parallel_size} is not supported yet: the Ulysses "
             "attention counts its calls in Python (the check that every layer ran it), which torch.compile turns into "
             "one guard per layer (a recompilation for each block); turn compile off or use context_parallel.size 1")
+
+
+def _refuse_expert_parallel(expert_parallel_size: int) -> None:
+    if expert_parallel_size > 1:
+        raise ConfigError(
+            f"compile.enabled with expert_parallel.autoep_size {expert_parallel_size} is not supported yet: the "
+            "all-to-all that sends tokens to their experts' ranks is sized by the routing (data-dependent shapes "
+            "inside every MoE block), which Zero3D has not compiled and tested (DeepSpeed keeps these layers eager: "
+            "compile.autoep_non_moe); turn compile off or expert parallelism off")
 
 
 def _refuse_dropout(blocks: Sequence[nn.Module], tensor_parallel_size: int) -> None:
@@ -132,12 +143,13 @@ class CompiledBlocks:
 
 
 def compile_blocks(model: nn.Module, pipe: nn.Module | None, tp_info: Any, backend: str | Callable,
-                   kwargs: dict[str, Any], context_parallel_size: int = 1) -> CompiledBlocks:
+                   kwargs: dict[str, Any], context_parallel_size: int = 1, expert_parallel_size: int = 1) -> CompiledBlocks:
     """Compile this rank's blocks: the model's repeated blocks, or its pipeline chunks' layers.
 
     Tensor parallelism's dropout streams are switched off (the blocks draw nothing, or this refuses)."""
     blocks = [layer for chunk in pipe.chunks for layer in chunk.layers] if pipe is not None else fetch_unit_modules(model)
     _refuse_context_parallel(context_parallel_size)
+    _refuse_expert_parallel(expert_parallel_size)
     _refuse_dropout(blocks, tp_info.tp_size if tp_info is not None else 1)
     if not blocks and pipe is None:
         raise ConfigError(f"compile.enabled: {type(model).__name__} has no repeated blocks to compile (no "

@@ -301,7 +301,7 @@ class DeepSpeedSurface:
             raise ConfigError(f"the engine's blocks are already compiled with backend {current.backend!r} and "
                               f"{current.kwargs}; compile once (in the config's compile section or one engine.compile call)")
         self.compiled = compiled_blocks.compile_blocks(self.module, self.pipe, self.tp_info, backend, kwargs,
-                                                       self.mesh.size("cp"))
+                                                       self.mesh.size("cp"), self.config.expert_parallel.size)
 
     @property
     def is_compiled(self) -> bool:

@@ -202,7 +202,8 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
     _check_backend(cfg, device)
     if cfg.compile.enabled:
         compiled_blocks.check_backend(cfg.compile.backend)
-        compiled_blocks.check_layout(model, cfg.tensor_parallel.size, cfg.context_parallel.size)
+        compiled_blocks.check_layout(model, cfg.tensor_parallel.size, cfg.context_parallel.size,
+                                     cfg.expert_parallel.size)
     return _Checked(cfg, groups, named_groups, factory, weights)
 
 

@@ -209,14 +209,14 @@ def test_deepcompile_defaults_accepted():
     assert cfg.compile.enabled and cfg.compile.kwargs == {"fullgraph": True}
 
 
-def _layout_error(model, tp: int, cp: int) -> str:
+def _layout_error(model, tp: int, cp: int, ep: int = 1) -> str:
     """``initialize``'s check of the layout (run before any process group: a world of one cannot
     hold tp 2 or cp 2 in this process)."""
     from parallel3d.compiled_blocks import check_layout
     from parallel3d.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
-        check_layout(model, tp, cp)
+        check_layout(model, tp, cp, ep)
     return str(err.value)
 
 
@@ -228,6 +228,10 @@ def test_tensor_parallel_dropout_refused():
 
 def test_context_parallel_refused():
     assert "context_parallel.size 2 is not supported yet" in _layout_error(make_model("llama"), 1, 2)
+
+
+def test_expert_parallel_refused():
+    assert "expert_parallel.autoep_size 2 is not supported yet" in _layout_error(make_model("llama"), 1, 1, 2)
 
 
 def test_random_draws_names_attention_dropout():
