@@ -60,7 +60,8 @@ def oracle(tmp: str, n_rows: int | None = None, **overrides) -> tuple[list[float
     trainer = Trainer(model=make_model("llama"), args=training_args(tmp, GLOBAL_MICRO, **overrides),
                       train_dataset=rows(n_rows) if n_rows else rows(), eval_dataset=rows(8, seed=9))
     trainer.train()
-    return logged(trainer), logged(trainer, "grad_norm"), trainer.evaluate()["eval_loss"]
+    return logged(trainer), logged(trainer, "grad_norm"), logged(trainer, "learning_rate"), \
+        trainer.evaluate()["eval_loss"]
 
 
 def zero3d_run(out: str, config: dict, n_rows: int | None = None,
@@ -75,7 +76,8 @@ def zero3d_run(out: str, config: dict, n_rows: int | None = None,
                       train_dataset=rows(n_rows) if n_rows else rows(), eval_dataset=rows(8, seed=9),
                       zero3d_config=config)
     trainer.train()
-    return logged(trainer), logged(trainer, "grad_norm"), trainer.evaluate()["eval_loss"]
+    return logged(trainer), logged(trainer, "grad_norm"), logged(trainer, "learning_rate"), \
+        trainer.evaluate()["eval_loss"]
 
 
 LAYOUTS = {  # config, TrainingArguments overrides
@@ -90,12 +92,12 @@ LAYOUTS = {  # config, TrainingArguments overrides
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_plain_trainer(dist, tmp_path_factory, layout):
-    want_loss, want_norm, want_eval = oracle(str(tmp_path_factory.mktemp("oracle")))
+    want_loss, want_norm, want_lr, want_eval = oracle(str(tmp_path_factory.mktemp("oracle")))
     out = str(tmp_path_factory.mktemp(layout))
     config, overrides = LAYOUTS[layout]
     results = dist.run(2, zero3d_run, out, config, **overrides)
-    for loss, norm, eval_loss in results:
-        assert len(loss) == STEPS
+    for loss, norm, lr, eval_loss in results:
+        assert len(loss) == STEPS and lr == want_lr  # the schedule's rate of each step, as logged
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=RTOL, atol=0)
         assert eval_loss == pytest.approx(want_eval, rel=RTOL)
@@ -105,13 +107,38 @@ def test_short_last_window_of_an_epoch(dist, tmp_path_factory):
     """One epoch of 7 micro-batches per rank at 2 accumulation steps: the last window has one; the
     Trainer's loop tells the engine where each window ends."""
     epoch = dict(max_steps=-1, num_train_epochs=1)
-    want_loss, want_norm, _ = oracle(str(tmp_path_factory.mktemp("oracle_short")), 28, **epoch)
+    want_loss, want_norm, want_lr, _ = oracle(str(tmp_path_factory.mktemp("oracle_short")), 28, **epoch)
     results = dist.run(2, zero3d_run, str(tmp_path_factory.mktemp("short")), {"zero_optimization": {"stage": 3}}, 28,
                        **epoch)
     assert len(want_loss) == 4
-    for loss, norm, _ in results:
+    for loss, norm, lr, _ in results:
+        assert lr == want_lr
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=RTOL, atol=0)
         torch.testing.assert_close(torch.tensor(norm), torch.tensor(want_norm), rtol=RTOL, atol=0)
+
+
+def client_optimizer_run(out: str, micro: int, config: dict | None) -> tuple[list[float], list[float]]:
+    """``optimizers=(AdamW, LambdaLR)`` built by the script over the unsharded model; plain Trainer
+    without ``config``."""
+    import transformers
+
+    from parallel3d.hf import Trainer
+
+    model = make_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    kwargs = dict(model=model, args=training_args(out, micro), optimizers=(opt, schedule), train_dataset=rows())
+    trainer = transformers.Trainer(**kwargs) if config is None else Trainer(**kwargs, zero3d_config=config)
+    trainer.train()
+    return logged(trainer), logged(trainer, "learning_rate")
+
+
+def test_optimizer_and_schedule_of_the_script(dist, tmp_path):
+    want = client_optimizer_run(str(tmp_path / "oracle"), GLOBAL_MICRO, None)
+    for loss, lr in dist.run(2, client_optimizer_run, str(tmp_path / "z2"), GLOBAL_MICRO // 2,
+                             {"zero_optimization": {"stage": 2}}):
+        assert lr == want[1]
+        torch.testing.assert_close(torch.tensor(loss), torch.tensor(want[0]), rtol=RTOL, atol=0)
 
 
 PROBE = torch.arange(2 * SEQ).reshape(2, SEQ) % VOCAB

@@ -14,16 +14,18 @@ from accelerate.data_loader import BatchSamplerShard, IterableDatasetShard
 from parallel3d.errors import ConfigError
 
 
-def shard_over_dp(loader, dp: int, dp_rank: int):
-    """``loader`` (from ``accelerator.prepare``) with its shards over dp; returns it."""
+def shard_over_dp(loader, dp: int, dp_rank: int, processes: int):
+    """``loader`` (from ``accelerator.prepare`` over ``processes`` processes) with its shards over dp;
+    returns it."""
+    if processes == 1:
+        return loader  # accelerate left it whole
     shards = [s for s in (getattr(loader, "batch_sampler", None), getattr(loader, "dataset", None))
               if isinstance(s, (BatchSamplerShard, IterableDatasetShard))]
     if not shards:
-        if dp == 1 and getattr(loader, "batch_sampler", None) is not None:
-            return loader  # one process or one replica: nothing is sharded
-        raise ConfigError(f"the Trainer's data loader ({type(loader).__name__}) is not one accelerate shards per "
-                          "process, so it cannot be sharded over data-parallel ranks; leave "
-                          "accelerator_config.dispatch_batches and split_batches unset")
+        raise ConfigError(f"the Trainer's data loader ({type(loader).__name__}) was split per process in a way that "
+                          "cannot be re-cut over data-parallel ranks (accelerator_config.dispatch_batches or "
+                          "split_batches, or a datasets IterableDataset split by its file shards); leave those "
+                          "unset, or give a dataset with fewer file shards than processes")
     for shard in shards:
         shard.num_processes, shard.process_index = dp, dp_rank
     return loader

@@ -66,6 +66,7 @@ class Zero3DTrainerMixin:
             pretrained, model = str(model), meta_model(model, trust_remote_code)
         self._tokens_factor_off = False
         self._window: list[dict] = []
+        self._step_lr: float | None = None  # the learning rate the last optimizer step used
         super().__init__(model, args, *rest, **kwargs)
         refuse_competing_arguments(self.args, getattr(self, "model_init", None))
         self._build_engine(zero3d_config, pretrained)
@@ -158,7 +159,8 @@ class Zero3DTrainerMixin:
 
     def _get_dataloader(self, *args, **kwargs):
         loader = super()._get_dataloader(*args, **kwargs)
-        return shard_over_dp(loader, self.engine.mesh.dp, self.engine.mesh.local_rank("dp"))
+        return shard_over_dp(loader, self.engine.mesh.dp, self.engine.mesh.local_rank("dp"),
+                             self.accelerator.num_processes)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         engine = self.engine
@@ -217,6 +219,7 @@ class Zero3DTrainerMixin:
         if not scaled_for_ga and not engine.token_mean:
             loss = loss / self.current_gradient_accumulation_steps
         reported = engine.backward(loss, scale_wrt_gas=False)  # times dp under loss_normalization "tokens"
+        self._note_step_lr()
         engine.step()  # at the window's end: reduce, clip, optimizer and LR schedule
         return reported.detach()
 
@@ -231,7 +234,19 @@ class Zero3DTrainerMixin:
             raise UsageError(f"a pipeline window got {len(window)} micro-batches, and it runs exactly "
                              f"gradient_accumulation_steps {int(self.engine.gradient_accumulation_steps)}")
         self.engine.train()
+        self._note_step_lr()
         return torch.tensor(self.engine.train_batch(iter(window)), device=self.args.device)
+
+    def _note_step_lr(self) -> None:
+        if self.accelerator.sync_gradients:
+            self._step_lr = self.engine.get_lr()[0]
+
+    def _get_learning_rate(self) -> float:
+        """The Trainer logs the learning rate of the step it has just taken, read between the
+        optimizer's and the schedule's step; the engine has stepped both by then, so the rate is
+        noted before (read once: the loop asks once per step)."""
+        lr, self._step_lr = self._step_lr, None
+        return lr if lr is not None else super()._get_learning_rate()
 
     def _clip_grad_norm(self, model):
         """The engine clipped (config ``gradient_clipping``, from ``max_grad_norm``); its norm before clipping."""
