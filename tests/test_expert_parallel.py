@@ -22,13 +22,25 @@ RTOL = 1e-5
 STEPS, GAS, DP = 3, 2, 4
 
 
-def _float64_gradients(kind: str, ep: int) -> dict:
+def _float64_model(kind: str, skewed: bool) -> torch.nn.Module:
+    """The float64 model (HF's per-expert loop: torch._grouped_mm has no float64). ``skewed``: routers
+    of zeros, so every token picks the same experts (a tie, broken the same way everywhere) and the
+    other experts' ranks receive no row at all."""
+    model = make_moe(kind, experts_implementation="eager").double()
+    if skewed:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.zero_()
+    return model
+
+
+def _float64_gradients(kind: str, ep: int, skewed: bool) -> dict:
     """One forward/backward per rank of the float64 model with its experts split over ``ep`` ranks."""
     from parallel3d.expert_parallel import apply_expert_parallel
     from parallel3d.mesh import build_mesh
 
     mesh = build_mesh(1, 1, ep=ep)
-    model = make_moe(kind, experts_implementation="eager").double()  # torch._grouped_mm has no float64
+    model = _float64_model(kind, skewed)
     info = apply_expert_parallel(model, ep, mesh.groups.ep, mesh.groups.expert_shard)
     data = token_batches(1, 1, DP)[0, 0]
     out = model(input_ids=data[torch.distributed.get_rank()], labels=data[torch.distributed.get_rank()])
@@ -38,8 +50,8 @@ def _float64_gradients(kind: str, ep: int) -> dict:
 
 
 @functools.cache
-def _oracle_gradients(kind: str) -> list[dict]:
-    start = make_moe(kind, experts_implementation="eager").double()
+def _oracle_gradients(kind: str, skewed: bool) -> list[dict]:
+    start = _float64_model(kind, skewed)
     data = token_batches(1, 1, DP)[0, 0]
     out = []
     for rank in range(DP):
@@ -51,11 +63,12 @@ def _oracle_gradients(kind: str) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("kind,ep", [(k, e) for k in KINDS for e in (2, 4)])
-def test_float64_all_to_all_matches_single_process(dist, kind, ep):
-    """Dense gradients are each rank's own; a local expert's gradient sums the ep group's tokens."""
-    want = _oracle_gradients(kind)
-    got = dist.run(DP, _float64_gradients, kind, ep)
+@pytest.mark.parametrize("kind,ep,skewed", [(k, e, False) for k in KINDS for e in (2, 4)] + [("mixtral", 4, True)])
+def test_float64_all_to_all_matches_single_process(dist, kind, ep, skewed):
+    """Dense gradients are each rank's own; a local expert's gradient sums the ep group's tokens (also
+    where a rank gets no token: its backward still joins the all-to-all)."""
+    want = _oracle_gradients(kind, skewed)
+    got = dist.run(DP, _float64_gradients, kind, ep, skewed)
     local = EXPERTS // ep
     for rank, result in enumerate(got):
         assert result["loss"] == pytest.approx(want[rank]["loss"], rel=1e-12)

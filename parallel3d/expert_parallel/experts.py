@@ -11,7 +11,9 @@ one: HF's per-expert loop (or whatever ``config._experts_implementation`` picks)
 
 A rank that receives no rows still makes a (zero) gradient for its experts, as one process does
 for an expert no token chose (the stacked weight is used, so every expert's slice gets one):
-otherwise the optimizer would skip the weight on that rank only.
+otherwise the optimizer would skip the weight on that rank only. Its (empty) received rows stay in
+the graph too: HF's forwards do not read rows no expert got, and without them that rank would
+skip the all-to-all of the backward that the others run.
 """
 
 from __future__ import annotations
@@ -65,8 +67,8 @@ def split_experts(module: nn.Module, num_experts: int, group: dist.ProcessGroup)
         compute = grouped if grouped is not None and rows.is_cuda else local_forward
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         out = compute(rows, local_ids.unsqueeze(1), ones)
-        if rows.shape[0] == 0:
-            out = out + sum(p.sum() for p in kept) * 0  # a zero gradient for every expert weight
+        if rows.shape[0] == 0:  # keep the rows (the all-to-all's backward) and every weight in the graph
+            out = out + (rows.sum() + sum(p.sum() for p in kept)) * 0
         return out
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
