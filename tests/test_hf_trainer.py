@@ -207,3 +207,21 @@ def test_load_best_model_at_end(dist, tmp_path):
         assert step < len(evals)  # else the last weights would pass for the best
         assert best == str(tmp_path / f"checkpoint-{step}") and f"checkpoint-{step}" in kept and len(kept) <= 3
         assert final == pytest.approx(evals[step - 1], rel=1e-6)
+
+
+def resume_on_another_layout(out: str) -> tuple[list[float], list[float]]:
+    from parallel3d.hf import Trainer
+
+    first = Trainer(model=make_model("llama"), train_dataset=rows(), zero3d_config={"zero_optimization": {"stage": 3}},
+                    args=training_args(out, GLOBAL_MICRO // 2, save_strategy="steps", save_steps=2))
+    first.train()
+    tp = Trainer(model=make_model("llama"), args=training_args(out, GLOBAL_MICRO), train_dataset=rows(),
+                 zero3d_config={"zero_optimization": {"stage": 1}, "tensor_parallel": {"size": 2}})
+    tp.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    return logged(first), logged(tp)
+
+
+def test_resume_on_another_layout(dist, tmp_path):
+    """A checkpoint of ZeRO-3 over dp 2 resumes at ZeRO-1 with tp 2 (dp 1): the same losses."""
+    for trained, resumed in dist.run(2, resume_on_another_layout, str(tmp_path)):
+        torch.testing.assert_close(torch.tensor(resumed), torch.tensor(trained), rtol=RTOL, atol=0)
