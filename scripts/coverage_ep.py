@@ -119,6 +119,9 @@ def worker(types: list[str], out: str) -> None:
 
     import transformers
 
+    from tests.float64_loss import install
+
+    install()  # the token loss in float64 for float64 logits (transformers casts them to float32)
     transformers.logging.set_verbosity_error()
     mesh = build_mesh(1, 1, ep=EP)
     for model_type in types:

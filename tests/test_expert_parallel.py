@@ -190,27 +190,33 @@ def test_checkpoint_resumes_across_ep_sizes_and_exports(dist, tmp_path, kind, sa
         assert torch.equal(exported[name].detach(), value), name
 
 
-COMPOSED = {  # world 4: expert parallelism folded over the 2 data-parallel ranks of each tp or pp slice
-    "tp2": ({"tensor_parallel": {"size": 2}}, {}),  # experts whole on each tp rank, attention split
-    "pp2": ({"pipeline": {"stages": 2}}, {"output_router_logits": False}),  # pipeline stages refuse the router loss
+COMPOSED = {  # world 4, ep 2: (config, model overrides, data-parallel ranks)
+    "tp2": ({"tensor_parallel": {"size": 2}}, {}, 2),  # experts whole on each tp rank, attention split
+    "pp2": ({"pipeline": {"stages": 2}}, {"output_router_logits": False}, 2),  # pipelines refuse the router loss
+    # folded over dp_shard x cp: each cp rank routes its part of the sequence (a router loss over a part differs)
+    "cp2": ({"context_parallel": {"size": 2}}, {"output_router_logits": False}, 2),
+    "hybrid": ({}, {}, 4),  # mics_shard_size 2: replicas of 2 shard ranks, each an ep group
 }
 
 
 def _train_composed(kind: str, layout: str, stage: int) -> tuple[list[float], dict]:
     import parallel3d
 
-    extra, overrides = COMPOSED[layout]
-    config = {**ep_config(stage, GAS, 2, 2, stage3_param_persistence_threshold=0, reduce_bucket_size=2000), **extra}
+    extra, overrides, dp = COMPOSED[layout]
+    zero = {"mics_shard_size": 2} if layout == "hybrid" else {}
+    config = {**ep_config(stage, GAS, dp, 2, stage3_param_persistence_threshold=0, reduce_bucket_size=2000, **zero),
+              **extra}
     engine = parallel3d.initialize(model=make_moe(kind, **overrides), config=config)[0]
-    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, 2), engine.mesh.local_rank("dp")))
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
     return [engine.train_batch(data_iter) for _ in range(STEPS)], engine.full_parameters()
 
 
 @pytest.mark.parametrize("kind,layout,stage", [("qwen3_moe", "tp2", 1), ("mixtral", "tp2", 3), ("mixtral", "pp2", 1),
-                                               ("qwen3_moe", "pp2", 3)])
-def test_composes_with_tp_and_pp(dist, kind, layout, stage):
-    overrides = COMPOSED[layout][1]
-    want_losses, want_params = oracle_run(kind, token_batches(STEPS, GAS, 2), model=make_moe(kind, **overrides))
+                                               ("qwen3_moe", "pp2", 3), ("mixtral", "cp2", 2), ("qwen3_moe", "cp2", 3),
+                                               ("mixtral", "hybrid", 3), ("qwen3_moe", "hybrid", 1)])
+def test_composes_with_tp_pp_cp_and_hybrid_sharding(dist, kind, layout, stage):
+    _, overrides, dp = COMPOSED[layout]
+    want_losses, want_params = oracle_run(kind, token_batches(STEPS, GAS, dp), model=make_moe(kind, **overrides))
     start = dict(make_moe(kind, **overrides).named_parameters())
     seen = set()
     for losses, params in dist.run(4, _train_composed, kind, layout, stage):
