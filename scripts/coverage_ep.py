@@ -8,9 +8,9 @@ process, the loss, router loss and gradients of both ranks' batches; then it spl
 over the two ranks (``parallel3d.expert_parallel.apply_expert_parallel``: the plan, the slicing,
 the all-to-all) and runs its own batch. Outcomes:
 
-* ``pass``: the loss and every gradient agree with one process (a dense parameter's with its own
-  batch's, a local expert's with the sum over both ranks' batches: the all-to-all brings every
-  rank's tokens to it) to 1e-9 relative;
+* ``pass``: the loss and router loss agree with one process to 1e-9 relative, and every gradient
+  (a dense parameter's with its own batch's, a local expert's with the sum over both ranks'
+  batches: the all-to-all brings every rank's tokens to it) to 1e-6 norm-wise (``GRAD_RTOL``);
 * ``refused: <reason>``: a ConfigError of the plan reader (no MoE layer in the tiny config, a
   weight not stacked over the experts, an expert count that does not divide by 2, ...);
 * ``fail: <what>``: a mismatch or an error (a bug, or a family the convention does not fit);
@@ -36,6 +36,10 @@ sys.path.insert(0, HERE)
 
 EP, SEQ, MICRO, VOCAB_LOW = 2, 8, 2, 3
 RTOL, ATOL = 1e-9, 1e-12
+GRAD_RTOL = 1e-6
+"""Gradients, norm-wise: routers compute their softmax in float32 even in a float64 model
+(``router_logits.float()``), so the routing weights' gradient is rounded to float32 there, and two
+summation orders of the same float64 sums can round to neighbouring float32 values (a few 1e-8)."""
 
 
 def ep_types() -> list[str]:
@@ -107,8 +111,9 @@ def check(model_type: str, group, shard_group) -> str:
             expected = sum(w[2][name] for w in want if name in w[2])[rank * local : (rank + 1) * local]
         else:
             expected = want[rank][2].get(name, torch.zeros_like(grad))
-        if not torch.allclose(grad, expected, rtol=1e-7, atol=1e-10):
-            return f"fail: gradient of {name} differs by {(grad - expected).abs().max().item():.2e}"
+        err = (grad - expected).norm().item() / max(expected.norm().item(), 1e-30)
+        if err > GRAD_RTOL:
+            return f"fail: gradient of {name} differs by {err:.2e} (relative, norm-wise)"
     return "pass"
 
 
