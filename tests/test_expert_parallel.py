@@ -234,3 +234,24 @@ def test_sequence_parallel_is_refused():
         check_expert_parallel(make_moe("mixtral"), 2, sequence_parallel=True, meta=False)
     with pytest.raises(ConfigError, match="expert_parallel with a model on the meta device is not supported yet"):
         check_expert_parallel(make_moe("mixtral"), 2, sequence_parallel=False, meta=True)
+
+
+def _modify_experts(stage: int) -> torch.Tensor:
+    import parallel3d
+
+    engine = _engine("mixtral", stage, 2)
+    name = "model.layers.0.mlp.experts.down_proj"
+    param = dict(engine.module.named_parameters())[name]
+    with parallel3d.GatheredParameters([param], modifier_rank=1):
+        param.data.fill_(10.0 * torch.distributed.get_rank() + 1)
+    return engine.full_parameters()[name]
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gathered_parameters_keep_the_modifiers_experts(dist, stage):
+    """modifier_rank 1's ep group is ranks {0, 1}: each expert slice takes the value of the rank there
+    that holds it (rank 0's for experts 0-3, rank 1's for 4-7), on every rank."""
+    local = EXPERTS // 2
+    for full in dist.run(DP, _modify_experts, stage):
+        assert torch.equal(full[:local], torch.full_like(full[:local], 1.0))
+        assert torch.equal(full[local:], torch.full_like(full[local:], 11.0))

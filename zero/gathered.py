@@ -144,7 +144,10 @@ class GatheredParams:
                 raise GatherError(f"a parameter of shape {tuple(unit.shapes[index])} was given a value of shape "
                                   f"{tuple(value.shape)} inside GatheredParameters; keep its shape")
             value = value.to(device=unit.device, dtype=unit.dtype).contiguous()
-            opt.dp.broadcast(value, src=self.modifier_rank)
+            if unit.expert:  # each rank's experts: from the rank holding them in modifier_rank's ep group
+                opt.expert_dp.broadcast(value, src=opt.expert_source(self.modifier_rank))
+            else:
+                opt.dp.broadcast(value, src=self.modifier_rank)
             if unit.is_materialized:
                 unit.point_params_at(unit.full)  # a param given a new .data views the unit again
             write_back(opt, unit, index, value)

@@ -397,6 +397,12 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         """The shard group (one replica's, under hybrid sharding)."""
         return self.dp.shard
 
+    def expert_source(self, dp_rank: int) -> int:
+        """The rank of ``expert_dp`` that holds this rank's experts in data-parallel rank ``dp_rank``'s
+        expert-parallel group (the groups are blocks of ``E`` consecutive shard ranks)."""
+        replica, shard = divmod(dp_rank, self.dp.shard_world)
+        return replica * self.expert_dp.shard_world + shard // self._expert_parallel_size
+
     # -- the step ------------------------------------------------------------------------
 
     @property
