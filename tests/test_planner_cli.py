@@ -152,7 +152,6 @@ def test_auto_errors(config, message):
 
 @pytest.mark.parametrize("zero,frozen,message", [
     ({"mics_shard_size": 1}, False, "cannot be combined with zero_optimization.mics_shard_size 1"),
-    ({"zero_quantized_gradients": True}, False, "cannot be combined with zero_optimization.zero_quantized_gradients"),
     ({}, True, "cannot be combined with frozen parameters"),
 ])
 def test_auto_refuses_what_the_planner_does_not_price(zero, frozen, message):

@@ -97,7 +97,9 @@ def _workload(cfg, seq: int):
                     bucket_size=z.reduce_bucket_size, persistence_threshold=z.stage3_param_persistence_threshold,
                     prefetch=z.stage3_prefetch_bucket_size, max_live=z.stage3_max_live_parameters,
                     overlap_comm=z.overlap_comm, balance=cfg.pipeline.balance,
-                    offload_optimizer=z.offloads_optimizer, offload_params=z.offloads_params)
+                    offload_optimizer=z.offloads_optimizer, offload_params=z.offloads_params,
+                    quantized_weights=z.zero_quantized_weights, quantized_gradients=z.zero_quantized_gradients,
+                    hpz=z.zero_hpz_partition_size, gpus_per_node=int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0))
 
 
 def _refuse_unpriced(cfg, model: nn.Module, autos: list) -> None:
@@ -106,9 +108,6 @@ def _refuse_unpriced(cfg, model: nn.Module, autos: list) -> None:
     z = cfg.zero_optimization
     unpriced = [text for text, present in (
         (f"zero_optimization.mics_shard_size {z.mics_shard_size}", z.mics_shard_size != -1),
-        (f"zero_optimization.zero_hpz_partition_size {z.zero_hpz_partition_size}", z.zero_hpz_partition_size > 1),
-        ("zero_optimization.zero_quantized_weights", z.zero_quantized_weights),
-        ("zero_optimization.zero_quantized_gradients", z.zero_quantized_gradients),
         (f"context_parallel.size {cfg.context_parallel.size}", cfg.context_parallel.size > 1),
         ("frozen parameters (requires_grad=False, e.g. a PEFT model's base)",
          any(not p.requires_grad for p in model.parameters())),
@@ -168,7 +167,7 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
                     schedule=pipeline.get("schedule"), virtual_stages=pipeline.get("virtual_stages"),
                     checkpointing=pipeline.get("activation_checkpointing"),
                     sequence_parallel=cfg.tensor_parallel.sequence_parallel,
-                    hybrid_sharding=False)  # "auto" sets the four keys above, not mics_shard_size
+                    hybrid_sharding=False, zeropp=False)  # "auto" sets the four keys above, not ZeRO++'s
     hw = _hardware(hints, world, device)
     with torch.device("meta"):
         shape_model = type(model)(copy.deepcopy(model.config))

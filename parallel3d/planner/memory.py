@@ -93,7 +93,10 @@ def gathered(params: RankParams, zero: ZeroSetup, *, prefetch: int, max_live: in
         while j < len(order) and budget > 0 and live + order[j] <= max_live:
             live, budget, j = live + order[j], budget - order[j], j + 1
         worst = max(worst, live)
-    return zero.work_bytes * root, zero.work_bytes * worst
+    # hpZ: each block's 1/H copy, kept from its forward to its backward (under pipeline stages to the
+    # step's end): all of a rank's blocks at once when its last forward ends
+    secondary = sum(blocks.values()) // zero.hpz if zero.hpz > 1 else 0
+    return zero.work_bytes * (root + secondary), zero.work_bytes * worst
 
 
 @lru_cache(maxsize=8192)

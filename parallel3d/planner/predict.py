@@ -57,6 +57,9 @@ class Layout:
     shard: int | None = None
     """Hybrid sharding (``zero_optimization.mics_shard_size``): ZeRO shards over groups of this many
     data-parallel ranks and replicates across them; None: over all dp (flat)."""
+    zeropp: int = 0
+    """ZeRO++ at stage 3 on a shard group spanning nodes of this many of its ranks each: int8
+    gathers and gradients (qgZ in two hops) and hpZ over a node; 0: off."""
 
     @property
     def zero_shard(self) -> int:
@@ -74,7 +77,9 @@ class Layout:
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
         extras = "".join([" ac" if self.checkpointing else "", " sp" if self.sequence_parallel else ""])
         hybrid = f" hs{self.shard}" if self.shard else ""
-        return f"pp{self.pp} dp{self.dp} tp{self.tp} z{self.zero_stage}{hybrid} mb{self.micro_batch}{sched}{extras}"
+        zeropp = "++" if self.zeropp else ""
+        return (f"pp{self.pp} dp{self.dp} tp{self.tp} z{self.zero_stage}{zeropp}{hybrid} mb{self.micro_batch}"
+                f"{sched}{extras}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,10 @@ class Workload:
     offload_optimizer: bool = False  # ZeRO-Offload of the optimizer (stages 1-3)
     offload_params: bool = False  # ZeRO-Offload of stage 3's parameter shards
     balance: str = "parameters"
+    quantized_weights: bool = False  # zero_quantized_weights (stage 3)
+    quantized_gradients: bool = False  # zero_quantized_gradients (stages 1-3)
+    hpz: int = 1  # zero_hpz_partition_size (stage 3)
+    gpus_per_node: int = 0  # the node size the engine finds (LOCAL_WORLD_SIZE), for qgZ's two hops; 0: one node
 
     @property
     def work_bytes(self) -> int:
@@ -270,9 +279,18 @@ class Planner:
 
     def zero(self, layout: Layout) -> ZeroSetup:
         w = self.workload
+        stage3 = layout.zero_stage == 3
+        if layout.zeropp:
+            extras = {"quantized_weights": True, "quantized_gradients": True, "hpz": layout.zeropp,
+                      "node": layout.zeropp}
+        else:  # as the config gives them; qgZ takes two hops where the shard group spans nodes (engine's rule)
+            local = w.gpus_per_node // layout.tp if w.gpus_per_node % layout.tp == 0 else 0
+            two_hops = w.quantized_gradients and 1 < local < layout.zero_shard and layout.zero_shard % local == 0
+            extras = {"quantized_weights": w.quantized_weights and stage3, "quantized_gradients": w.quantized_gradients,
+                      "hpz": w.hpz if stage3 else 1, "node": local if two_hops else 0}
         return ZeroSetup(layout.zero_stage, layout.zero_shard, w.work_bytes, w.optimizer, w.bucket_size,
                          w.persistence_threshold, offload_optimizer=w.offload_optimizer and layout.zero_stage >= 1,
-                         offload_params=w.offload_params and layout.zero_stage == 3)
+                         offload_params=w.offload_params and stage3, **extras)
 
     def check(self, layout: Layout) -> None:
         """ConfigError when the layout cannot run this workload (the rules initialize applies)."""
@@ -280,6 +298,10 @@ class Planner:
         if w.global_batch % (layout.dp * layout.micro_batch):
             raise ConfigError(f"global batch {w.global_batch} is not a multiple of dp {layout.dp} x micro-batch "
                               f"{layout.micro_batch}")
+        if (w.quantized_weights or w.hpz > 1) and layout.zero_stage != 3:
+            raise ConfigError("zero_quantized_weights and zero_hpz_partition_size need ZeRO stage 3")
+        if w.quantized_gradients and layout.zero_stage == 0:
+            raise ConfigError("zero_quantized_gradients needs ZeRO stage 1, 2 or 3")
         if layout.sequence_parallel and w.seq % layout.tp:
             raise ConfigError("sequence parallelism needs a sequence length divisible by tp")
         if layout.pp > 1:

@@ -44,6 +44,9 @@ class Choice:
     max_micro_batch: int = 16
     hybrid_sharding: bool = True
     """Also price ZeRO in one shard group per node (``mics_shard_size``) where dp spans nodes."""
+    zeropp: bool = True
+    """Also price ZeRO++ (int8 gathers and gradients, hpZ over a node) at stage 3 where its shard
+    group spans nodes."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -93,13 +96,14 @@ def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice(),
                         for ac in _pick(choice.checkpointing, (False, True)):
                             for sp in _pick(choice.sequence_parallel, (False, True) if tp > 1 else (False,)):
                                 for shard in _shard_sizes(stage, dp, tp, hw) if choice.hybrid_sharding else [None]:
-                                    layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard)
-                                    try:
-                                        planner.check(layout)
-                                    except ConfigError as exc:
-                                        refuse(str(exc))
-                                        continue
-                                    yield layout
+                                    for zeropp in _zeropp(stage, shard or dp, tp, hw) if choice.zeropp else [0]:
+                                        layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard, zeropp)
+                                        try:
+                                            planner.check(layout)
+                                        except ConfigError as exc:
+                                            refuse(str(exc))
+                                            continue
+                                        yield layout
 
 
 def _shard_sizes(stage: int, dp: int, tp: int, hw: Hardware) -> list[int | None]:
@@ -116,6 +120,15 @@ def _shard_sizes(stage: int, dp: int, tp: int, hw: Hardware) -> list[int | None]
         sizes.append(shard)
         shard *= 2
     return sizes
+
+
+def _zeropp(stage: int, shard: int, tp: int, hw: Hardware) -> list[int]:
+    """Without ZeRO++ (0), and at stage 3 on a shard group that spans nodes with it: the group's
+    ranks per node (hpZ's group and qgZ's first hop; 1 where tp fills a node: int8 alone)."""
+    per_node = hw.gpus_per_node // tp
+    if stage != 3 or per_node < 1 or shard <= per_node or shard % per_node:
+        return [0]
+    return [0, per_node]
 
 
 def _schedules(pp: int, microbatches: int, blocks: int, choice: Choice) -> list[tuple[str, int]]:
@@ -222,10 +235,12 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
             unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
             continue
         timed.append((sum(parts.values()), layout))
-    # hybrid sharding holds more per rank than flat ZeRO over the same ranks: worth a row only faster
-    flat = {layout: step for step, layout in timed if layout.shard is None}
+    # hybrid sharding holds more per rank than flat ZeRO over the same ranks, ZeRO++ more than ZeRO
+    # and rounds its weights and gradients: each is worth a row only where faster than its twin
+    steps = {layout: step for step, layout in timed}
     timed = [(step, layout) for step, layout in timed
-             if layout.shard is None or step < flat.get(replace(layout, shard=None), float("inf"))]
+             if (layout.shard is None or step < steps.get(replace(layout, shard=None, zeropp=0), float("inf")))
+             and (not layout.zeropp or step < steps.get(replace(layout, zeropp=0), float("inf")))]
     timed.sort(key=lambda t: t[0])
     fit: list[Prediction] = []
     for step, layout in timed:

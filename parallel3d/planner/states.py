@@ -42,6 +42,10 @@ class ZeroSetup:
     persistence_threshold: int = 100_000
     offload_optimizer: bool = False  # ZeRO-Offload: masters, optimizer states, step's gradients on the host
     offload_params: bool = False  # stage 3's non-persistent shards on the host
+    quantized_weights: bool = False  # ZeRO++'s qwZ: stage 3 gathers int8 with block scales
+    quantized_gradients: bool = False  # ZeRO++'s qgZ: gradients reduced as int8
+    hpz: int = 1  # ZeRO++'s hpZ: backward gathers inside blocks of this many shard ranks
+    node: int = 0  # shard ranks per node where the shard group spans nodes (qgZ's two hops), else 0
 
     @property
     def world(self) -> int:

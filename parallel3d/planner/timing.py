@@ -30,6 +30,25 @@ from parallel3d.planner.states import ZeroSetup, full_gradients, padded, units
 
 
 @dataclass(frozen=True)
+class ZeroLinks:
+    """The links ZeRO's collectives take: the shard group's; ZeRO++'s hpZ group's (backward's
+    gathers); a node's shard ranks' and their peers' across nodes (qgZ's two hops)."""
+
+    shard: Link
+    hpz: Link
+    node: Link
+    across: Link
+
+
+def zero_links(hw: Hardware, tp: int, zero: ZeroSetup) -> ZeroLinks:
+    """The links of a shard group of ``zero.dp`` ranks, ``tp`` apart in the mesh's rank order."""
+    shard = hw.link(tp, zero.dp)
+    node = hw.link(tp, zero.node) if zero.node > 1 else shard
+    across = hw.link(tp * zero.node, zero.dp // zero.node) if zero.node > 1 else shard
+    return ZeroLinks(shard, hw.link(tp, zero.hpz) if zero.hpz > 1 else shard, node, across)
+
+
+@dataclass(frozen=True)
 class RankCost:
     """One pipeline rank: seconds of forward and backward per micro-batch, and its parameters."""
 
@@ -72,8 +91,8 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
         step_costs = Costs(fwd, bwd / 2 if split else bwd, bwd / 2 if split else 0.0,
                            pp_link.seconds("send", hidden_bytes, 2))
         pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
-    dp_link = hw.link(layout.tp, layout.zero_shard)  # ZeRO's collectives stay inside a shard group
-    exposed = max(dp_seconds(c.params, zero, dp_link, m, pipelined=layout.pp > 1, overlap=overlap,
+    links = zero_links(hw, layout.tp, zero)  # ZeRO's collectives stay inside a shard group
+    exposed = max(dp_seconds(c.params, zero, links, m, pipelined=layout.pp > 1, overlap=overlap,
                              compute=(c.forward, c.backward)) for c in costs)
     replicas = layout.dp // layout.zero_shard
     if replicas > 1:  # hybrid sharding: each reduced gradient shard averaged across the replicas, once per step
@@ -86,12 +105,12 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
     return {"pipeline": pipeline, "data parallel": exposed, "tied embedding": tied, "optimizer": optimizer}
 
 
-def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipelined: bool, overlap: bool,
+def dp_seconds(params: RankParams, zero: ZeroSetup, links: ZeroLinks, m: int, *, pipelined: bool, overlap: bool,
                compute: tuple[float, float]) -> float:
     """Seconds of ZeRO's collectives over dp that the step waits for (comm_counter's payloads)."""
     if zero.dp == 1:
         return 0.0
-    calls = _collective_seconds(params, zero, link)
+    calls = _collective_seconds(params, zero, links)
     after_step = calls["gather persistent"] if zero.stage >= 1 else 0.0
     fwd, bwd = compute
     if pipelined:
@@ -103,14 +122,14 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, link: Link, m: int, *, pipel
         reduce = calls["reduce"] if full else m * calls["reduce_scatter"]
         busy = bwd if full else m * bwd
         gather = calls["gather root"] + m * calls["gather once"]
-        blocks = 2 * m * calls["gather blocks"]
+        blocks = m * (calls["gather blocks"] + calls["gather blocks back"])
         if overlap:
             return gather + max(0.0, blocks - m * fwd) + max(0.0, reduce - busy) + after_step
         return gather + blocks + reduce + after_step
     if full_gradients(zero.stage, False, dp=zero.dp):  # one reduction, during the window's last backward
         reduce = calls["reduce"]
         return (max(0.0, reduce - bwd) if overlap else reduce) + after_step
-    per_mb_bwd = calls["reduce_scatter"] + calls["gather blocks"]
+    per_mb_bwd = calls["reduce_scatter"] + calls["gather blocks back"]
     per_mb_fwd = calls["gather sharded"]
     if overlap:
         return m * (max(0.0, per_mb_fwd - fwd) + max(0.0, per_mb_bwd - bwd)) + after_step
@@ -123,15 +142,33 @@ def _shard_numel(params: RankParams, zero: ZeroSetup) -> int:
     return sum(padded(u, zero) // zero.world for u in units(params, zero))
 
 
+def int8_bytes(numel: int) -> int:
+    """Bytes of ``numel`` elements sent as ZeRO++'s int8 (zero.quantized_comm): one byte each and an
+    fp32 scale per block of 256."""
+    return numel + 4 * -(-numel // 256)
+
+
 @lru_cache(maxsize=8192)
-def _collective_seconds(params: RankParams, zero: ZeroSetup, link: Link) -> dict[str, float]:
+def _collective_seconds(params: RankParams, zero: ZeroSetup, links: ZeroLinks) -> dict[str, float]:
     """Seconds of each set of ZeRO's dp collectives of one rank, once (the same for every micro-batch
     count, schedule and compute time that prices it)."""
     plan = units(params, zero)
+    link = links.shard
     n, work = zero.dp, zero.work_bytes
 
-    def calls(op: str, chosen) -> float:
-        return sum(link.seconds(op, padded(u, zero) * work, n) for u in chosen)
+    def calls(op: str, chosen, int8: bool = False) -> float:
+        return sum(link.seconds(op, int8_bytes(padded(u, zero)) if int8 else padded(u, zero) * work, n)
+                   for u in chosen)
+
+    def reduced(op: str, chosen) -> float:
+        if not zero.quantized_gradients:
+            return calls(op, chosen)
+        if not 1 < zero.node < n:  # one all-to-all: a reduce-scatter's volume, in int8
+            return calls("reduce_scatter", chosen, int8=True)
+        nodes = n // zero.node  # inside the node all of it, across the nodes a node member's 1/L
+        return sum(links.node.seconds("reduce_scatter", int8_bytes(padded(u, zero)), zero.node)
+                   + links.across.seconds("reduce_scatter", int8_bytes(padded(u, zero) // zero.node), nodes)
+                   for u in chosen)
 
     sharded = [u for u in plan if not u.persistent]
     # embedding tables: gathered for each forward, never for backward; heads: for each forward,
@@ -139,10 +176,17 @@ def _collective_seconds(params: RankParams, zero: ZeroSetup, link: Link) -> dict
     # per use) and the head gathered again for zb_h1's weight pass.
     modules = len(params.fetch_modules)
     once = [u for u in sharded if u.module is not None and not params.embeddings <= u.module < modules - params.heads]
+    blocks = [u for u in sharded if not u.root and u not in once]
+    qw = zero.quantized_weights
+    if zero.hpz > 1:  # backward gathers the working-precision copy kept since forward, inside the H ranks
+        back = sum(links.hpz.seconds("all_gather", padded(u, zero) * work, zero.hpz) for u in blocks)
+    else:
+        back = calls("all_gather", blocks, qw)
     return {"gather persistent": calls("all_gather", [u for u in plan if u.persistent]),
-            "reduce": calls("all_reduce" if zero.stage == 0 else "reduce_scatter", plan),
-            "reduce_scatter": calls("reduce_scatter", plan),
-            "gather root": calls("all_gather", [u for u in sharded if u.root]),
-            "gather once": calls("all_gather", once),
-            "gather blocks": calls("all_gather", [u for u in sharded if not u.root and u not in once]),
-            "gather sharded": calls("all_gather", sharded)}
+            "reduce": reduced("all_reduce" if zero.stage == 0 else "reduce_scatter", plan),
+            "reduce_scatter": reduced("reduce_scatter", plan),
+            "gather root": calls("all_gather", [u for u in sharded if u.root], qw),
+            "gather once": calls("all_gather", once, qw),
+            "gather blocks": calls("all_gather", blocks, qw),
+            "gather blocks back": back,
+            "gather sharded": calls("all_gather", sharded, qw)}
