@@ -11,7 +11,8 @@ from coverage_check import LAYOUTS
 HEADERS = {"zero3": "ZeRO-3, dp 2", "tp2": "tp 2", "pp2": "pp 2", "pp2-tp2": "pp 2 x tp 2, ZeRO-1",
            "pp2-dp2-z3": "pp 2 x dp 2, ZeRO-3", "tp2-dp2-z3": "tp 2 x dp 2, ZeRO-3",
            "tp2-sp": "tp 2, sequence parallel", "pp2-tp2-sp": "pp 2 x tp 2, sequence parallel",
-           "pp2-dp2-z2": "pp 2 x dp 2, ZeRO-2"}
+           "pp2-dp2-z2": "pp 2 x dp 2, ZeRO-2", "cp2-ring": "cp 2, ring attention",
+           "cp2-dp2-z3-ring": "cp 2 x dp 2, ZeRO-3, ring attention"}
 KINDS = ("pass", "refused", "fail", "skip")
 
 

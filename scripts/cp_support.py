@@ -1,15 +1,15 @@
-"""Which model types run under context parallelism (Ulysses, cp 2) and give one process's numbers.
+"""Which model types run under context parallelism (Ulysses or ring, cp 2) and equal one process.
 
-    python scripts/cp_support.py [--out docs/coverage_cp.jsonl] [types...]
+    python scripts/cp_support.py [--method ulysses|ring] [--out docs/coverage_cp.jsonl] [types...]
 
 Two gloo ranks on the CPU. For each causal-LM type transformers knows (or those named), the
 coverage script's tiny model (``scripts/coverage_check.py`` ``tiny_model``, eager attention) in
 float64 is checked by the function ``initialize`` calls before any collective; if accepted, one
-forward and backward of a 16-token micro-batch through the cut and the Ulysses attention (both
-ranks), whose loss (mean over cp) and gradients (summed over cp, divided by cp: each rank's loss
-is cp times its share) must equal one process's: the loss to 1e-9, each gradient to 1e-5
-norm-wise. One JSON line per type: "pass", "refused: ..." (at start-up or by the run-time
-checks), "differs: ..." or "error: ...".
+forward and backward of a 16-token micro-batch through the cut and the Ulysses or ring attention
+(both ranks; ring's results in ``docs/coverage_cp_ring.jsonl``), whose loss (mean over cp) and
+gradients (summed over cp, divided by cp: each rank's loss is cp times its share) must equal one
+process's: the loss to 1e-9, each gradient to 1e-5 norm-wise. One JSON line per type: "pass",
+"refused: ..." (at start-up or by the run-time checks), "differs: ..." or "error: ...".
 """
 
 from __future__ import annotations
@@ -40,11 +40,12 @@ def _batch(vocab: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def outcome(model_type: str, group) -> str:
+def outcome(model_type: str, group, method: str = "ulysses") -> str:
     from coverage_check import tiny_model
 
     from parallel3d.context_parallel.batch import SequenceSplit
-    from parallel3d.context_parallel.model import check_model
+    from parallel3d.context_parallel.model import check_model, windowed_layers
+    from parallel3d.context_parallel.ring import RingAttention
     from parallel3d.context_parallel.ulysses import UlyssesAttention
     from parallel3d.errors import ConfigError
 
@@ -57,18 +58,20 @@ def outcome(model_type: str, group) -> str:
         model, reference = (tiny_model(model_type, experts_implementation="eager") for _ in range(2))
     model, reference = model.double(), reference.double()
     try:
-        check_model(model, cp, 1, 1)
+        check_model(model, cp, 1, 1, method)
     except ConfigError as exc:
         return f"refused: {exc}"
     from transformers import AttentionInterface
 
-    attention = UlyssesAttention(group, model.config._attn_implementation, model_type)
+    attention = (RingAttention(group, model_type) if method == "ring"
+                 else UlyssesAttention(group, model.config._attn_implementation, model_type))
     name = f"cp_support_{model_type}"
     AttentionInterface.register(name, attention)
     model.set_attn_implementation(name)
     model.train()
     reference.train()
-    split = SequenceSplit(attention, dist.get_rank(group), False, model.config.get_text_config().num_hidden_layers)
+    split = SequenceSplit(attention, dist.get_rank(group), False, model.config.get_text_config().num_hidden_layers,
+                          windowed_layers(model))
     batch = _batch(model.config.get_text_config().vocab_size)
     try:
         loss = split.run(model, batch).loss
@@ -96,7 +99,7 @@ def outcome(model_type: str, group) -> str:
     return "pass" if worst < GRAD_RTOL else f"differs: gradient of {where} by {worst:.1e}"
 
 
-def worker(rank: int, port: int, types: list[str], out: str) -> None:
+def worker(rank: int, port: int, types: list[str], out: str, method: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
@@ -108,7 +111,7 @@ def worker(rank: int, port: int, types: list[str], out: str) -> None:
     transformers.logging.set_verbosity_error()
     for model_type in types:
         try:
-            result = outcome(model_type, dist.group.WORLD)
+            result = outcome(model_type, dist.group.WORLD, method)
         except Exception as exc:
             result = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         results = [None, None]
@@ -116,21 +119,25 @@ def worker(rank: int, port: int, types: list[str], out: str) -> None:
         if rank == 0:
             agreed = results[0] if results[0] == results[1] else f"ranks differ: {results}"
             with open(out, "a") as f:
-                f.write(json.dumps({"type": model_type, "cp": 2, "outcome": agreed}) + "\n")
+                line = {"type": model_type, "cp": 2, "outcome": agreed}
+                line |= {"method": method} if method != "ulysses" else {}
+                f.write(json.dumps(line) + "\n")
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path("docs/coverage_cp.jsonl"))
+    ap.add_argument("--method", choices=("ulysses", "ring"), default="ulysses")
+    ap.add_argument("--out", type=Path, help="default docs/coverage_cp.jsonl (ring: docs/coverage_cp_ring.jsonl)")
     ap.add_argument("types", nargs="*")
     args = ap.parse_args(argv)
+    args.out = args.out or Path("docs/coverage_cp_ring.jsonl" if args.method == "ring" else "docs/coverage_cp.jsonl")
     from coverage import all_types, free_port
 
     done = set()
     if args.out.exists():
         done = {json.loads(line)["type"] for line in args.out.read_text().splitlines() if line.strip()}
     types = [t for t in (args.types or all_types()) if t not in done]
-    mp.spawn(worker, args=(free_port(), types, str(args.out)), nprocs=2)
+    mp.spawn(worker, args=(free_port(), types, str(args.out), args.method), nprocs=2)
 
 
 if __name__ == "__main__":
