@@ -255,3 +255,30 @@ def test_gathered_parameters_keep_the_modifiers_experts(dist, stage):
     for full in dist.run(DP, _modify_experts, stage):
         assert torch.equal(full[:local], torch.full_like(full[:local], 1.0))
         assert torch.equal(full[local:], torch.full_like(full[local:], 11.0))
+
+
+def _full_grads(ep: int) -> dict:
+    import parallel3d
+
+    config = ep_config(2, 1, DP, ep, reduce_bucket_size=2000)
+    engine = parallel3d.initialize(model=make_moe("mixtral", experts_implementation="eager"), config=config)[0]
+    ids = token_batches(1, 1, DP)[0, 0][torch.distributed.get_rank()]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    names = ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.gate.weight")
+    params = dict(engine.module.named_parameters())
+    return {"ep_rank": engine.ep_info.rank, **{n: parallel3d.safe_get_full_grad(params[n]) for n in names}}
+
+
+def test_full_gradient_accessor_is_the_mean_over_ranks(dist):
+    """safe_get_full_grad of a local expert weight is its slice of one process's mean gradient (the
+    step's 1/E included), as for a dense weight."""
+    want = _oracle_gradients("mixtral", False)
+    local = EXPERTS // 2
+    for got in dist.run(DP, _full_grads, 2):
+        for name, grad in got.items():
+            if name == "ep_rank":
+                continue
+            mean = sum(w["grads"][name] for w in want) / DP
+            if ".experts." in name:
+                mean = mean[got["ep_rank"] * local : (got["ep_rank"] + 1) * local]
+            assert ((grad.double() - mean).norm() / mean.norm()).item() < 1e-5, name

@@ -107,6 +107,8 @@ def full_grad(optimizer: ZeroOptimizer, param: nn.Parameter) -> torch.Tensor | N
     if optimizer.dp.replicas > 1:  # the step averages the shard over the replicas; so does this copy
         shard = shard.clone()
         dist.all_reduce(shard, op=dist.ReduceOp.AVG, group=optimizer.dp.replica)
+    if unit.expert:  # the step's 1/E (ZeroOptimizer.expert_gradient_factor)
+        shard = shard * optimizer.expert_gradient_factor
     if unit.dtype == torch.float16:
         return _assemble(optimizer, unit, index, shard.float() / optimizer.loss_scale)
     return _assemble(optimizer, unit, index, shard)
@@ -121,7 +123,8 @@ def set_full_grad(optimizer: ZeroOptimizer, param: nn.Parameter, value: torch.Te
         raise StateAccessError("safe_set_full_grad: gradients exist only after the backward that ends an "
                                "accumulation window and before engine.step()")
     a, b, c, d = _shard_slice(unit, index)
-    shard[a:b].copy_(flat[c:d] * optimizer.loss_scale)
+    scale = optimizer.loss_scale / (optimizer.expert_gradient_factor if unit.expert else 1.0)
+    shard[a:b].copy_(flat[c:d] * scale)
     optimizer.reducer.received[optimizer.units.index(unit)][index] = True
 
 

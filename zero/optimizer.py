@@ -397,6 +397,13 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         """The shard group (one replica's, under hybrid sharding)."""
         return self.dp.shard
 
+    @property
+    def expert_gradient_factor(self) -> float:
+        """What an expert unit's reduced gradient shard is multiplied by to be the mean over data-parallel
+        ranks: ``1/E`` (it averages the expert shard group's gradients, each of which sums the tokens of
+        its ``E``-rank expert-parallel group, by the all-to-all's backward)."""
+        return 1.0 / self._expert_parallel_size
+
     def expert_source(self, dp_rank: int) -> int:
         """The rank of ``expert_dp`` that holds this rank's experts in data-parallel rank ``dp_rank``'s
         expert-parallel group (the groups are blocks of ``E`` consecutive shard ranks)."""
@@ -616,8 +623,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         factor = (ranks if self.settings.gradient_sum else 1) / self.loss_scaler.scale
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
-        if self._expert_parallel_size > 1:  # every expert-parallel rank's tokens are in these gradients
-            torch._foreach_mul_([g for g, u in zip(grads, self.units) if u.expert], 1.0 / self._expert_parallel_size)
+        if self._expert_parallel_size > 1:
+            torch._foreach_mul_([g for g, u in zip(grads, self.units) if u.expert], self.expert_gradient_factor)
         clip = self.settings.gradient_clipping
         check = self.settings.check_overflow or self.dtype == torch.float16
         overflow = False
