@@ -25,6 +25,7 @@ from torch import nn
 from models.anatomy import fetch_unit_modules
 from models.pipeline_anatomy import AnatomyError, AnatomyPaths, PipelineAnatomy, anatomy_paths, pipeline_anatomy
 from parallel3d.errors import ConfigError
+from parallel3d.expert_parallel.plan import resolve_experts
 from parallel3d.meta_init import detach_from_meta
 from parallel3d.pipeline.stage import StageLayout, make_layout
 from parallel3d.planner.fake_tp import fake_tp_group
@@ -41,6 +42,7 @@ class Param:
     sharded: bool  # split over tp (its gradient norm is summed over tp)
     replicas: int  # consecutive tp ranks holding the same shard (replicated kv heads)
     block: int | None  # index of the block (stage-3 fetch module) holding it
+    expert: bool = False  # a routed expert's stacked weight split by expert parallelism (its 1/ep counted)
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +55,7 @@ class RankParams:
     fetch_modules: tuple[tuple[Param, ...], ...]
     embeddings: int = 0
     heads: int = 0
+    ep: int = 1  # expert parallelism: the expert params' units shard over dp / ep ranks (``states.shard_sets``)
 
     @property
     def numel(self) -> int:
@@ -75,11 +78,20 @@ def _checked_anatomy(model: nn.Module) -> PipelineAnatomy | AnatomyPaths:
 
 
 class ModelShapes:
-    """The parameters of one model at tensor-parallel size ``tp`` (the model is copied, not changed)."""
+    """The parameters of one model at tensor-parallel size ``tp`` and expert-parallel size ``ep`` (the
+    model is copied, not changed).
 
-    def __init__(self, model: nn.Module, tp: int, sequence_parallel: bool = False) -> None:
+    Under expert parallelism (``ep > 1``) the experts modules ``base_model_ep_plan`` names hold
+    ``1/ep`` of their stacked weights on a rank (``expert_parallel.experts.split_experts``), stay
+    whole under tensor parallelism (``apply.apply_tp``'s ``whole``) and are flagged ``expert``:
+    ZeRO gives them units of their own, sharded over the expert-shard group.
+    """
+
+    def __init__(self, model: nn.Module, tp: int, sequence_parallel: bool = False, ep: int = 1) -> None:
         local = copy.deepcopy(model)
-        self.tp = tp
+        self.tp, self.ep = tp, ep
+        experts = resolve_experts(local, ep) if ep > 1 else []
+        expert_ids = {id(p) for m in experts for p in local.get_submodule(m.name).parameters(recurse=False)}
         self.pipeline_refusal: str | None = None  # why pipeline stages cannot split this model
         try:  # on the whole model: tensor parallelism keeps every module's name, and its hooks hold the
             self.paths = _checked_anatomy(local)  # group, which the probe's copy could not copy
@@ -89,7 +101,8 @@ class ModelShapes:
                 self.pipeline_refusal = f"pipeline parallelism: {self.pipeline_refusal}"
         with fake_tp_group(tp) as group:
             specs = {} if group is None else apply_tensor_parallel(
-                local, group, sequence_parallel=sequence_parallel).shard_specs
+                local, group, sequence_parallel=sequence_parallel,
+                whole=frozenset(m.name for m in experts)).shard_specs
         blocks = fetch_unit_modules(local)
         block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
         self.params: list[Param] = []
@@ -98,7 +111,9 @@ class ModelShapes:
             if not p.requires_grad:
                 continue
             spec = specs.get(name)
-            param = Param(name, p.numel(), spec is not None, spec.replicas if spec else 1, block_of.get(id(p)))
+            expert = id(p) in expert_ids
+            param = Param(name, p.numel() // ep if expert else p.numel(), spec is not None,
+                          spec.replicas if spec else 1, block_of.get(id(p)), expert)
             self._by_id[id(p)] = param
             self.params.append(param)
         self.block_params = [[self._by_id[id(p)] for p in b.parameters() if id(p) in self._by_id] for b in blocks]
@@ -163,14 +178,15 @@ class ModelShapes:
         duplicates |= {p.name for p in ordered if p.replicas > 1 and tp_rank % p.replicas}
         groups = []
         for kind in ((False, False), (True, False), (False, True), (True, True)):
-            # ZeroOptimizer's unit boundaries: never across chunks, a tied copy on its own
+            # ZeroOptimizer's unit boundaries: never across chunks, a tied copy on its own, experts apart
             parts: dict[tuple, list[Param]] = {}
             for p in ordered:
                 if (p.sharded, p.name in duplicates) == kind:
-                    parts.setdefault((chunk_of.get(p.name, 0), p.name if p.name in tied else None), []).append(p)
+                    key = (chunk_of.get(p.name, 0), p.name if p.name in tied else None, p.expert)
+                    parts.setdefault(key, []).append(p)
             groups += [tuple(part) for part in parts.values()]
         if not stage3:
-            return RankParams(tuple(groups), ())
+            return RankParams(tuple(groups), (), ep=self.ep)
         # a tied table and head are each their stage's own parameter when pp > 1
         held = {p.name for p in ordered}
 
@@ -180,7 +196,7 @@ class ModelShapes:
 
         tables, heads = mine(self.embeddings), mine(self.heads)
         modules = tables + tuple(tuple(self.block_params[b]) for b in blocks) + heads
-        return RankParams(tuple(groups), modules, len(tables), len(heads))
+        return RankParams(tuple(groups), modules, len(tables), len(heads), self.ep)
 
     def _stage_params(self, layout: StageLayout,
                       rank: int) -> tuple[list[Param], list[int], set[str], dict[str, int], set[str]]:

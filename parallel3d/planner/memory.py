@@ -38,7 +38,7 @@ from parallel3d.pipeline.actions import Action, Kind
 from parallel3d.pipeline.schedules import schedule_table
 from parallel3d.planner.inventory import RankParams
 from parallel3d.planner.profile import PassProfile
-from parallel3d.planner.states import ZeroSetup, full_gradients, model_state_bytes, padded, units
+from parallel3d.planner.states import ZeroSetup, full_gradients, model_state_bytes, padded, shard_sets, units
 from parallel3d.planner.walk import best_pass
 from zero.grads import GradientReducer
 from zero.sizing import HOST_CATEGORIES, device_bytes, shard_pieces
@@ -79,13 +79,15 @@ def gathered(params: RankParams, zero: ZeroSetup, *, prefetch: int, max_live: in
     """
     if zero.stage != 3 or zero.world == 1:
         return 0, 0
-    plan = units(params, zero)
-    sharded = [u for u in plan if not u.persistent]
-    root = sum(padded(u, zero) for u in sharded if u.root)
-    blocks: dict[int, int] = {}
-    for u in sharded:
-        if u.module is not None:
-            blocks[u.module] = blocks.get(u.module, 0) + padded(u, zero)
+    root, blocks = 0, {}
+    for part in shard_sets(params, zero):  # under expert parallelism a block's dense and expert units
+        for u in units(part.params, part.zero):
+            if u.persistent:
+                continue
+            if u.root:
+                root += padded(u, part.zero)
+            if u.module is not None:
+                blocks[u.module] = blocks.get(u.module, 0) + padded(u, part.zero)
     order = [blocks[m] for m in sorted(blocks)]
     worst = 0
     for i, size in enumerate(order):  # the block in use, then prefetch (ParamFetcher._prefetch_after)
@@ -104,7 +106,8 @@ def staging(params: RankParams, zero: ZeroSetup, *, pipelined: bool, overlap: bo
     """Gradient staging buffers alive during a backward (stages 2-3 reducing as they go)."""
     if full_gradients(zero.stage, pipelined, dp=zero.dp):
         return 0
-    sizes = sorted((padded(u, zero) for u in units(params, zero)), reverse=True)
+    sizes = sorted((padded(u, part.zero) for part in shard_sets(params, zero) for u in units(part.params, part.zero)),
+                   reverse=True)
     held = GradientReducer.MAX_IN_FLIGHT + 1 if overlap else 2
     return zero.work_bytes * sum(sizes[:held])
 
@@ -115,11 +118,10 @@ def step_extra(params: RankParams, zero: ZeroSetup, *, foreach: bool) -> int:
     (on the host, not the device, when the optimizer is offloaded)."""
     if zero.offload_optimizer:
         return 0
-    plan = units(params, zero)
-    fp32_grads = 0 if zero.work_bytes == 4 else 4 * sum(padded(u, zero) // zero.world for u in plan)
-    rank = 0
-    pieces = [n for u in plan for n in shard_pieces([p.numel for p in u.params], rank * (padded(u, zero) // zero.world),
-                                                    (rank + 1) * (padded(u, zero) // zero.world))]
+    shards = [(u, padded(u, part.zero) // part.zero.world) for part in shard_sets(params, zero)
+              for u in units(part.params, part.zero)]
+    fp32_grads = 0 if zero.work_bytes == 4 else 4 * sum(shard for _, shard in shards)
+    pieces = [n for u, shard in shards for n in shard_pieces([p.numel for p in u.params], 0, shard)]  # dp rank 0
     # Adam's denominator: one tensor for every piece at once (foreach), else sqrt and quotient of the largest
     temps = 4 * (sum(pieces) if foreach else 2 * max(pieces, default=0)) if zero.optimizer.elementwise else 0
     return fp32_grads + temps

@@ -26,7 +26,7 @@ from parallel3d.pipeline.schedules import schedule_table
 from parallel3d.pipeline.simulate import Costs, simulate
 from parallel3d.planner.hardware import Hardware, Link
 from parallel3d.planner.inventory import RankParams
-from parallel3d.planner.states import ZeroSetup, full_gradients, padded, units
+from parallel3d.planner.states import ZeroSetup, full_gradients, padded, shard_sets, units
 
 
 @dataclass(frozen=True)
@@ -91,8 +91,7 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
         step_costs = Costs(fwd, bwd / 2 if split else bwd, bwd / 2 if split else 0.0,
                            pp_link.seconds("send", hidden_bytes, 2))
         pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
-    links = zero_links(hw, layout.tp, zero)  # ZeRO's collectives stay inside a shard group
-    exposed = max(dp_seconds(c.params, zero, links, m, pipelined=layout.pp > 1, overlap=overlap,
+    exposed = max(dp_seconds(c.params, zero, hw, layout.tp, m, pipelined=layout.pp > 1, overlap=overlap,
                              compute=(c.forward, c.backward)) for c in costs)
     replicas = layout.dp // layout.zero_shard
     if replicas > 1:  # hybrid sharding: each reduced gradient shard averaged across the replicas, once per step
@@ -105,12 +104,20 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
     return {"pipeline": pipeline, "data parallel": exposed, "tied embedding": tied, "optimizer": optimizer}
 
 
-def dp_seconds(params: RankParams, zero: ZeroSetup, links: ZeroLinks, m: int, *, pipelined: bool, overlap: bool,
-               compute: tuple[float, float]) -> float:
-    """Seconds of ZeRO's collectives over dp that the step waits for (comm_counter's payloads)."""
+def dp_seconds(params: RankParams, zero: ZeroSetup, hw: Hardware, tp: int, m: int, *, pipelined: bool,
+               overlap: bool, compute: tuple[float, float]) -> float:
+    """Seconds of ZeRO's collectives over dp that the step waits for (comm_counter's payloads).
+
+    Each collective stays inside its shard group (``tp`` apart in the mesh's rank order); under
+    expert parallelism the experts' over the expert-shard group (``tp x ep`` apart, dp / ep ranks).
+    """
     if zero.dp == 1:
         return 0.0
-    calls = _collective_seconds(params, zero, links)
+    calls: dict[str, float] = {}
+    for part in shard_sets(params, zero):
+        links = zero_links(hw, tp * part.stride, part.zero)
+        for key, value in _collective_seconds(part.params, part.zero, links).items():
+            calls[key] = calls.get(key, 0.0) + value
     after_step = calls["gather persistent"] if zero.stage >= 1 else 0.0
     fwd, bwd = compute
     if pipelined:
@@ -138,8 +145,9 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, links: ZeroLinks, m: int, *,
 
 @lru_cache(maxsize=8192)
 def _shard_numel(params: RankParams, zero: ZeroSetup) -> int:
-    """Elements of the rank's optimizer shard (padded units over the ZeRO world)."""
-    return sum(padded(u, zero) // zero.world for u in units(params, zero))
+    """Elements of the rank's optimizer shard (padded units over the ZeRO world of their set)."""
+    return sum(padded(u, part.zero) // part.zero.world for part in shard_sets(params, zero)
+               for u in units(part.params, part.zero))
 
 
 def int8_bytes(numel: int) -> int:
