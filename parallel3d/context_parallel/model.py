@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import weakref
 
 from torch import nn
 
@@ -120,6 +121,12 @@ def ulysses_head_problem(heads: int, kv_heads: int, cp: int) -> str | None:
     return None
 
 
+def _unregister(name: str) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface._global_mapping.pop(name, None)
+
+
 def install_attention(model: nn.Module, mesh: ParallelMesh, method: str) -> UlyssesAttention | RingAttention:
     """Register this model's cp attention (``method`` "ulysses" or "ring") with transformers and
     switch the model to it."""
@@ -130,6 +137,9 @@ def install_attention(model: nn.Module, mesh: ParallelMesh, method: str) -> Ulys
                  else UlyssesAttention(mesh.groups.cp, model.config._attn_implementation, kind))
     name = f"zero3d_{method}_{next(_names)}"
     AttentionInterface.register(name, attention)
+    # transformers' registry is process-wide and the attention holds the cp group: the entry goes
+    # with the model (its config names it), so no engine leaves its group behind
+    weakref.finalize(model, _unregister, name)
     model.set_attn_implementation(name)
     if model.config._attn_implementation != name:
         raise ConfigError(f"context_parallel: {type(model).__name__} did not accept the attention implementation "
