@@ -363,3 +363,35 @@ def test_peft_lora_cp2(dist):
         assert losses == pytest.approx(want_losses, rel=RTOL)
         err, name = max_rel_param_error(params, {hf_name(n): v for n, v in want.items() if hf_name(n) in trained})
         assert err < RTOL, f"{name} differs by {err:.2e}"
+
+
+class _CountingRing:
+    """Stands in for RingAttention: a forward of ``layers`` calls, none of them passing a window."""
+
+    size, method, model_type, documents = 2, "ring", "moshi", None
+
+    def reset(self) -> None:
+        self.calls = self.windowed = 0
+
+
+@pytest.mark.parametrize("window, refused", [(8, True), (16, False), (None, False)])
+def test_ring_refuses_a_short_window_its_layers_do_not_pass(window, refused):
+    """Layers that apply their sliding window only through transformers' mask (moshi's): refused
+    when the window is shorter than the sequence, run when it cannot cut anything."""
+    from parallel3d.context_parallel.batch import SequenceSplit
+    from parallel3d.errors import ConfigError
+
+    attention = _CountingRing()
+    split = SequenceSplit(attention, 0, False, 2, (2 if window else 0, window))
+    ids = _data(1, 1)[0, 0, 0]
+
+    def forward(**kwargs):
+        attention.calls = 2
+        return kwargs
+
+    if refused:
+        with pytest.raises(ConfigError, match=r"moshi has 2 sliding-window layers of 8 tokens, shorter than the "
+                                              r"sequence \(16\), but 0 attention calls passed a sliding_window"):
+            split.run(forward, {"input_ids": ids, "labels": ids})
+    else:
+        assert split.run(forward, {"input_ids": ids, "labels": ids})["input_ids"].shape == (2, 8)

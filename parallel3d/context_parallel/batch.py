@@ -56,7 +56,7 @@ class SequenceSplit:
     """This rank's cut of each micro-batch (``cut``) and the forward around it (``run``)."""
 
     def __init__(self, attention: UlyssesAttention | RingAttention, rank: int, token_mean: bool, layers: int,
-                 windowed_layers: int = 0) -> None:
+                 windowed_layers: tuple[int, int | None] = (0, None)) -> None:
         self.attention = attention
         self.size = attention.size
         self.method = attention.method
@@ -64,7 +64,8 @@ class SequenceSplit:
         self.rank = rank
         self.token_mean = token_mean
         self.layers = layers
-        self.windowed_layers = windowed_layers  # ring: the layers whose sliding window it applies itself
+        self.windowed_layers, self.window = windowed_layers  # ring: the layers whose window it applies itself
+        self.length = 0  # the last cut's sequence length
 
     def problem(self, batch: Any) -> str | None:
         """Why ``batch`` cannot be cut (the same answer on every rank of the cp group), or None."""
@@ -122,7 +123,7 @@ class SequenceSplit:
         problem = self.problem(batch)
         if problem is not None:
             raise ConfigError(problem)
-        length = _sequence_length(batch)
+        length = self.length = _sequence_length(batch)
         device = batch.get("input_ids", batch.get("inputs_embeds")).device
         piece = (ring_index(self.rank, self.size, length, device) if self.method == "ring"
                  else slice(self.rank * length // self.size, (self.rank + 1) * length // self.size))
@@ -175,9 +176,11 @@ class SequenceSplit:
                               "not once each: a layer that bypasses transformers' AttentionInterface would attend "
                               "within its slice only, and one that calls attention several times (differential "
                               "attention) is not reproduced")
-        if self.method == "ring" and self.attention.windowed != self.windowed_layers:
+        window_matters = self.window is not None and self.window < self.length
+        if self.method == "ring" and self.attention.windowed != self.windowed_layers and window_matters:
             raise ConfigError(f"context_parallel (ring): {self.attention.model_type} has {self.windowed_layers} "
-                              f"sliding-window layers but {self.attention.windowed} attention calls passed a "
+                              f"sliding-window layers of {self.window} tokens, shorter than the sequence "
+                              f"({self.length}), but {self.attention.windowed} attention calls passed a "
                               "sliding_window; a window applied through the mask alone would be lost (the ring builds "
                               "its own causal mask)")
         return output

@@ -41,13 +41,15 @@ def _local_heads(total: int, tp: int) -> int:
     return total // tp if total >= tp else 1
 
 
-def windowed_layers(model: nn.Module) -> int:
-    """How many of the model's attention layers have a sliding window (each must pass it to ring)."""
+def windowed_layers(model: nn.Module) -> tuple[int, int | None]:
+    """How many of the model's attention layers have a sliding window (each must pass it to ring),
+    and the config's window."""
     config = _text_config(model)
+    window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        return sum(kind == "sliding_attention" for kind in layer_types)
-    return getattr(config, "num_hidden_layers", 0) if getattr(config, "sliding_window", None) is not None else 0
+        return sum(kind == "sliding_attention" for kind in layer_types), window
+    return (getattr(config, "num_hidden_layers", 0) if window is not None else 0), window
 
 
 def check_model(model: nn.Module, cp: int, tp: int, pp: int, method: str = "ulysses") -> None:
