@@ -183,7 +183,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             of ``group`` holding the same experts) and reduced there; each of their gradients already
             sums every rank's tokens of the expert-parallel group (the all-to-all's backward), so the
             average over ``expert_shard_group`` is divided by the expert-parallel size to give the
-            mean over all of ``group``, as for the other params.
+            mean over all of ``group``, as for the other params. Frozen ones (also in ``frozen_params``)
+            are laid out over ``expert_shard_group`` too, and get their values from its rank 0.
     """
 
     def __init__(
@@ -241,10 +242,14 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                                                       id(p) in expert)):
                     params.append(part)
                     origin.append((gi, *kind))
-        self._expert_parts = {i for i, part in enumerate(params) if id(part[0]) in expert}
         frozen = list(dict.fromkeys(frozen_params))
-        if frozen:  # one more part, no optimizer group: its units are frozen (zero.flat.FlatUnit.frozen)
-            params.append(frozen)
+        # frozen parts, no optimizer group: their units are frozen (zero.flat.FlatUnit.frozen); frozen
+        # experts (an adapter-trained MoE) are laid out with the experts, over the ranks holding the same ones
+        for is_expert in (False, True):
+            part = [p for p in frozen if (id(p) in expert) == is_expert]
+            if part:
+                params.append(part)
+        self._expert_parts = {i for i, part in enumerate(params) if id(part[0]) in expert}
         if any(p.is_meta for ps in params for p in ps):
             raise ValueError("parameters on the meta device: give them storage-less tensors on the device first "
                              "(parallel3d.meta_init.detach_from_meta) and their values through initial_values")
@@ -254,7 +259,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self._layout(params, list(fetch_modules), device)
         trained = len(origin)
         self.units = [u for u in self.layout.units if u.group_index < trained]
-        self.frozen_units = [u for u in self.layout.units if u.group_index == trained]
+        self.frozen_units = [u for u in self.layout.units if u.group_index >= trained]
         for unit in self.frozen_units:
             unit.frozen = True
         self._chunk_units: dict[int, list[int]] = {}  # pipeline chunk -> its units
@@ -328,6 +333,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         experts = sorted(self._expert_parts)
         layouts = []
         for indices, dp in ((dense, self.dp), (experts, self.expert_dp)):
+            if not indices:
+                continue
             layout = self._layout([params[i] for i in indices], fetch_modules, device, dp)
             for unit in layout.units:
                 unit.group_index = indices[unit.group_index]
@@ -623,8 +630,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         factor = (ranks if self.settings.gradient_sum else 1) / self.loss_scaler.scale
         if factor != 1.0:
             torch._foreach_mul_(grads, factor)
-        if self._expert_parallel_size > 1:
-            torch._foreach_mul_([g for g, u in zip(grads, self.units) if u.expert], self.expert_gradient_factor)
+        expert_grads = [g for g, u in zip(grads, self.units) if u.expert]  # none where every expert is frozen
+        if self._expert_parallel_size > 1 and expert_grads:
+            torch._foreach_mul_(expert_grads, self.expert_gradient_factor)
         clip = self.settings.gradient_clipping
         check = self.settings.check_overflow or self.dtype == torch.float16
         overflow = False
@@ -794,7 +802,9 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             report.update(dict.fromkeys(HOST_CATEGORIES, 0))
             if offload.optimizer and used:
                 report["offloaded_gradients"] = sum(4 * u.shard_size for u in units)
-        for unit in self.frozen_units if not experts else ():
+        for unit in self.frozen_units:
+            if experts is not None and unit.expert != experts:
+                continue
             report["frozen_params"] += nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
         for unit in units:
             kept = nbytes(unit.full) if unit.persistent else nbytes(unit.shard)
