@@ -148,5 +148,29 @@ def test_plan_table_refuses_ulysses_beyond_the_heads():
     lines = context_table(config, 8, 4096, 1, 1, 2, Link(100e9, 5e-6)).splitlines()
     assert lines[2].startswith("ulysses  refused: 12 attention heads per tensor-parallel rank do not divide by "
                                "context_parallel.size 8")
-    # one hop: 2 x 512 tokens x 4 kv heads x 8 dims x 4 bytes; 7 hops forward, 15 backward
-    assert lines[3].split()[:3] == ["ring", "0.92", "1.97"]
+    # k/v: 2 x 512 tokens x 4 kv heads x 8 dims, 7 hops at 2 bytes forward; backward those and
+    # 8 hops of dk/dv at 4 bytes (float32)
+    assert lines[3].split()[:3] == ["ring", "0.46", "1.51"]
+
+
+def _bf16_against_float32() -> list[bool]:
+    """The ring on bf16 inputs (k and v sent as bf16) against the ring on the same values in float32:
+    it computes in float32 either way, so outputs and gradients agree once rounded to bf16."""
+    import torch.distributed as dist
+
+    from parallel3d.context_parallel.ring import RingAttention, ring_index
+
+    q, k, v, grad = (t.to(torch.bfloat16) for t in _inputs(4, 2))
+    index = ring_index(dist.get_rank(), dist.get_world_size(), LENGTH)
+    results = []
+    for dtype in (torch.bfloat16, torch.float32):
+        mine = [t[:, :, index].to(dtype).requires_grad_() for t in (q, k, v)]
+        out, _ = RingAttention(dist.group.WORLD, "test")(_Module(), *mine, None, sliding_window=7, scaling=0.3)
+        out.backward(grad[:, index].to(dtype))
+        results.append([out.detach(), *(t.grad for t in mine)])
+    return [torch.equal(half, full.to(torch.bfloat16)) and half.dtype == torch.bfloat16 for half, full in zip(*results)]
+
+
+def test_bf16_travels_as_bf16_and_computes_in_float32(dist):
+    for same in dist.run(2, _bf16_against_float32):
+        assert same == [True, True, True, True]

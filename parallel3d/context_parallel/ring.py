@@ -37,7 +37,9 @@ pairs) runs torch's fused flash-attention kernels, which return the block's log-
 take the final one back in the backward (as torch's own context_parallel does); other blocks
 (a window cutting through them, softcapping, other devices) run the blocked arithmetic here,
 their query rows in tiles of ``_TILE_ELEMENTS`` scores so the transient memory stays bounded.
-Arithmetic runs in the inputs' dtype, float32 for half precision inputs.
+Arithmetic runs in the inputs' dtype, float32 for half precision inputs: k and v travel in their
+own dtype (bf16 halves the bytes) and are upcast per step; dk/dv travel and accumulate in the
+working dtype.
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ class _RingAttention(torch.autograd.Function):
         held, source = (k, v), ring.rank
         for step in range(ring.size):
             pending = ring.start(held) if step < ring.size - 1 else None
-            ks, vs = _chunks(held[0], 2), _chunks(held[1], 2)
+            ks, vs = _chunks(held[0].to(q.dtype), 2), _chunks(held[1].to(q.dtype), 2)  # sent as given, upcast here
             for a, row in enumerate(settings.blocks(source)):
                 for b, block in enumerate(row):
                     if not block.skip:
@@ -256,10 +258,11 @@ class _RingAttention(torch.autograd.Function):
         deltas = _chunks((grad_out * out).sum(-1), 3)
         dqs = [torch.zeros_like(c) for c in qs]
         held, source = (k, v), ring.rank
-        travelling = (torch.zeros_like(k), torch.zeros_like(v))  # dk, dv of the block held, over the ranks visited
+        # dk, dv of the block held, summed over the ranks it has visited, in the working dtype
+        travelling = (torch.zeros_like(k, dtype=q.dtype), torch.zeros_like(v, dtype=q.dtype))
         for step in range(ring.size):
             pending = ring.start(held) if step < ring.size - 1 else None
-            ks, vs = _chunks(held[0], 2), _chunks(held[1], 2)
+            ks, vs = _chunks(held[0].to(q.dtype), 2), _chunks(held[1].to(q.dtype), 2)
             dks, dvs = _chunks(travelling[0], 2), _chunks(travelling[1], 2)  # views: += fills travelling
             for a, row in enumerate(settings.blocks(source)):
                 for b, block in enumerate(row):
@@ -269,7 +272,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:  # the k/v exchange first: one message at a time on each link
                 held, source = _Ring.finish(*pending), (source - 1) % ring.size
             travelling = _Ring.finish(*ring.start(travelling))  # dk, dv follow their block (home after cp hops)
-        return torch.cat(dqs, dim=3), travelling[0], travelling[1], None
+        return torch.cat(dqs, dim=3), travelling[0].to(k.dtype), travelling[1].to(v.dtype), None
 
 
 class RingAttention:
@@ -327,6 +330,6 @@ class RingAttention:
         settings = _Settings(self.ring, length // 2, dim ** -0.5 if scaling is None else scaling, sliding_window,
                              softcap, self.documents)
         grouped = query.to(work).reshape(batch, kv_heads, heads // kv_heads, length, dim)
-        output = _RingAttention.apply(grouped, key.to(work), value.to(work), settings)
+        output = _RingAttention.apply(grouped, key, value, settings)  # k, v travel in their own dtype
         output = output.reshape(batch, heads, length, value.shape[-1])
         return output.transpose(1, 2).contiguous().to(query.dtype), None

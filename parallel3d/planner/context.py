@@ -11,8 +11,8 @@ dtype: float32 for half-precision activations).
   up to cp) and the output (``b s h_q d``); a rank keeps 1/cp of each and sends the rest. The
   backward exchanges the four gradients the same way.
 * Ring (``parallel3d/context_parallel/ring.py``): forward, cp - 1 hops of the k/v pair (``2 b s
-  h_kv d`` at ``w``); backward, cp - 1 hops of k/v again and cp hops of their gradients (the
-  travelling dk/dv come home). Held besides the model's own activations: for backward, the
+  h_kv d`` at ``e``); backward, cp - 1 hops of k/v again and cp hops of their gradients at ``w``
+  (the travelling dk/dv come home). Held besides the model's own activations: for backward, the
   layer's output and log-sum-exp at ``w`` (q, k, v are the projections' own); in flight, the k/v
   pair held and the one arriving, and in the backward the travelling dk/dv too.
 
@@ -77,9 +77,10 @@ def context_cost(method: str, cp: int, seq: int, micro_batch: int, shape: Attent
     local = micro_batch * seq // cp
     if method == "ring":
         work = max(element_bytes, 4)  # half-precision activations: the ring works in float32
-        pair = 2 * local * shape.kv_heads * shape.head_dim * work
-        return ContextCost("ring", cp, (cp - 1) * pair, (2 * cp - 1) * pair, cp - 1, 2 * cp - 1,
-                           saved_bytes=local * shape.heads * (shape.head_dim + 1) * work, buffer_bytes=3 * pair)
+        pair = 2 * local * shape.kv_heads * shape.head_dim  # elements of k and v
+        forward = (cp - 1) * pair * element_bytes
+        return ContextCost("ring", cp, forward, forward + cp * pair * work, cp - 1, 2 * cp - 1, saved_bytes=local * shape.heads * (shape.head_dim + 1) * work,
+                           buffer_bytes=2 * pair * element_bytes + pair * work)
     kv_heads = max(shape.kv_heads, cp)
     exchanged = local * (2 * shape.heads + 2 * kv_heads) * shape.head_dim * element_bytes
     sent = exchanged * (cp - 1) // cp
