@@ -211,6 +211,8 @@ def quiet_transformers() -> None:
 
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"transformers(\.|$)")
+    # raised by transformers about its own argument, but attributed to torch's Module.__call__ frame
+    warnings.filterwarnings("ignore", category=FutureWarning, message=r"`past_key_values` is deprecated")
 
 
 def _context_lines(args: argparse.Namespace, model, layout, hw) -> str:

@@ -19,7 +19,8 @@ its sends and receives), what is alive then:
 * **buffers**: posted receives (one ``[micro_batch, seq, hidden]`` activation or gradient each,
   from the receive to the pass that consumes it), input gradients waiting for their send,
   gradient staging of stages 2-3 (a full unit per unit in flight: ``GradientReducer`` keeps at
-  most ``MAX_IN_FLIGHT`` launched plus the one filling), counted from the first parameter
+  most ``MAX_IN_FLIGHT`` launched plus the one filling; without ``overlap_comm`` it waits for
+  each reduction in the hook that launches it, so only the one filling), counted from the first parameter
   gradient of the backward on, when the first staging buffer is allocated;
 * **the optimizer step**: fp32 copies of the gradient shards (bf16/fp16) and the step's
   temporaries (``torch.optim`` foreach: one master-sized tensor; per tensor on CPU: two of the largest);
@@ -108,7 +109,9 @@ def staging(params: RankParams, zero: ZeroSetup, *, pipelined: bool, overlap: bo
         return 0
     sizes = sorted((padded(u, part.zero) for part in shard_sets(params, zero) for u in units(part.params, part.zero)),
                    reverse=True)
-    held = GradientReducer.MAX_IN_FLIGHT + 1 if overlap else 2
+    # without overlap the launch waits for the reduction (GradientReducer._drain(keep=0)) before the
+    # next unit's first gradient makes its buffer: one unit at a time (7B at pp 4, zero3d simulate)
+    held = GradientReducer.MAX_IN_FLIGHT + 1 if overlap else 1
     return zero.work_bytes * sum(sizes[:held])
 
 
