@@ -174,6 +174,14 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_between_markers(doc: Path, marker: str, text: str) -> None:
+    """Replace what lies between ``<!-- marker:begin -->`` and ``<!-- marker:end -->`` in ``doc``."""
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    head, rest = doc.read_text().split(begin)
+    _, tail = rest.split(end)
+    doc.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+
+
 def main() -> None:
     from bench_launch import launch
 
@@ -210,12 +218,7 @@ def main() -> None:
     text = table(results)
     print("\n" + text)
     if args.write_docs:
-        doc = ROOT / "docs" / "planner.md"
-        body = doc.read_text()
-        begin, end = "<!-- memory-check:begin -->", "<!-- memory-check:end -->"
-        head, rest = body.split(begin)
-        _, tail = rest.split(end)
-        doc.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+        write_between_markers(ROOT / "docs" / "planner.md", "memory-check", text)
     os.unlink(out)
 
 
