@@ -21,6 +21,8 @@ STEPS = 4
 GLOBAL_MICRO = 4  # rows per micro-batch over all dp ranks
 GAS = 2
 RTOL = 1e-5
+EVAL_ROWS = 8
+SHORT_EVAL_ROWS = 7  # at one replica (micro-batch 4): a last eval batch of 3
 
 
 def rows(n: int = STEPS * GLOBAL_MICRO * GAS, seed: int = 5) -> list[dict]:
@@ -53,18 +55,19 @@ def logged(trainer, key: str = "loss") -> list[float]:
 
 
 @functools.cache
-def oracle(tmp: str, n_rows: int | None = None, **overrides) -> tuple[list[float], list[float], float]:
+def oracle(tmp: str, n_rows: int | None = None, eval_rows: int = EVAL_ROWS,
+           **overrides) -> tuple[list[float], list[float], float]:
     """The plain Trainer on this one process: losses, grad norms, eval loss."""
     from transformers import Trainer
 
     trainer = Trainer(model=make_model("llama"), args=training_args(tmp, GLOBAL_MICRO, **overrides),
-                      train_dataset=rows(n_rows) if n_rows else rows(), eval_dataset=rows(8, seed=9))
+                      train_dataset=rows(n_rows) if n_rows else rows(), eval_dataset=rows(eval_rows, seed=9))
     trainer.train()
     return logged(trainer), logged(trainer, "grad_norm"), logged(trainer, "learning_rate"), \
         trainer.evaluate()["eval_loss"]
 
 
-def zero3d_run(out: str, config: dict, n_rows: int | None = None,
+def zero3d_run(out: str, config: dict, n_rows: int | None = None, eval_rows: int = EVAL_ROWS,
                **overrides) -> tuple[list[float], list[float], float]:
     import torch.distributed as dist
 
@@ -73,29 +76,31 @@ def zero3d_run(out: str, config: dict, n_rows: int | None = None,
     dp = dist.get_world_size() // config.get("tensor_parallel", {}).get("size", 1) \
         // config.get("pipeline", {}).get("stages", 1)
     trainer = Trainer(model=make_model("llama"), args=training_args(out, GLOBAL_MICRO // dp, **overrides),
-                      train_dataset=rows(n_rows) if n_rows else rows(), eval_dataset=rows(8, seed=9),
+                      train_dataset=rows(n_rows) if n_rows else rows(), eval_dataset=rows(eval_rows, seed=9),
                       zero3d_config=config)
     trainer.train()
     return logged(trainer), logged(trainer, "grad_norm"), logged(trainer, "learning_rate"), \
         trainer.evaluate()["eval_loss"]
 
 
-LAYOUTS = {  # config, TrainingArguments overrides
-    "zero3_dp2": ({"zero_optimization": {"stage": 3}}, {}),
-    "zero3_dp2_checkpointed": ({"zero_optimization": {"stage": 3}}, {"activation_checkpointing": True}),
+LAYOUTS = {  # config, TrainingArguments overrides, eval rows
+    "zero3_dp2": ({"zero_optimization": {"stage": 3}}, {}, EVAL_ROWS),
+    "zero3_dp2_checkpointed": ({"zero_optimization": {"stage": 3}}, {"activation_checkpointing": True}, EVAL_ROWS),
     # the engine's own token mean: the Trainer's dp factor must not apply on top of the engine's
-    "zero3_dp2_tokens": ({"zero_optimization": {"stage": 3}, "loss_normalization": "tokens"}, {}),
-    "tp2": ({"zero_optimization": {"stage": 3}, "tensor_parallel": {"size": 2}}, {}),
-    "pp2": ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}, {}),
+    "zero3_dp2_tokens": ({"zero_optimization": {"stage": 3}, "loss_normalization": "tokens"}, {}, EVAL_ROWS),
+    # one replica over two ranks, a short last eval batch: the eval results are gathered over dp only
+    # (over every rank each batch would come back twice, the trimmed last one once)
+    "tp2": ({"zero_optimization": {"stage": 3}, "tensor_parallel": {"size": 2}}, {}, SHORT_EVAL_ROWS),
+    "pp2": ({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2}}, {}, SHORT_EVAL_ROWS),
 }
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_plain_trainer(dist, tmp_path_factory, layout):
-    want_loss, want_norm, want_lr, want_eval = oracle(str(tmp_path_factory.mktemp("oracle")))
+    config, overrides, eval_rows = LAYOUTS[layout]
+    want_loss, want_norm, want_lr, want_eval = oracle(str(tmp_path_factory.mktemp("oracle")), eval_rows=eval_rows)
     out = str(tmp_path_factory.mktemp(layout))
-    config, overrides = LAYOUTS[layout]
-    results = dist.run(2, zero3d_run, out, config, **overrides)
+    results = dist.run(2, zero3d_run, out, config, eval_rows=eval_rows, **overrides)
     for loss, norm, lr, eval_loss in results:
         assert len(loss) == STEPS and lr == want_lr  # the schedule's rate of each step, as logged
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(want_loss), rtol=RTOL, atol=0)

@@ -82,3 +82,11 @@ def test_accelerate_seeing_another_world(dist, tmp_path):
     for message in dist.run(2, refusal, str(tmp_path), use_cpu=False):
         assert message.startswith("the Trainer's accelerate state sees 1 process(es) and the process group has 2")
         assert message.endswith("TrainingArguments(use_cpu=True)")
+
+
+@pytest.mark.parametrize("config, what", [({**ZERO3, "loss_normalization": "tokens"}, 'loss_normalization "tokens"'),
+                                          ({"tensor_parallel": {"size": 2}}, "tensor_parallel.size 2")])
+def test_local_token_counts_where_the_count_must_be_global(dist, tmp_path, config, what):
+    """Each rank's own label count would be taken for the step's (the loss dp or tp times too large)."""
+    for message in dist.run(2, refusal, str(tmp_path), config, average_tokens_across_devices=False):
+        assert message.startswith(f"TrainingArguments(average_tokens_across_devices=False) with {what} in zero3d_config")

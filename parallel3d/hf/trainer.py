@@ -28,6 +28,7 @@ twice). Pipeline stages default to ``"tokens"`` for the same reason the Trainer 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Any
 
@@ -38,7 +39,7 @@ import parallel3d
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.gathered import GatheredParameters
 from parallel3d.hf.config_fill import scheduler_section, trainer_config
-from parallel3d.hf.data import shard_over_dp
+from parallel3d.hf.data import gather_over_dp, shard_over_dp
 from parallel3d.hf.engine_views import EngineModel, EngineOptimizer, EngineScheduler
 from parallel3d.hf.launch_check import refuse_accelerate_launch, refuse_competing_arguments
 from parallel3d.hf.model_source import meta_model
@@ -76,6 +77,7 @@ class Zero3DTrainerMixin:
     def _build_engine(self, zero3d_config: Any, pretrained: str | None) -> None:
         config, self._scheduler_section = trainer_config(zero3d_config, self.args, self.model)
         self._refuse_layout(config)
+        self._refuse_local_token_counts(config)
         if "loss_normalization" not in config and config.get("pipeline", {}).get("stages", 1) != 1 \
                 and self.model_accepts_loss_kwargs:
             config["loss_normalization"] = "tokens"  # what the Trainer's num_items_in_batch does (module docstring)
@@ -113,6 +115,25 @@ class Zero3DTrainerMixin:
             raise ConfigError(f"context_parallel.size {cp!r} with parallel3d.hf.Trainer: the Trainer's loss and its "
                               "token counts are per whole sequence, and context parallelism cuts sequences; train "
                               "it with engine.train_batch or `zero3d train`, or use context_parallel.size 1")
+
+    def _refuse_local_token_counts(self, config: dict) -> None:
+        """``average_tokens_across_devices=False`` hands ``compute_loss`` this rank's own label count,
+        divided by ``get_tp_size()`` (tp x pp here). The engine's ``loss_normalization: "tokens"``
+        takes the count as the global one (it multiplies by dp), and at tp > 1 the count is tp times
+        too small: either way the loss and gradients would be dp or tp times the token mean. Pipeline
+        stages count the tokens themselves (``train_batch``)."""
+        tp = config.get("tensor_parallel", {}).get("size", 1) or 1
+        stages = config.get("pipeline", {}).get("stages", 1) or 1
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        tokens = config.get("loss_normalization") == "tokens"
+        if self.args.average_tokens_across_devices or stages != 1 or world == 1 or not (tokens or tp > 1):
+            return
+        what = 'loss_normalization "tokens"' if tokens else f"tensor_parallel.size {tp}"
+        raise ConfigError(f"TrainingArguments(average_tokens_across_devices=False) with {what} in zero3d_config: the "
+                          "Trainer would give each rank's own label count as the count of the whole step, and the "
+                          "loss would be the data- or tensor-parallel size times the token mean; leave "
+                          "average_tokens_across_devices at True (the default), or use loss_normalization "
+                          '"micro_batch" at tensor_parallel.size 1')
 
     def _refuse_other_world(self) -> None:
         """accelerate (which the Trainer asks for the process count) must see the engine's ranks."""
@@ -257,6 +278,14 @@ class Zero3DTrainerMixin:
 
     # -- evaluation ---------------------------------------------------------------------------
 
+    def evaluation_loop(self, *args: Any, **kwargs: Any):
+        """The Trainer's loop, its results gathered over data-parallel ranks only (the loop resets
+        ``gather_function`` to accelerate's at its end, so it is set for each call)."""
+        self.gather_function = functools.partial(gather_over_dp, group=self.engine.mesh.dp_group,
+                                                 state=self.accelerator.gradient_state,
+                                                 use_gather_object=self.args.eval_use_gather_object)
+        return super().evaluation_loop(*args, **kwargs)
+
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The Trainer's (or a subclass's) step through the engine; with pipeline stages the loss of
         ``eval_batch``, the same on every rank."""
@@ -278,12 +307,24 @@ class Zero3DTrainerMixin:
         """``model.generate`` with every parameter gathered (collective over dp: every rank calls it).
 
         Where the layout allows: without tensor or pipeline parallelism. At ZeRO stage 3 the whole
-        model is gathered for the call, so it must fit on one device."""
+        model is gathered for the call, so it must fit on one device.
+
+        With more than one rank the ranks generate in step (``synced_gpus``, as transformers does
+        under DeepSpeed ZeRO-3): a rank whose sequences are done keeps running forwards until every
+        rank's are. A forward can be a collective: the all-to-all of each expert-parallel MoE layer,
+        and at ZeRO stage 3 the first forward's check that the ranks run the same blocks. A rank
+        that stopped early would leave its peers waiting in it."""
         mesh = self.engine.mesh
         if mesh.pp > 1 or mesh.tp > 1:
             raise ConfigError(f"Trainer.generate at pipeline.stages {mesh.pp}, tensor_parallel.size {mesh.tp}: "
                               "generation runs the whole model on each rank, so only without tensor or pipeline "
                               "parallelism; save_model() and generate from the saved directory instead")
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            if kwargs.get("synced_gpus") is False:
+                raise ConfigError("Trainer.generate(synced_gpus=False) on more than one rank: a forward can be a "
+                                  "collective (expert parallelism's all-to-all, ZeRO stage 3's first-forward check), "
+                                  "so a rank that stops early would leave the others waiting; leave synced_gpus out")
+            kwargs["synced_gpus"] = True
         module = self.engine.module
         was_training = module.training
         module.eval()
