@@ -381,5 +381,9 @@ class DeepSpeedSurface:
                 shards = [torch.empty_like(tensor) for _ in range(self.mesh.tp)]
                 dist.all_gather(shards, tensor.contiguous(), group=self.mesh.groups.tp)
                 tensor = specs[first].unshard(shards)
+            if self.ep_info is not None and first in self.ep_info.params:  # a frozen expert weight: every expert
+                parts = [torch.empty_like(tensor) for _ in range(self.ep_info.size)]
+                dist.all_gather(parts, tensor.contiguous(), group=self.ep_info.group)
+                tensor = torch.cat(parts)
             state[name] = tensor.clone()
         return state

@@ -85,3 +85,23 @@ def test_frozen_experts_match_single_process(dist, which, stage):
         assert experts["experts"], "no expert parameter found"
         for name, value in experts["experts"].items():
             assert torch.equal(value, start[name][lo : lo + local]), f"rank {rank}: {name} is not its own experts"
+
+
+def _save_16bit(stage: int, path: str) -> None:
+    import parallel3d
+
+    config = ep_config(stage, 1, DP, EP, stage3_gather_16bit_weights_on_model_save=True)
+    engine = parallel3d.initialize(model=_frozen_experts_model(), config=config)[0]
+    engine.save_16bit_model(path)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_save_16bit_model_writes_every_frozen_expert(dist, tmp_path, stage):
+    """save_16bit_model gathers frozen expert weights over the ep group, as full_parameters does the
+    trained ones: the state dict is the one-process model's."""
+    dist.run(DP, _save_16bit, stage, str(tmp_path))
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    want = _frozen_experts_model().state_dict()
+    assert set(saved) == set(want)
+    for name, value in want.items():
+        assert torch.equal(saved[name], value), name
