@@ -9,6 +9,8 @@ planner predicts each rank's report from the model and the layout alone
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.tiny import rank_micro_batches, token_batches
@@ -99,3 +101,63 @@ def test_ep_must_divide_experts_and_shard_ranks():
     params = ModelShapes(make_moe("mixtral"), 1, ep=4).rank_params()
     with pytest.raises(ConfigError, match="does not divide the 2 ranks"):
         shard_sets(params, ZeroSetup(1, 2))
+
+
+def _planner(kind: str = "mixtral"):
+    from parallel3d.planner.predict import Planner, Workload
+
+    return Planner(make_moe(kind), Workload(seq=16, global_batch=8))
+
+
+def test_all_to_all_adds_to_each_pass():
+    """Per MoE layer and micro-batch: dispatch and combine in the forward, the same in the backward, each
+    tokens x top_k x hidden x work bytes, (E-1)/E of it leaving the rank over the ep group's link."""
+    from parallel3d.planner.hardware import a100
+    from parallel3d.planner.predict import Layout
+
+    planner, hw = _planner(), a100(8, 8)
+    base = Layout(1, 8, 1, 1, 1)
+    for ep in (2, 4, 8):
+        with_ep = Layout(1, 8, 1, 1, 1, ep=ep)
+        parts, _ = planner.step_time(with_ep, hw)
+        without, _ = planner.step_time(base, hw)
+        payload = 1 * 16 * 2 * 32 * 2  # micro-batch x seq x top_k x hidden x bf16
+        one = (ep - 1) * hw.nvlink.latency + payload * (ep - 1) / ep / hw.nvlink.bandwidth
+        microbatches, layers = 8 // 8, 2
+        assert parts["pipeline"] - without["pipeline"] == pytest.approx(microbatches * 2 * 2 * layers * one, rel=1e-12)
+        # at stage 1 a rank holds every parameter it trains: without the other ranks' experts under ep
+        held = planner.predict(base, hw).ranks[0].states["params"] - planner.predict(with_ep, hw).ranks[0].states["params"]
+        experts = sum(p.numel() for n, p in planner.model.named_parameters() if ".mlp.experts." in n)
+        assert held == pytest.approx(2 * experts * (1 - 1 / ep), rel=1e-3)
+
+
+def test_search_tries_expert_parallel_sizes_and_the_snippet_names_them():
+    from parallel3d.planner.hardware import a100
+    from parallel3d.planner.report import layout_config
+    from parallel3d.planner.search import Choice, candidates
+
+    pinned = dict(tp=1, pp=1, micro_batch=1, zero_stage=3, checkpointing=False, hybrid_sharding=False)
+    planner = _planner()
+    assert sorted({c.ep for c in candidates(planner, a100(8, 8), Choice(**pinned))}) == [1, 2, 4, 8]
+    assert sorted({c.ep for c in candidates(planner, a100(4, 8), Choice(**pinned))}) == [1, 2, 4]
+    refused: dict = {}
+    assert not list(candidates(planner, a100(8, 8), Choice(**pinned, ep=3), refused))
+    assert any("does not divide the 8 experts" in reason for reason in refused)
+    layout = next(iter(candidates(planner, a100(8, 8), Choice(**pinned, ep=4))))
+    assert "ep4" in layout.describe().split()
+    assert layout_config(layout, 8, "bf16")["expert_parallel"] == {"enabled": True, "autoep_size": 4}
+    assert "expert_parallel" not in layout_config(replace(layout, ep=1), 8, "bf16")
+
+
+def test_dense_model_gets_no_expert_parallel_sizes():
+    from parallel3d.planner.hardware import a100
+    from parallel3d.planner.predict import Planner, Workload
+    from parallel3d.planner.search import Choice, candidates
+    from tests.tiny import make_model
+
+    planner = Planner(make_model("llama"), Workload(seq=16, global_batch=8))
+    pinned = dict(tp=1, pp=1, micro_batch=1, zero_stage=3, checkpointing=False, hybrid_sharding=False)
+    assert {c.ep for c in candidates(planner, a100(8, 8), Choice(**pinned))} == {1}
+    refused: dict = {}
+    assert not list(candidates(planner, a100(8, 8), Choice(**pinned, ep=2), refused))
+    assert any("base_model_ep_plan" in reason for reason in refused)

@@ -167,7 +167,8 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
                     schedule=pipeline.get("schedule"), virtual_stages=pipeline.get("virtual_stages"),
                     checkpointing=pipeline.get("activation_checkpointing"),
                     sequence_parallel=cfg.tensor_parallel.sequence_parallel,
-                    hybrid_sharding=False, zeropp=False)  # "auto" sets the four keys above, not ZeRO++'s
+                    hybrid_sharding=False, zeropp=False,  # "auto" sets the four keys above, not ZeRO++'s
+                    ep=cfg.expert_parallel.size)
     hw = _hardware(hints, world, device)
     with torch.device("meta"):
         shape_model = type(model)(copy.deepcopy(model.config))

@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--virtual-stages", type=int)
     pin.add_argument("--checkpointing", choices=("on", "off"))
     pin.add_argument("--sequence-parallel", choices=("on", "off"))
+    pin.add_argument("--ep", type=int, metavar="E",
+                     help="expert parallelism's size (expert_parallel.autoep_size; 1: off); default: the planner "
+                          "tries 1 and, for a model with experts, the sizes its experts and ZeRO ranks allow")
     pin.add_argument("--context-parallel", type=int, metavar="N",
                      help="also price context parallelism over N ranks per attention layer (Ulysses and ring), "
                           "for the best layout's tp and micro-batch; the layouts themselves do not include cp")
@@ -146,12 +149,13 @@ def load_model(path: str, trust_remote_code: bool = False):
 def _choice(args: argparse.Namespace):
     from parallel3d.planner.search import Choice
 
-    for flag in ("tp", "pp", "micro_batch", "virtual_stages"):
+    for flag in ("tp", "pp", "micro_batch", "virtual_stages", "ep"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     onoff = {"on": True, "off": False, None: None}
     return Choice(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
                   schedule=args.schedule, virtual_stages=args.virtual_stages,
-                  checkpointing=onoff[args.checkpointing], sequence_parallel=onoff[args.sequence_parallel])
+                  checkpointing=onoff[args.checkpointing], sequence_parallel=onoff[args.sequence_parallel],
+                  ep=args.ep)
 
 
 def row(prediction, hw, tokens: int) -> dict:

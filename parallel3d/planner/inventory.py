@@ -77,21 +77,31 @@ def _checked_anatomy(model: nn.Module) -> PipelineAnatomy | AnatomyPaths:
     return pipeline_anatomy(probe)
 
 
+def _keep_share(module: nn.Module, local: int) -> list[nn.Parameter]:
+    """Cut an experts module's stacked weights to ``local`` experts, as ``split_experts`` does on a
+    rank (a view: only the shapes matter), before tensor parallelism and the pipeline split see them."""
+    kept = []
+    for name, param in list(module.named_parameters(recurse=False)):
+        piece = nn.Parameter(param.data[:local], requires_grad=param.requires_grad)
+        setattr(module, name, piece)
+        kept.append(piece)
+    return kept
+
+
 class ModelShapes:
     """The parameters of one model at tensor-parallel size ``tp`` and expert-parallel size ``ep`` (the
     model is copied, not changed).
 
     Under expert parallelism (``ep > 1``) the experts modules ``base_model_ep_plan`` names hold
-    ``1/ep`` of their stacked weights on a rank (``expert_parallel.experts.split_experts``), stay
-    whole under tensor parallelism (``apply.apply_tp``'s ``whole``) and are flagged ``expert``:
+    ``1/ep`` of their stacked weights on a rank (``expert_parallel.experts.split_experts``; so the
+    pipeline's partition by parameters sees that share, as ``apply_pipeline`` after ``apply_ep``
+    does), stay whole under tensor parallelism (``apply.apply_tp``'s ``whole``) and are flagged ``expert``:
     ZeRO gives them units of their own, sharded over the expert-shard group.
     """
 
     def __init__(self, model: nn.Module, tp: int, sequence_parallel: bool = False, ep: int = 1) -> None:
         local = copy.deepcopy(model)
         self.tp, self.ep = tp, ep
-        experts = resolve_experts(local, ep) if ep > 1 else []
-        expert_ids = {id(p) for m in experts for p in local.get_submodule(m.name).parameters(recurse=False)}
         self.pipeline_refusal: str | None = None  # why pipeline stages cannot split this model
         try:  # on the whole model: tensor parallelism keeps every module's name, and its hooks hold the
             self.paths = _checked_anatomy(local)  # group, which the probe's copy could not copy
@@ -99,6 +109,8 @@ class ModelShapes:
             self.paths, self.pipeline_refusal = None, str(exc)
             if not self.pipeline_refusal.startswith("pipeline parallelism"):
                 self.pipeline_refusal = f"pipeline parallelism: {self.pipeline_refusal}"
+        experts = resolve_experts(local, ep) if ep > 1 else []
+        expert_ids = {id(p) for m in experts for p in _keep_share(local.get_submodule(m.name), m.num_experts // ep)}
         with fake_tp_group(tp) as group:
             specs = {} if group is None else apply_tensor_parallel(
                 local, group, sequence_parallel=sequence_parallel,
@@ -112,7 +124,7 @@ class ModelShapes:
                 continue
             spec = specs.get(name)
             expert = id(p) in expert_ids
-            param = Param(name, p.numel() // ep if expert else p.numel(), spec is not None,
+            param = Param(name, p.numel(), spec is not None,
                           spec.replicas if spec else 1, block_of.get(id(p)), expert)
             self._by_id[id(p)] = param
             self.params.append(param)

@@ -18,6 +18,7 @@ chunk's after its last backward pass at stages 0-1, after each pass at stages 2-
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -25,7 +26,9 @@ from functools import cached_property, lru_cache
 import torch
 from torch import nn
 
+from models.family import text_config
 from parallel3d.errors import ConfigError
+from parallel3d.expert_parallel.plan import resolve_experts
 from parallel3d.pipeline.schedules import validate_schedule_args
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.inventory import ModelShapes, RankParams
@@ -33,7 +36,7 @@ from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
 from parallel3d.planner.profile import PassProfile, ProfileError
 from parallel3d.planner.profile_store import ProfileStore, compute
 from parallel3d.planner.states import ZeroSetup
-from parallel3d.planner.timing import RankCost, step_parts
+from parallel3d.planner.timing import RankCost, all_to_all_seconds, moe_layers, step_parts
 from zero.sizing import OptimizerStateShape
 
 logger = logging.getLogger(__name__)
@@ -60,6 +63,9 @@ class Layout:
     zeropp: int = 0
     """ZeRO++ at stage 3 on a shard group spanning nodes of this many of its ranks each: int8
     gathers and gradients (qgZ in two hops) and hpZ over a node; 0: off."""
+    ep: int = 1
+    """Expert parallelism (``expert_parallel.autoep_size``): each MoE layer's routed experts split
+    over groups of this many of the ranks ZeRO shards over; 1: off."""
 
     @property
     def zero_shard(self) -> int:
@@ -78,7 +84,8 @@ class Layout:
         extras = "".join([" ac" if self.checkpointing else "", " sp" if self.sequence_parallel else ""])
         hybrid = f" hs{self.shard}" if self.shard else ""
         zeropp = "++" if self.zeropp else ""
-        return (f"pp{self.pp} dp{self.dp} tp{self.tp} z{self.zero_stage}{zeropp}{hybrid} mb{self.micro_batch}"
+        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        return (f"pp{self.pp} dp{self.dp} tp{self.tp}{ep} z{self.zero_stage}{zeropp}{hybrid} mb{self.micro_batch}"
                 f"{sched}{extras}")
 
 
@@ -211,15 +218,16 @@ class Planner:
         self.config = model.config
         self.workload = workload
         self.store, self.workers = store, workers
-        self._shapes: dict[int, ModelShapes] = {}
+        self._shapes: dict[tuple[int, int], ModelShapes] = {}
         self._profiles: dict[tuple, PassProfile] = {}
         self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
         self._chunks: dict[tuple, Chunk] = {}
+        self._expert_refusals: dict[int, str | None] = {}
 
-    def shapes(self, tp: int) -> ModelShapes:
-        if tp not in self._shapes:
-            self._shapes[tp] = ModelShapes(self.model, tp)
-        return self._shapes[tp]
+    def shapes(self, tp: int, ep: int = 1) -> ModelShapes:
+        if (tp, ep) not in self._shapes:
+            self._shapes[tp, ep] = ModelShapes(self.model, tp, ep=ep)
+        return self._shapes[tp, ep]
 
     def _profile(self, *key) -> PassProfile:
         """The profile of ``key`` = (kind, blocks, micro_batch, tp, sp, ac, attention, split), computed once."""
@@ -302,15 +310,56 @@ class Planner:
             raise ConfigError("zero_quantized_weights and zero_hpz_partition_size need ZeRO stage 3")
         if w.quantized_gradients and layout.zero_stage == 0:
             raise ConfigError("zero_quantized_gradients needs ZeRO stage 1, 2 or 3")
+        if layout.ep > 1:
+            self._check_experts(layout.ep)
+            if layout.zero_shard % layout.ep:
+                raise ConfigError(f"expert_parallel.autoep_size {layout.ep} does not divide the {layout.zero_shard} "
+                                  "ranks ZeRO shards over")
+            if layout.tp > 1:  # the profile splits the experts over tp; under ep each tp rank runs them whole
+                raise ConfigError("the planner prices expert_parallel at tp 1 only: under tensor parallelism the "
+                                  "experts stay whole on every tp rank, which the tp profile does not model")
+            if layout.sequence_parallel or layout.zeropp or w.hpz > 1:
+                raise ConfigError("expert_parallel does not compose with sequence parallelism or ZeRO++'s hpZ")
+            if self.top_k is None:
+                raise ConfigError(f"expert_parallel: {type(self.config).__name__} gives no num_experts_per_tok, the "
+                                  "experts each token is routed to")
         if layout.sequence_parallel and w.seq % layout.tp:
             raise ConfigError("sequence parallelism needs a sequence length divisible by tp")
         if layout.pp > 1:
             validate_schedule_args(layout.schedule, layout.pp, layout.microbatches(w.global_batch),
                                    layout.virtual_stages)
 
+    @cached_property
+    def experts(self) -> int:
+        """The greatest common divisor of the routed-expert counts of the model's MoE layers (the
+        ``expert_parallel`` sizes it admits divide it); 0 for a model expert parallelism cannot split."""
+        try:
+            modules = resolve_experts(self.model, 1)
+        except ConfigError as exc:
+            logger.info("no expert parallelism: %s", exc)
+            return 0
+        return math.gcd(*(m.num_experts for m in modules))
+
+    def _check_experts(self, ep: int) -> None:
+        """``resolve_experts``' refusal of a split over ``ep`` ranks (no experts, ``ep`` not dividing them), once per ep."""
+        if ep not in self._expert_refusals:
+            try:
+                resolve_experts(self.model, ep)
+                self._expert_refusals[ep] = None
+            except ConfigError as exc:
+                self._expert_refusals[ep] = str(exc)
+        if self._expert_refusals[ep] is not None:
+            raise ConfigError(self._expert_refusals[ep])
+
+    @cached_property
+    def top_k(self) -> int | None:
+        """Routed experts per token (``num_experts_per_tok``), None for a model without."""
+        value = getattr(text_config(self.config), "num_experts_per_tok", None)
+        return value if isinstance(value, int) else None
+
     def _chunk_kinds(self, layout: Layout, rank: int) -> list[tuple[str, int]]:
         """(kind, blocks) of each of the rank's chunks."""
-        shapes = self.shapes(layout.tp)
+        shapes = self.shapes(layout.tp, layout.ep)
         if layout.pp == 1:
             return [("only", len(shapes.block_params))]
         stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
@@ -323,7 +372,7 @@ class Planner:
         return kinds
 
     def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
-        shapes = self.shapes(layout.tp)
+        shapes = self.shapes(layout.tp, layout.ep)
         stage3 = layout.zero_stage == 3
         chunks = [self.chunk(layout, kind, n, hw) for kind, n in self._chunk_kinds(layout, rank)]
         if layout.pp == 1:
@@ -340,7 +389,7 @@ class Planner:
         """
         if every_rank or layout.pp <= 8:
             return list(range(layout.pp))
-        shapes = self.shapes(layout.tp)
+        shapes = self.shapes(layout.tp, layout.ep)
         stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
         heaviest = max(range(layout.pp), key=lambda r: sum(stage_layout.sizes[stage_layout.stage_of(r, c)]
                                                            for c in range(layout.virtual_stages)))
@@ -360,14 +409,23 @@ class Planner:
         ranks = self.ranks_to_price(layout, exact)
         for rank in ranks:
             params, chunks = self.rank_chunks(layout, rank, hw)
-            fwd = sum(c.seconds(hw, layout.tp, False) for c in chunks)
-            bwd = sum(c.seconds(hw, layout.tp, True) for c in chunks)
+            moe = self._all_to_all_seconds(layout, params, hw)
+            fwd = sum(c.seconds(hw, layout.tp, False) for c in chunks) + moe
+            bwd = sum(c.seconds(hw, layout.tp, True) for c in chunks) + moe
             costs.append(RankCost(fwd, bwd, params))
             flops += m * sum(c.flops() for c in chunks)
-        tied = self.shapes(layout.tp).tied_numel if layout.pp > 1 else 0
+        tied = self.shapes(layout.tp, layout.ep).tied_numel if layout.pp > 1 else 0
         parts = step_parts(layout, zero, costs, hw, m=m, hidden_bytes=self._hidden_bytes(layout), overlap=overlap,
                            tied_numel=tied, exact=exact)
         return parts, flops * layout.tp * layout.dp * layout.pp / len(costs)
+
+    def _all_to_all_seconds(self, layout: Layout, params: RankParams, hw: Hardware) -> float:
+        """One pass's expert-parallel all-to-alls on a rank, per micro-batch (`timing.all_to_all_seconds`)."""
+        if layout.ep == 1:
+            return 0.0
+        link = hw.link(layout.tp, layout.ep)  # an ep group: ep consecutive shard ranks, tp apart
+        # every token's top_k rows of [hidden], in the working dtype
+        return all_to_all_seconds(moe_layers(params), self.top_k * self._hidden_bytes(layout), layout.ep, link)
 
     def _hidden_bytes(self, layout: Layout) -> int:
         """One ``[micro_batch, seq, hidden]`` activation (what a pipeline stage sends)."""

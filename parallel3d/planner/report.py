@@ -14,7 +14,8 @@ columns: peak GiB = predicted peak memory of the fullest rank; states = its mode
   step; fwd+bwd s = the forward and backward passes of all micro-batches, pipeline bubble included;
   dp comm = data-parallel gradient/parameter traffic not hidden behind compute; tokens/s = global batch
   x seq len / step s; TFLOP/s = FLOPs counted per device and second (recomputation included).
-layout: pp pipeline stages, dp data-parallel replicas, tp tensor-parallel size, z ZeRO stage (z3++: ZeRO++,
+layout: pp pipeline stages, dp data-parallel replicas, tp tensor-parallel size, epE expert parallelism (each MoE
+  layer's experts split over E of the ranks ZeRO shards over; expert_parallel.autoep_size), z ZeRO stage (z3++: ZeRO++,
   int8 parameter gathers and gradient reductions and hpZ over a node; its rounding is in docs/deepspeed.md), hsS hybrid
   sharding (ZeRO inside groups of S data-parallel ranks, a node's or a few nodes'; mics_shard_size), mb micro-batch
   per device; then the pipeline schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1 = zero-bubble), vN = N model
@@ -46,6 +47,8 @@ def layout_config(layout, global_batch: int, precision: str) -> dict:
         config["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True)
         if layout.zeropp > 1:
             config["zero_optimization"]["zero_hpz_partition_size"] = layout.zeropp
+    if getattr(layout, "ep", 1) > 1:
+        config["expert_parallel"] = {"enabled": True, "autoep_size": layout.ep}
     if layout.tp > 1:
         config["tensor_parallel"] = {"size": layout.tp}
         if layout.sequence_parallel:

@@ -5,7 +5,9 @@ every pp up to the block count with dp = devices / (tp x pp) dividing the global
 micro-batch dividing the per-replica batch, every ZeRO stage, and under pipeline stages every
 schedule the micro-batch count allows (interleaved with 2 and 4 chunks per rank where the
 blocks divide); activation checkpointing on and off; sequence parallelism with tp > 1 and one
-pipeline stage (what ``initialize`` accepts today). ``Choice`` pins any of them.
+pipeline stage (what ``initialize`` accepts today); for a model with experts
+(``base_model_ep_plan``) every expert-parallel size dividing both the ZeRO shard ranks and the
+expert count. ``Choice`` pins any of them.
 
 The search prices model states first (no profile needed: ``states.model_state_bytes``) and drops
 what cannot fit before it profiles activations, so a large space stays cheap.
@@ -47,6 +49,9 @@ class Choice:
     zeropp: bool = True
     """Also price ZeRO++ (int8 gathers and gradients, hpZ over a node) at stage 3 where its shard
     group spans nodes."""
+    ep: int | None = None
+    """Expert parallelism's size (``expert_parallel.autoep_size``); None: 1 and, for a model with
+    experts, every divisor of the ZeRO shard ranks that divides each MoE layer's expert count."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -97,13 +102,15 @@ def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice(),
                             for sp in _pick(choice.sequence_parallel, (False, True) if tp > 1 else (False,)):
                                 for shard in _shard_sizes(stage, dp, tp, hw) if choice.hybrid_sharding else [None]:
                                     for zeropp in _zeropp(stage, shard or dp, tp, hw) if choice.zeropp else [0]:
-                                        layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard, zeropp)
-                                        try:
-                                            planner.check(layout)
-                                        except ConfigError as exc:
-                                            refuse(str(exc))
-                                            continue
-                                        yield layout
+                                        for ep in _ep_sizes(planner, shard or dp, choice):
+                                            layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard,
+                                                            zeropp, ep)
+                                            try:
+                                                planner.check(layout)
+                                            except ConfigError as exc:
+                                                refuse(str(exc))
+                                                continue
+                                            yield layout
 
 
 def _shard_sizes(stage: int, dp: int, tp: int, hw: Hardware) -> list[int | None]:
@@ -120,6 +127,15 @@ def _shard_sizes(stage: int, dp: int, tp: int, hw: Hardware) -> list[int | None]
         sizes.append(shard)
         shard *= 2
     return sizes
+
+
+def _ep_sizes(planner: Planner, shard: int, choice: Choice) -> list[int]:
+    """Without expert parallelism (1), and for a model with experts every divisor > 1 of the ``shard``
+    ranks ZeRO shards over (the ranks expert parallelism is folded over) that divides the experts."""
+    if choice.ep is not None:
+        return [choice.ep]
+    experts = planner.experts
+    return [1] + [d for d in _divisors(shard) if d > 1 and experts % d == 0] if experts else [1]
 
 
 def _zeropp(stage: int, shard: int, tp: int, hw: Hardware) -> list[int]:
@@ -147,7 +163,7 @@ def _schedules(pp: int, microbatches: int, blocks: int, choice: Choice) -> list[
 
 def model_states_fit(planner: Planner, layout: Layout, hw: Hardware) -> bool:
     """Whether every rank's model states alone fit (a cheap first cut)."""
-    shapes = planner.shapes(layout.tp)
+    shapes = planner.shapes(layout.tp, layout.ep)
     zero = planner.zero(layout)
     if layout.pp == 1:
         return device_bytes(model_state_bytes(shapes.rank_params(stage3=layout.zero_stage == 3), zero)) <= hw.memory

@@ -48,6 +48,24 @@ def zero_links(hw: Hardware, tp: int, zero: ZeroSetup) -> ZeroLinks:
     return ZeroLinks(shard, hw.link(tp, zero.hpz) if zero.hpz > 1 else shard, node, across)
 
 
+def moe_layers(params: RankParams) -> int:
+    """The rank's MoE layers whose experts expert parallelism split (blocks holding an expert param)."""
+    return len({p.block for g in params.groups for p in g if p.expert})
+
+
+def all_to_all_seconds(layers: int, payload: int, ep: int, link: Link) -> float:
+    """One pass (forward or backward) of expert parallelism's all-to-alls over ``layers`` MoE layers.
+
+    Each layer's forward dispatches every (token, choice) row to its expert's rank and combines
+    the outputs back: two ``all_to_all_single`` of ``payload`` bytes (tokens x top_k x hidden x
+    working bytes), of which ``(ep - 1) / ep`` leave the rank when tokens are routed evenly in
+    expectation; its backward runs the same two with the splits swapped. The count exchange (ep
+    integers per expert) is left out; the experts' compute is as without expert parallelism in
+    total (the profile's), the same rows being computed on other ranks.
+    """
+    return 2 * layers * link.seconds("all_to_all", payload, ep)
+
+
 @dataclass(frozen=True)
 class RankCost:
     """One pipeline rank: seconds of forward and backward per micro-batch, and its parameters."""
