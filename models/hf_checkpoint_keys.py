@@ -8,8 +8,10 @@ tensor from several stored ones (Mixtral: ``experts.{e}.w1/w3.weight`` stacked a
 concatenated into ``experts.gate_up_proj``). This module asks transformers for the model's
 transforms and applies its own ``rename_source_key``, so every family it knows is covered
 without a table here. A renamed tensor is read by slices like any other; a converted one is
-read whole (its stored parts), converted with transformers' own operations, then sliced: one
-converted tensor in flight.
+read from its stored parts, converted with transformers' own operations, then sliced: one
+converted tensor in flight. Stacked per-expert weights (``ConvertedGroup.stacks_rows``) are read
+from the experts whose rows are asked for only (an expert-parallel rank's, a ZeRO shard's);
+other converted tensors whole.
 """
 
 from __future__ import annotations
@@ -51,8 +53,26 @@ class ConvertedGroup:
         self.shapes = {n: t.shape for n, t in out.items()}
         self.dtypes = {n: t.dtype for n, t in out.items()}
 
-    def materialize(self, stored: Mapping, cast: Mapping[str, torch.dtype]) -> dict[str, torch.Tensor]:
-        """Read the stored parts whole, convert, cast: ``{target name: tensor}``."""
+    def stacks_rows(self) -> bool:
+        """Whether row ``r`` of the targets is made from the ``r``-th stored key of each pattern alone:
+        stacked per-expert weights (``MergeModulelist(dim=0)``, then at most a ``Concatenate`` along
+        another dim: Mixtral's ``w1``/``w3``, Qwen2-MoE's ``gate_proj``/``up_proj``). Then a range of
+        rows (an expert-parallel rank's experts, a ZeRO shard) is converted from those keys only."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        ops = list(getattr(self.converter, "operations", []))
+        if not ops or type(ops[0]) is not MergeModulelist or ops[0].dim != 0:
+            return False
+        if not all(type(op) is Concatenate and op.dim != 0 for op in ops[1:]):
+            return False
+        counts = {p: self.patterns.count(p) for p in self.patterns}
+        return len(set(counts.values())) == 1 and all(self.shapes[n][0] == next(iter(counts.values()))
+                                                      for n in self.targets)
+
+    def materialize(self, stored: Mapping, cast: Mapping[str, torch.dtype],
+                    rows: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+        """Read the stored parts, convert, cast: ``{target name: tensor}``. With ``rows`` (only when
+        :meth:`stacks_rows`), just those rows of each target, from the stored keys that make them."""
         from safetensors import safe_open
 
         def load(key: str) -> torch.Tensor:
@@ -60,8 +80,23 @@ class ConvertedGroup:
             with safe_open(st.file, framework="pt") as f:
                 return f.get_tensor(key)
 
-        out = self._convert(load)
+        if rows is None:
+            out = self._convert(load)
+        else:
+            out = self._part(rows)._convert(load)
         return {n: (t.to(cast[n]) if n in cast and t.dtype != cast[n] else t) for n, t in out.items()}
+
+    def _part(self, rows: tuple[int, int]) -> ConvertedGroup:
+        """This group with the stored keys of rows ``[lo, hi)`` only (the ``r``-th key of each pattern is row ``r``)."""
+        lo, hi = rows
+        seen: dict[str, int] = {}
+        sources, patterns = [], []
+        for key, pattern in zip(self.sources, self.patterns):
+            index = seen[pattern] = seen.get(pattern, -1) + 1
+            if lo <= index < hi:
+                sources.append(key)
+                patterns.append(pattern)
+        return ConvertedGroup(self.converter, self.layer_name, sources, patterns, self.model)
 
 
 def key_plan(model: nn.Module, stored: Mapping) -> tuple[dict[str, str], list[ConvertedGroup]]:

@@ -11,7 +11,8 @@ Names are the model's. :meth:`SafetensorsSource.for_model` maps them from the ch
 way ``from_pretrained`` does (see :mod:`models.hf_checkpoint_keys`): tied aliases
 (``lm_head.weight`` absent when tied to the embedding), transformers' renamings (GPT-NeoX's
 ``embed_out`` -> ``lm_head``) and converters (Mixtral's per-expert ``w1``/``w3`` stacked into
-``experts.gate_up_proj``: read one converted tensor at a time, whole, then sliced).
+``experts.gate_up_proj``: read one converted tensor at a time, from the experts whose rows are
+asked for when it stacks experts, whole otherwise, then sliced).
 """
 
 from __future__ import annotations
@@ -225,11 +226,23 @@ class SafetensorsSource:
                     dtype = self._cast.get(canonical)
                     yield name, norm, [_reader(f, key, r, dtype) for r in norm]
         for g, jobs in grouped.values():
-            values = g.materialize(self._stored, self._cast)
+            rows = _rows_spanned([r for _, _, norm in jobs for r in norm]) if g.stacks_rows() else None
+            values = g.materialize(self._stored, self._cast, rows)
+            lo = rows[0] if rows is not None else 0
             for name, canonical, norm in jobs:
-                full = values[canonical]
-                yield name, norm, [(lambda r=r, full=full: full[r].clone(memory_format=torch.contiguous_format)) for r in norm]
+                part = values[canonical]
+                shifted = [(slice(r[0].start - lo, r[0].stop - lo), *r[1:]) if r else r for r in norm]
+                yield name, norm, [(lambda r=r, part=part: part[r].clone(memory_format=torch.contiguous_format))
+                                   for r in shifted]
             del values
+
+
+def _rows_spanned(rects: list[tuple[slice, ...]]) -> tuple[int, int] | None:
+    """The dim-0 rows ``[lo, hi)`` that normalized rectangles touch (None: one is 0-d, read whole)."""
+    if not rects or any(not r for r in rects):
+        return None
+    lo, hi = min(r[0].start for r in rects), max(r[0].stop for r in rects)
+    return (lo, hi) if lo < hi else None
 
 
 def _reader(f, key: str, rect: tuple[slice, ...], dtype: torch.dtype | None):

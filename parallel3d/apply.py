@@ -113,7 +113,7 @@ def apply_zero(
     frozen = [p for p in untrained if p.is_floating_point()]  # ZeRO lays them out (and shards them at stage 3)
     values = None
     if source is not None:
-        values = _meta_values(source, model, tp_info, [p for p in untrained if not p.is_floating_point()])
+        values = _meta_values(source, model, tp_info, [p for p in untrained if not p.is_floating_point()], ep_info)
     _cast_buffers(model, cfg.data_types.buffer_dtype)
     z = cfg.zero_optimization
     settings = ZeroSettings(
@@ -256,15 +256,16 @@ def _stage_groups(pipe: PipelineModel, named_groups: list[dict]) -> list[dict]:
     return [dict(g, params=ps) for g, ps in zip(named_groups, staged)]
 
 
-def _meta_values(source, model: nn.Module, tp_info, whole: list[nn.Parameter]):
+def _meta_values(source, model: nn.Module, tp_info, whole: list[nn.Parameter], ep_info: ExpertParallelInfo | None):
     """ZeRO's value provider for a meta model; ``whole`` (params ZeRO does not hold: integer ones)
-    are filled in the same read, whole.
+    are filled in the same read, whole. Expert weights are read from this rank's experts' rows.
 
     One read only: a replay of eager init draws the whole model's random numbers each time.
     """
     specs = tp_info.shard_specs if tp_info is not None else {}
     rank, world = (tp_info.tp_rank, tp_info.tp_size) if tp_info is not None else (0, 1)
-    provide = value_provider(source, list(model.named_parameters()), specs, rank, world)
+    first_rows = ep_info.first_experts() if ep_info is not None else None
+    provide = value_provider(source, list(model.named_parameters()), specs, rank, world, first_rows)
     outside = {p: torch.empty(p.numel(), dtype=p.dtype) for p in whole}
 
     def provide_with_outside(wanted) -> None:

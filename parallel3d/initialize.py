@@ -181,7 +181,7 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     check_context_parallel(model, cfg)
-    check_expert_parallel(model, cfg.expert_parallel.size, cfg.tensor_parallel.sequence_parallel, on_meta(model))
+    check_expert_parallel(model, cfg.expert_parallel.size, cfg.tensor_parallel.sequence_parallel)
     if cfg.loss_normalization == "tokens" and (problem := token_mean.model_problem(model)) is not None:
         raise ConfigError(problem)
     groups = _param_groups(model, model_parameters)

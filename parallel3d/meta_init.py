@@ -108,14 +108,16 @@ def detach_from_meta(model: nn.Module, buffers: Iterator[tuple[str, torch.Tensor
 
 
 def _row_reads(shape: torch.Size, spec: ShardSpec | None, rows: tuple[int, int], rank: int, world: int,
-               dest: torch.Tensor) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
+               dest: torch.Tensor, first_row: int = 0) -> list[tuple[tuple[slice, ...], torch.Tensor]]:
     """(rectangle of the full tensor, view of ``dest``) pairs that fill piece rows ``rows``.
 
-    Rows of vocabulary padding have no source: ``dest`` is zeroed first where there are any.
+    Rows of vocabulary padding have no source: ``dest`` is zeroed first where there are any. A piece
+    that is not tp-sharded starts at row ``first_row`` of the full tensor (an expert-parallel rank's
+    experts).
     """
     ra, rb = rows
     if spec is None:
-        return [((slice(ra, rb),), dest)]
+        return [((slice(first_row + ra, first_row + rb),), dest)]
     if spec.padded_size > spec.full_size:
         dest.zero_()
     if spec.dim == 0:
@@ -126,8 +128,11 @@ def _row_reads(shape: torch.Size, spec: ShardSpec | None, rows: tuple[int, int],
 
 
 def value_provider(source, named_params: list[tuple[str, nn.Parameter]], specs: Mapping[str, ShardSpec],
-                   tp_rank: int = 0, tp_world: int = 1):
+                   tp_rank: int = 0, tp_world: int = 1, first_rows: Mapping[str, int] | None = None):
     """ZeRO's ``initial_values``: fill the flat ranges of (tp pieces of) params it keeps, from ``source``.
+
+    ``first_rows``: params that are a dim-0 slice of their full tensor starting at that row (an
+    expert-parallel rank's experts, ``ExpertParallelInfo.first_experts``); only their rows are read.
 
     Given ``{param: (start, stop, flat)}`` (``flat`` is where elements [start, stop) of the
     param go), it has the source write the whole rows inside the range straight into
@@ -137,6 +142,7 @@ def value_provider(source, named_params: list[tuple[str, nn.Parameter]], specs: 
     """
     canonical = getattr(source, "aliases", lambda: {})()
     names = {id(p): n for n, p in named_params}
+    first_rows = first_rows or {}
     known = set(source.names())
 
     def provide(wanted: Mapping[nn.Parameter, tuple[int, int, torch.Tensor]]) -> None:
@@ -154,10 +160,10 @@ def value_provider(source, named_params: list[tuple[str, nn.Parameter]], specs: 
             first, last = -(-start // row), stop // row  # the rows wholly inside [start, stop)
             if first < last:
                 rows = flat[first * row - start : last * row - start].view(last - first, *tail)
-                reads += _row_reads(param.shape, spec, (first, last), tp_rank, tp_world, rows)
+                reads += _row_reads(param.shape, spec, (first, last), tp_rank, tp_world, rows, first_rows.get(name, 0))
             for r in sorted({start // row, (stop - 1) // row} - set(range(first, last))):
                 bounce = torch.empty((1, *tail), dtype=flat.dtype)
-                reads += _row_reads(param.shape, spec, (r, r + 1), tp_rank, tp_world, bounce)
+                reads += _row_reads(param.shape, spec, (r, r + 1), tp_rank, tp_world, bounce, first_rows.get(name, 0))
                 partial_rows.append((bounce, r * row, start, stop, flat))
         source.fill(destinations)
         for bounce, row_start, start, stop, flat in partial_rows:

@@ -6,6 +6,8 @@ by rank and by step, and some experts get no token on a rank.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -14,11 +16,17 @@ from tests.tiny import VOCAB
 EXPERTS = 8
 
 
-def make_moe(kind: str, seed: int = 0, **overrides) -> nn.Module:
-    """A tiny ``mixtral`` or ``qwen3_moe`` causal LM with its load-balancing loss in the loss."""
+def make_moe(kind: str, seed: int = 0, meta: bool = False, **overrides) -> nn.Module:
+    """A tiny ``mixtral`` or ``qwen3_moe`` causal LM with its load-balancing loss in the loss (``meta``: built on
+    the meta device after the same seed, so a meta start replays the eager values)."""
+    torch.manual_seed(seed)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return _build_moe(kind, **overrides)
+
+
+def _build_moe(kind: str, **overrides) -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    torch.manual_seed(seed)
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   num_experts_per_tok=2, max_position_embeddings=64, output_router_logits=True,
                   router_aux_loss_coef=0.05)

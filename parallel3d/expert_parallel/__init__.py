@@ -35,15 +35,15 @@ class ExpertParallelInfo:
     experts: dict[str, int] = field(default_factory=dict)
     """The routed-expert count (in one process) of each of ``params``."""
 
+    def first_experts(self) -> dict[str, int]:
+        """Where each of ``params`` starts in its full stacked weight (dim 0): a meta start reads from there."""
+        return {name: self.rank * (count // self.size) for name, count in self.experts.items()}
 
-def check_expert_parallel(model: nn.Module, size: int, sequence_parallel: bool, meta: bool) -> None:
+
+def check_expert_parallel(model: nn.Module, size: int, sequence_parallel: bool) -> None:
     """ConfigError, before any collective, when ``model`` cannot be split over ``size`` expert-parallel ranks."""
     if size == 1:
         return
-    if meta:
-        raise ConfigError("expert_parallel with a model on the meta device is not supported yet: each rank would "
-                          "have to read only its experts; build the model with real weights (or pass pretrained= "
-                          "with an eagerly built model)")
     if sequence_parallel:
         raise ConfigError("expert_parallel with tensor_parallel.sequence_parallel is not supported yet: the tensor-"
                           "parallel ranks would route different parts of the sequence to experts they all hold "

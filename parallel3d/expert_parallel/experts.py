@@ -27,6 +27,7 @@ from torch import nn
 
 from parallel3d.errors import ConfigError
 from parallel3d.expert_parallel.dispatch import dispatch_combine
+from parallel3d.storageless import clone
 
 
 def _grouped_mm_forward(module: nn.Module):
@@ -55,7 +56,8 @@ def split_experts(module: nn.Module, num_experts: int, group: dist.ProcessGroup)
     local = num_experts // world
     kept = []
     for name, param in list(module.named_parameters(recurse=False)):
-        piece = nn.Parameter(param.data[rank * local : (rank + 1) * local].clone(), requires_grad=param.requires_grad)
+        # a meta start's storage-less weight stays storage-less: ZeRO fills this slice from the source
+        piece = nn.Parameter(clone(param.data[rank * local : (rank + 1) * local]), requires_grad=param.requires_grad)
         setattr(module, name, piece)
         kept.append(piece)
     module.num_experts = local
