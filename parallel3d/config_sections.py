@@ -664,7 +664,7 @@ class ExpertParallelConfig(Section):
         "disable_triton_grouped_mm": False, "route_norm": None, "route_scale": 1.0, "score_apply": "auto",
         "combine_impl": "auto", "row_weighting_impl": "auto", "gate_up_impl": "separate", "comm_backend": "comm",
         "comm_num_sm": 12, "comm_qp_margin": 4, "comm_max_tokens_per_rank": 0, "num_expert_groups": None,
-        "num_limited_groups": None, "score_func": "auto", "top_k": "auto", "load_balance_coeff": None,
+        "num_limited_groups": None, "score_func": "auto", "top_k": "auto",
     }
 
     enabled: bool = False
@@ -677,6 +677,11 @@ class ExpertParallelConfig(Section):
     expert_tensor_parallel_size: PositiveInt = 1
     """Ranks each expert is split over inside an expert-parallel rank; only 1 (whole experts) is
     implemented."""
+
+    load_balance_coeff: Optional[PositiveFloat] = None
+    """DeepSeek V3's auxiliary-loss-free balancing (Megatron's ``moe_router_bias_update_rate``): after
+    every step each router's ``e_score_correction_bias`` moves by ``coeff * sign(mean_load - load)``,
+    the loads counted over the global batch; also without ``enabled`` (docs/expert_parallel.md)."""
 
     @field_validator("expert_tensor_parallel_size")
     @classmethod

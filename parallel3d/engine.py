@@ -75,6 +75,7 @@ class Engine(DeepSpeedSurface):
         sequence_split: SequenceSplit | None = None,
         compiled: CompiledBlocks | None = None,
         ep_info=None,
+        expert_bias=None,
     ) -> None:
         self.module = module
         self.client_optimizer = client_optimizer
@@ -84,6 +85,7 @@ class Engine(DeepSpeedSurface):
         self.lr_scheduler = lr_scheduler
         self.tp_info = tp_info
         self.ep_info = ep_info  # expert parallelism (parallel3d.expert_parallel.ExpertParallelInfo) or None
+        self.expert_bias = expert_bias  # load_balance_coeff's router-bias updates (ExpertBiasBalancer) or None
         self.gradient_accumulation_steps = CallableInt(config.gradient_accumulation_steps)  # also DeepSpeed's getter
         self.train_state = TrainState()  # the counters: written here only (parallel3d/train_state.py)
         self.device = mesh.device
@@ -230,7 +232,10 @@ class Engine(DeepSpeedSurface):
         self.train_state.micro_steps += 1
 
     def _end_window(self, stepped: bool) -> None:
-        """An optimizer step ended a window: the LR schedule moves if it was applied; the counters."""
+        """An optimizer step ended a window: the routers' expert biases follow the window's loads (also
+        after a step skipped for overflow, as Megatron's); the LR schedule moves if it was applied; the counters."""
+        if self.expert_bias is not None:
+            self.expert_bias.update()
         if stepped and self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self.train_state.end_window(stepped, self.config.train_batch_size)
@@ -440,6 +445,9 @@ class Engine(DeepSpeedSurface):
                 f"{self.micro_steps}, gradient_accumulation_steps {self.gradient_accumulation_steps}): "
                 "accumulated gradients are not saved, so save after engine.step() ends a window"
             )
+        if self.expert_bias is not None and self._is_rank0():
+            logger.warning("save_checkpoint: the routers' e_score_correction_bias (expert_parallel.load_balance_coeff) "
+                           "is not saved: a resumed run or an export starts them from the model's own values")
         self.wait_for_checkpoint()
         background = self.config.checkpoint.async_save
         if background and self._save_group is None and dist.is_initialized():

@@ -32,6 +32,7 @@ from parallel3d.config_sections import CommConfig
 from parallel3d.context_parallel import apply_context_parallel, check_context_parallel
 from parallel3d.engine import Engine
 from parallel3d.expert_parallel import check_expert_parallel
+from parallel3d.expert_parallel.bias_balance import ExpertBiasBalancer, balanced_routers, check_bias_balance
 from parallel3d.errors import ConfigError, UsageError
 from parallel3d.gathered import register
 from parallel3d.lifeline import install_exit_guard
@@ -182,6 +183,8 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     check_context_parallel(model, cfg)
     check_expert_parallel(model, cfg.expert_parallel.size, cfg.tensor_parallel.sequence_parallel)
+    if cfg.expert_parallel.load_balance_coeff is not None:
+        check_bias_balance(model, cfg.tensor_parallel.sequence_parallel, cfg.compile.enabled)
     if cfg.loss_normalization == "tokens" and (problem := token_mean.model_problem(model)) is not None:
         raise ConfigError(problem)
     groups = _param_groups(model, model_parameters)
@@ -290,7 +293,13 @@ def initialize(
     ep_info = apply_ep(model, mesh)
     tp_info = apply_tp(model, cfg.tensor_parallel, mesh, ep_info)
     sequence_split = apply_context_parallel(model, cfg, mesh)
+    routers = balanced_routers(model) if cfg.expert_parallel.load_balance_coeff is not None else None
     pipe = apply_pipeline(model, cfg.pipeline, mesh, tp_info)
+    expert_bias = None
+    if routers is not None:  # the routers of the layers this pipeline stage kept
+        expert_bias = ExpertBiasBalancer.attach(routers, pipe.chunks if pipe is not None else [model],
+                                                cfg.expert_parallel.load_balance_coeff, mesh.groups.gradient_mean)
+        del routers
     zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source, ep_info)
     if (notice := persistence_notice(zero_opt)) is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(notice)
@@ -301,7 +310,7 @@ def initialize(
     client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
     engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe, client_optimizer=client,
                     watchdog=Watchdog.for_default_group(timeout_s), sequence_split=sequence_split,
-                    compiled=compiled, ep_info=ep_info)
+                    compiled=compiled, ep_info=ep_info, expert_bias=expert_bias)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler
 
 

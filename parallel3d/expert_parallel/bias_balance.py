@@ -1,0 +1,146 @@
+"""DeepSeek V3's auxiliary-loss-free load balancing: each router's expert bias follows the load.
+
+DeepSeek V3 (paper, sec. 2.1.2), GLM-4 MoE, MiniMax-M2, dots1 and others add a per-expert bias,
+``e_score_correction_bias``, to the router's scores when choosing experts (not when weighting
+them). Hugging Face keeps it as a buffer its forward never changes; in training it is updated
+after every step by ``bias += rate * sign(mean_load - load)``, ``load`` being the number of
+(token, choice) pairs each expert got over the step's global batch and ``mean_load`` its mean
+over the layer's experts: an overloaded expert's bias goes down, an idle one's up.
+
+``expert_parallel.load_balance_coeff`` (DeepSpeed AutoEP's key, torchtitan's name; Megatron's
+``moe_router_bias_update_rate``) turns it on. Each experts module's calls are counted (a forward
+pre-hook reads ``top_k_index``, the global expert ids, before any dispatch): every micro-batch of
+the window, forward passes with gradients only (not evaluation under ``no_grad``, not the
+recomputation of activation checkpointing inside backward). At the window's end the counts are
+summed over ``dp_cp`` (every data-parallel and context-parallel rank of this pipeline stage and
+tp rank, which hold the same routers and see disjoint tokens; tensor-parallel ranks see the same
+tokens and each count them alone), so every rank applies the update one process would make from
+the whole global batch. Expert parallelism does not enter: the routers run where the tokens are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel3d.errors import ConfigError
+from parallel3d.expert_parallel.plan import resolve_experts
+
+logger = logging.getLogger(__name__)
+
+BIAS = "e_score_correction_bias"
+KEY = "expert_parallel.load_balance_coeff"
+
+
+@dataclass(frozen=True)
+class BalancedRouter:
+    """One router bias and the experts module whose calls carry that router's choices."""
+
+    name: str
+    owner: nn.Module
+    experts: nn.Module
+    num_experts: int
+
+
+def balanced_routers(model: nn.Module) -> list[BalancedRouter]:
+    """Every ``e_score_correction_bias`` buffer of ``model`` paired with its layer's experts module;
+    ConfigError when there is none or a pairing is not one to one."""
+    owner_name = type(model).__name__
+    params = [n for n, _ in model.named_parameters() if n.rpartition(".")[2] == BIAS]
+    if params:
+        raise ConfigError(f"{KEY}: {owner_name} holds {params[0]} as a parameter, not a buffer; only a buffer bias is "
+                          "updated (a parameter is ZeRO's, sharded at stage 3); remove the key for this model")
+    biases = [n for n, _ in model.named_buffers() if n.rpartition(".")[2] == BIAS]
+    if not biases:
+        model_type = getattr(getattr(model, "config", None), "model_type", "?")
+        raise ConfigError(f"{KEY}: {owner_name} (model_type {model_type!r}) has no {BIAS} buffer, so its routers have no "
+                          "bias to balance with (DeepSeek V3, GLM-4 MoE, MiniMax-M2, dots1, ... have one); remove the "
+                          "key, or use the model's router auxiliary loss (router_aux_loss_coef)")
+    try:
+        experts = resolve_experts(model, 1)
+    except ConfigError as exc:
+        raise ConfigError(f"{KEY} needs the experts modules of base_model_ep_plan: {exc}") from None
+    found = []
+    for name in biases:
+        owner = name.rpartition(".")[0]
+        layer = [e for e in experts if owner == _parent(e.name) or owner.startswith(_parent(e.name) + ".")]
+        if len(layer) != 1:
+            raise ConfigError(f"{KEY}: {name} belongs to {len(layer)} experts modules "
+                              f"({', '.join(e.name for e in layer) or 'none'}); it must sit in one MoE block")
+        bias, module = model.get_buffer(name), model.get_submodule(layer[0].name)
+        # cut by expert parallelism: (rank, ranks, experts in one process); the router still picks among all
+        count = getattr(module, "expert_parallel", (0, 1, layer[0].num_experts))[2]
+        if bias.numel() != count:
+            raise ConfigError(f"{KEY}: {name} has {bias.numel()} entries for the {count} experts of {layer[0].name}")
+        found.append(BalancedRouter(name, model.get_submodule(owner), module, count))
+    return found
+
+
+def check_bias_balance(model: nn.Module, sequence_parallel: bool, compiled: bool) -> None:
+    """ConfigError, before any collective, when ``load_balance_coeff`` cannot apply to ``model``."""
+    if compiled:
+        raise ConfigError(f"{KEY} with compile.enabled is not supported: the loads are counted by a hook on each "
+                          "experts module, outside what torch.compile traces; turn one of them off")
+    if sequence_parallel:
+        raise ConfigError(f"{KEY} with tensor_parallel.sequence_parallel is not supported: each tensor-parallel rank "
+                          "would route part of the sequence and the loads are summed over data-parallel ranks only; "
+                          "turn sequence_parallel off")
+    balanced_routers(model)
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+class ExpertBiasBalancer:
+    """Counts each balanced router's expert loads over a window and updates its bias at the window's end."""
+
+    def __init__(self, routers: list[BalancedRouter], rate: float, group: dist.ProcessGroup | None) -> None:
+        self.routers, self.rate, self.group = routers, rate, group
+        self.loads = [torch.zeros(r.num_experts, dtype=torch.int64) for r in routers]
+        self._hooks = [r.experts.register_forward_pre_hook(self._counter(i), with_kwargs=True)
+                       for i, r in enumerate(routers)]
+
+    @classmethod
+    def attach(cls, routers: list[BalancedRouter], kept: Iterable[nn.Module], rate: float,
+               group: dist.ProcessGroup | None) -> ExpertBiasBalancer:
+        """A balancer for the ``routers`` whose modules this rank kept (a pipeline stage keeps its layers)."""
+        live = {id(m) for root in kept for m in root.modules()}
+        return cls([r for r in routers if id(r.owner) in live and id(r.experts) in live], rate, group)
+
+    def _counter(self, index: int):
+        def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+                return  # evaluation, or activation checkpointing's forward re-run inside backward
+            choices = args[1] if len(args) > 1 else kwargs["top_k_index"]
+            experts = self.routers[index].num_experts
+            flat = choices.detach().reshape(-1)
+            counted = torch.bincount(flat[flat < experts], minlength=experts)  # ids >= E: no expert chosen
+            self.loads[index] = self.loads[index].to(counted.device) + counted
+
+        return count
+
+    def update(self) -> None:
+        """The window ended: sum the loads over ``dp_cp`` and move every bias by ``rate * sign(mean - load)``."""
+        if not self.routers:
+            return
+        loads = torch.stack(self.loads)
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(loads, group=self.group)
+        with torch.no_grad():
+            for router, load in zip(self.routers, loads):
+                bias = router.owner.get_buffer(BIAS)
+                load = load.to(device=bias.device, dtype=torch.float32)
+                step = torch.sign(load.mean() - load) * self.rate
+                bias.add_(step.to(bias.dtype).view_as(bias))
+        self.loads = [torch.zeros_like(load) for load in self.loads]
+
+    def detach(self) -> None:
+        """Remove the counting hooks."""
+        for hook in self._hooks:
+            hook.remove()

@@ -1,0 +1,103 @@
+"""``expert_parallel.load_balance_coeff``: DeepSeek V3's router biases follow the global batch's loads.
+
+The reference is one process training a tiny DeepSeek V3 over the same global batch (fp32 AdamW) and,
+after each step, moving every router's ``e_score_correction_bias`` by ``coeff * sign(mean_load - load)``
+with the loads read from the routers' own outputs over all micro-batches of every data-parallel rank.
+The engine must give the same biases (bit for bit: sums of +-coeff), losses and parameters, without
+expert parallelism, with it at ZeRO 3, and with pipeline stages.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed
+
+from parallel3d.errors import ConfigError
+from tests.tiny import ds_config, rank_micro_batches, token_batches, update_mismatch
+from tests.tiny_moe import EXPERTS, ep_config, make_deepseek_v3, make_moe
+
+COEFF, STEPS, GAS, RTOL = 0.01, 2, 2, 1e-5
+BIAS = "e_score_correction_bias"
+
+LAYOUTS = {  # world, config extras, data-parallel ranks, expert-parallel size, ZeRO stage
+    "dp2": (2, {}, 2, 1, 2),
+    "ep2": (4, {}, 4, 2, 3),
+    "pp2_ep2": (4, {"pipeline": {"stages": 2}}, 2, 2, 1),
+}
+
+
+@functools.cache
+def _reference(dp: int) -> tuple[list[float], dict, dict]:
+    """One process: losses, final parameters and final router biases."""
+    model = make_deepseek_v3()
+    routers = {n.rpartition(".")[0]: m for n, m in model.named_modules() if hasattr(m, BIAS) for n in [n + "." + BIAS]}
+    loads = {}
+
+    def count(name):
+        return lambda module, args, out: loads.__setitem__(name, loads[name] + torch.bincount(out[2].reshape(-1),
+                                                                                                  minlength=EXPERTS))
+
+    for name, router in routers.items():
+        router.register_forward_hook(count(name))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    data = token_batches(STEPS, GAS, dp)
+    losses = []
+    for s in range(STEPS):
+        loads.update({name: torch.zeros(EXPERTS, dtype=torch.int64) for name in routers})
+        total = 0.0
+        for a in range(GAS):
+            loss = sum(model(input_ids=data[s, a, r], labels=data[s, a, r]).loss for r in range(dp)) / dp
+            (loss / GAS).backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for name, router in routers.items():
+                load = loads[name].float()
+                getattr(router, BIAS).add_(torch.sign(load.mean() - load) * COEFF)
+        losses.append(total / GAS)
+    biases = {f"{n}.{BIAS}": getattr(r, BIAS).clone() for n, r in routers.items()}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, biases
+
+
+def _train(layout: str) -> tuple[list[float], dict, dict]:
+    import parallel3d
+
+    _, extra, dp, ep, stage = LAYOUTS[layout]
+    config = {**ep_config(stage, GAS, dp, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000), **extra}
+    config.setdefault("expert_parallel", {})["load_balance_coeff"] = COEFF
+    engine = parallel3d.initialize(model=make_deepseek_v3(), config=config)[0]
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
+    losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
+    biases = {r.name: r.owner.get_buffer(BIAS).clone() for r in engine.expert_bias.routers}
+    return losses, engine.full_parameters(), biases
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_router_biases_follow_the_global_loads(dist, layout):
+    world, _, dp, _, _ = LAYOUTS[layout]
+    want_losses, want_params, want_biases = _reference(dp)
+    assert all(b.abs().sum() > 0 for b in want_biases.values())  # the rule moved them
+    start = dict(make_deepseek_v3().named_parameters())
+    seen = set()
+    for losses, params, biases in dist.run(world, _train, layout):
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        ratio, name, rel = update_mismatch(params, {n: want_params[n] for n in params}, start, STEPS, RTOL)
+        assert ratio <= 1, f"{name}: update off by {rel:.2e}"
+        for name, bias in biases.items():
+            assert torch.equal(bias, want_biases[name]), name
+        seen |= set(biases)
+    assert seen == set(want_biases)
+
+
+def test_load_balance_coeff_needs_a_router_bias():
+    import parallel3d
+
+    config = ds_config(1, 1, 1)
+    config["expert_parallel"] = {"load_balance_coeff": COEFF}
+    with pytest.raises(ConfigError, match="has no e_score_correction_bias buffer"):
+        parallel3d.initialize(model=make_moe("mixtral"), config=config)
