@@ -19,6 +19,10 @@
    entry points to Zero3D's, and report each file's pass count and every failure's reason and
    class (scripts/ds_unit_report.py); ``--docs`` writes that report into docs/deepspeed.md.
 
+Before any test runs, DeepSpeed's JIT ops that the subset loads are built, each under its own
+timeout (scripts/ds_unit_ops.py): built inside the first test that loads it, an op's build
+counted against that test's timeout, so the count depended on the machine's load.
+
 Each file runs in its own pytest process (DeepSpeed's harness ends the whole session when a
 test hangs); a file whose session ended early is resumed without the tests already done.
 Results are stored per test in the work directory, so files can be run one at a time and the
@@ -40,6 +44,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ds_unit_ops  # noqa: E402
 import ds_unit_report  # noqa: E402
 
 logger = logging.getLogger("ds_unit_tests")
@@ -272,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU 'devices' DeepSpeed's harness may use (its LOCAL_SIZE; tests of a larger world "
                              "size skip); the pinned subset is for 1; 2 or 4 run more tests (slower) and need "
                              "their own --rebaseline")
+    parser.add_argument("--build-ops", nargs="*", default=list(ds_unit_ops.OPS), metavar="BUILDER",
+                        help="DeepSpeed op builders to build before the tests (default: %(default)s); "
+                             "give none to build nothing first")
+    parser.add_argument("--build-timeout", type=int, default=3600, help="seconds one op's build may take")
     parser.add_argument("--subset", default=str(SUBSET_FILE), help="the pinned subset (JSON)")
     parser.add_argument("--rebaseline", action="store_true",
                         help="measure the subset of --files with DeepSpeed itself and pin it into --subset")
@@ -291,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     tests = obtain_tests(Path(opts.work).expanduser(), opts.rev, opts.archive, opts.git_dir)
     files = opts.files or select_files(tests)
     subset_path = Path(opts.subset)
+    if opts.build_ops and (opts.rebaseline or not (opts.no_run or opts.baseline_only)):
+        ds_unit_ops.build_ops(opts.build_ops, opts.build_timeout)
     if opts.rebaseline:
         pin_subset(subset_path, opts.rev, opts.ranks, baseline(tests, files, work, opts.timeout))
     if not opts.files and not opts.rebaseline and subset_path.exists():  # every file pinned so far

@@ -202,3 +202,73 @@ def _plain(tmp_path: Path) -> Path:
     path = tmp_path / "plain.md"
     path.write_text("no markers\n")
     return path
+
+
+_FAKE_BUILDER = """
+import os, time
+from pathlib import Path
+
+
+class _Builder:
+    NAME = "slow_op"
+
+    def load(self, verbose=False):  # as torch's FileBaton: wait while another holds the lock, take it, build
+        lock = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / self.NAME / "lock"
+        while True:
+            try:
+                os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
+                break
+            except FileExistsError:
+                time.sleep(0.1)
+        if os.environ.get("FAKE_BUILD") == "fail":
+            raise RuntimeError("no compiler")
+        time.sleep(120)
+
+
+class _Accelerator:
+    def create_op_builder(self, name):
+        return _Builder()
+
+
+def get_accelerator():
+    return _Accelerator()
+"""
+
+
+def test_an_op_build_has_its_own_timeout_and_a_killed_build_leaves_no_lock(tmp_path):
+    """scripts/ds_unit_ops.py builds DeepSpeed's ops before the tests; a build that overruns its timeout is
+    killed and its lock file removed (left there, every later load of the op would wait for it for ever).
+    Fake ``deepspeed.accelerator`` and ``torch.utils.cpp_extension`` modules stand in: no compiler runs."""
+    import os
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import ds_unit_ops
+
+    fakes = tmp_path / "fakes"
+    (fakes / "deepspeed").mkdir(parents=True)
+    (fakes / "torch" / "utils").mkdir(parents=True)
+    for package in ("deepspeed", "torch", "torch/utils"):
+        (fakes / package / "__init__.py").write_text("")
+    (fakes / "deepspeed" / "accelerator.py").write_text(_FAKE_BUILDER)
+    (fakes / "torch" / "utils" / "cpp_extension.py").write_text(
+        "import os\ndef _get_build_directory(name, verbose):\n"
+        "    path = os.path.join(os.environ['TORCH_EXTENSIONS_DIR'], name)\n    os.makedirs(path, exist_ok=True)\n"
+        "    return path\n")
+    extensions = tmp_path / "extensions"
+    env = dict(os.environ, PYTHONPATH=str(fakes), TORCH_EXTENSIONS_DIR=str(extensions))
+    lock = extensions / "slow_op" / "lock"
+
+    ok, seconds, what = ds_unit_ops.build_op("SlowBuilder", 3, env)
+    assert not ok and seconds < 60, (seconds, what)
+    assert what == f"not built within 3 s (killed); removed the lock file it left, {lock}", what
+    assert not lock.exists()
+
+    lock.touch()  # another process's build (or a stale one): reported, never removed
+    ok, _, what = ds_unit_ops.build_op("SlowBuilder", 3, env)
+    assert not ok and lock.exists()
+    assert what.startswith(f"not built within 3 s (killed); {lock} was there before the build started"), what
+
+    lock.unlink()
+    ok, _, what = ds_unit_ops.build_op("SlowBuilder", 60, dict(env, FAKE_BUILD="fail"))
+    assert not ok and what.startswith("failed (exit code 1):") and "RuntimeError: no compiler" in what, what
