@@ -231,9 +231,9 @@ def _loss_scaler(cfg: Zero3DConfig) -> LossScaler:
 
 
 def _tp_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, group, vocab_start: int, vocab_size: int,
-                       num_items_in_batch: torch.Tensor | int | None = None):
+                       num_items_in_batch: torch.Tensor | int | None = None, shift_labels: torch.Tensor | None = None):
     return causal_lm_loss(logits, labels, group, vocab_start=vocab_start, vocab_size=vocab_size,
-                          num_items_in_batch=num_items_in_batch)
+                          num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
 
 
 def _stage_groups(pipe: PipelineModel, named_groups: list[dict]) -> list[dict]:

@@ -94,6 +94,7 @@ class Engine(DeepSpeedSurface):
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self.token_mean = config.loss_normalization == "tokens"  # parallel3d/token_mean.py
         self.pipe = pipe  # this rank's pipeline chunks (None without pipeline stages)
+        self.sequence_split = sequence_split  # cp > 1: each micro-batch is cut (parallel3d/context_parallel)
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
@@ -104,7 +105,6 @@ class Engine(DeepSpeedSurface):
         # packed batches need use_cache=False where the model would make a cache (a pipeline's stages never do)
         self._cache_on = pipe is None and bool(getattr(getattr(module, "config", None), "use_cache", False))
         self._batches_checked = False  # inside train_batch/eval_batch: forward need not check again
-        self.sequence_split = sequence_split  # cp > 1: forward cuts each micro-batch (parallel3d/context_parallel)
         self.compiled = compiled  # the blocks compiled by config or engine.compile() (parallel3d/compiled_blocks.py)
         if watchdog is not None:
             weakref.finalize(self, watchdog.close)  # the heartbeat thread ends with the engine

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from parallel3d.context_parallel.stages import StageCut
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.executor import BackwardPass, PipelineExecutor
 from parallel3d.pipeline.stage import PipelineModel, sum_tied_grads
@@ -105,6 +106,9 @@ class PipelineLoop:
         self.engine = engine
         self.pipe = pipe
         config, mesh = engine.config, engine.mesh
+        # cp > 1: every micro-batch is cut before the stages run it (parallel3d/context_parallel/stages.py)
+        split = engine.sequence_split
+        self.stage_cut = StageCut(split, [c.block_indices for c in pipe.chunks]) if split is not None else None
         self.executor = PipelineExecutor(
             pipe,
             mesh.groups.pp,
@@ -113,6 +117,7 @@ class PipelineLoop:
             before_backward=self._begin_pass,
             after_backward=self._end_pass,
             before_weight_group=engine.optimizer.gather_blocks_of,
+            around_compute=self.stage_cut.around if self.stage_cut is not None else None,
             sum_tied_grads=False,  # done in train(), on what ZeRO holds
             scale_by_microbatches=not engine.token_mean,  # token-mean losses are divided by the global count
             record=config.pipeline.record_timeline,
@@ -134,11 +139,11 @@ class PipelineLoop:
         else:  # an input-gradient pass (zb_h1): its weight pass gathers the blocks again
             self.engine.optimizer.release_blocks(pass_.chunk)
 
-    @staticmethod
-    def _dicts(batches: list) -> list[dict]:
+    def _dicts(self, batches: list) -> list[dict]:
+        """The micro-batches as the stages take them: dicts, cut for this cp rank under context parallelism."""
         if not all(isinstance(b, dict) for b in batches):
             raise ConfigError("under pipeline parallelism each micro-batch must be a dict with input_ids and labels")
-        return batches
+        return self.stage_cut.cut(batches) if self.stage_cut is not None else batches
 
     def train(self, batches: list) -> WindowOutcome:
         """One optimizer step over the window's micro-batches: the mean loss (same on every pp

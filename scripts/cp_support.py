@@ -58,7 +58,7 @@ def outcome(model_type: str, group, method: str = "ulysses") -> str:
         model, reference = (tiny_model(model_type, experts_implementation="eager") for _ in range(2))
     model, reference = model.double(), reference.double()
     try:
-        check_model(model, cp, 1, 1, method)
+        check_model(model, cp, 1, method)
     except ConfigError as exc:
         return f"refused: {exc}"
     from transformers import AttentionInterface

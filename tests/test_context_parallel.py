@@ -51,16 +51,19 @@ def packed_positions() -> torch.Tensor:
 
 @functools.cache
 def _oracle(gas: int, dp: int, family: str = "llama", overrides: tuple = (),
-            packed: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+            packed: bool | str = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """``packed`` True: every micro-batch's rows packed; "alternate": a window's even micro-batches."""
     norms: list[float] = []
     losses, params = oracle_run(family, _data(gas, dp), model=_model(family, **dict(overrides)), grad_norms=norms,
-                                position_ids=packed_positions() if packed else None)
+                                position_ids=[packed_positions(), None] if packed == "alternate" else
+                                packed_positions() if packed else None)
     return losses, params, norms
 
 
 def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalization: str = "micro_batch",
              deepspeed_key: bool = False, family: str = "llama", method: str = "ulysses",
-             overrides: tuple = (), packed: bool = False) -> tuple[list[float], dict]:
+             overrides: tuple = (), packed: bool | str = False, pipeline: dict | None = None) -> tuple[list[float], dict]:
+    """``pipeline``: the config's pipeline section (the parameters returned are then the stage's)."""
     import parallel3d
 
     config = ds_config(stage, gas, dp, stage3_param_persistence_threshold=0)
@@ -71,11 +74,14 @@ def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalizat
         config["context_parallel"] = {"size": cp, "method": method}
     if tp > 1:
         config["tensor_parallel"] = {"size": tp}
+    if pipeline is not None:
+        config["pipeline"] = pipeline
     engine, _, _, _ = parallel3d.initialize(model=_model(family, **dict(overrides)), config=config)
     assert engine.mesh.cp == cp and engine.mesh.dp == dp
     batches = rank_micro_batches(_data(gas, dp), engine.mesh.local_rank("dp"))
     if packed:
-        batches = [{**batch, "position_ids": packed_positions(), "use_cache": False} for batch in batches]
+        batches = [{**batch, "position_ids": packed_positions(), "use_cache": False}
+                   if packed is True or i % gas % 2 == 0 else batch for i, batch in enumerate(batches)]
     losses, norms = [], []
     for s in range(STEPS):
         losses.append(engine.train_batch(iter(batches[s * gas:(s + 1) * gas])))
@@ -152,6 +158,33 @@ def test_ring_packed_documents(dist, cp, family, overrides):
     one process's mask does (at cp 4 with Mistral's 5-token window too)."""
     _check(dist.run(cp, train_cp, cp, 2, 1, family=family, method="ring", overrides=overrides, packed=True), 2, 1,
            family, overrides, packed=True)
+
+
+FOUR_LAYERS = (("num_hidden_layers", 4),)
+
+
+@pytest.mark.parametrize("method, stage, pipeline, packed", [
+    ("ring", 1, {"schedule": "1f1b"}, False),
+    ("ulysses", 3, {"schedule": "zb_h1"}, False),
+    # the first micro-batch of each window packed, the second not: each micro-batch's documents reach
+    # the ring in its forward and in its backward's recompute, the schedule running them interleaved
+    ("ring", 3, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "activation_checkpointing": True},
+     "alternate")])
+def test_pp2_cp2(dist, method, stage, pipeline, packed):
+    """Pipeline stages over context-parallel shards: the stages run this rank's cut of each
+    micro-batch and pass its shard of the activations on; each stage's parameters, the losses and
+    gradient norms equal one process's."""
+    want_losses, want_params, want_norms = _oracle(2, 1, "llama", FOUR_LAYERS, packed)
+    results = dist.run(4, train_cp, 2, stage, 1, method=method, overrides=FOUR_LAYERS, packed=packed,
+                       pipeline={"stages": 2, **pipeline})
+    seen = set()
+    for losses, params, norms in results:
+        assert losses == pytest.approx(want_losses, rel=RTOL)
+        assert norms == pytest.approx(want_norms, rel=RTOL)
+        err, name = max_rel_param_error(params, {n: want_params[n] for n in params})
+        assert err < RTOL, f"{name} differs by {err:.2e}"
+        seen |= set(params)
+    assert seen == set(want_params)
 
 
 def test_ring_dp2_cp2_zero3(dist):
@@ -282,7 +315,6 @@ def _initialize_error(config_changes: dict, model_changes: dict, world: int) -> 
      "2 attention heads per tensor-parallel rank"),
     ({"context_parallel": {"size": 4}}, {"num_key_value_heads": 3, "num_attention_heads": 12, "hidden_size": 48},
      "3 key/value heads per tensor-parallel rank"),
-    ({"context_parallel": {"size": 2}, "pipeline": {"stages": 2}}, {}, "with pipeline.stages 2 is not supported"),
     ({"context_parallel": {"size": 4}}, {"layer_types": ["full_attention", "sliding_attention"]},
      "layer_types include ['sliding_attention']"),
 ])
@@ -312,8 +344,8 @@ def test_router_load_balancing_loss_is_refused():
 
     model = _model("mixtral", output_router_logits=True, num_local_experts=4, num_experts_per_tok=2)
     with pytest.raises(ConfigError, match=r"mixtral \(MixtralForCausalLM\): its router's load-balancing loss"):
-        check_model(model, 2, 1, 1)
-    check_model(_model("mixtral", num_local_experts=4, num_experts_per_tok=2), 2, 1, 1)
+        check_model(model, 2, 1)
+    check_model(_model("mixtral", num_local_experts=4, num_experts_per_tok=2), 2, 1)
 
 
 def _save_at_cp2_load_at_dp2(directory: str) -> bool:
@@ -382,7 +414,7 @@ def test_ring_refuses_a_short_window_its_layers_do_not_pass(window, refused):
     from parallel3d.errors import ConfigError
 
     attention = _CountingRing()
-    split = SequenceSplit(attention, 0, False, 2, (2 if window else 0, window))
+    split = SequenceSplit(attention, 0, False, 2, ((0, 1) if window else (), window))
     ids = _data(1, 1)[0, 0, 0]
 
     def forward(**kwargs):

@@ -96,11 +96,12 @@ def ds_config(stage: int, gas: int, dp: int, clip: float = 0.5, lr: float = 1e-3
 def oracle_run(
     kind: str, data: torch.Tensor, clip: float = 0.5, lr: float = 1e-3, model: torch.nn.Module | None = None,
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
-    grad_norms: list[float] | None = None, position_ids: torch.Tensor | None = None,
+    grad_norms: list[float] | None = None, position_ids: torch.Tensor | list[torch.Tensor | None] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW (or ``optimizer(params)``) over the global batch: per-step mean losses
     and final params. ``grad_norms``, if given, receives each step's total gradient norm;
-    ``position_ids``, if given, go with every micro-batch (packed documents)."""
+    ``position_ids``, if given, go with every micro-batch (packed documents); a list gives the
+    position ids of each micro-batch of a window in turn (None: the plain positions)."""
     model = model if model is not None else make_model(kind)
     if optimizer is None:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -111,7 +112,8 @@ def oracle_run(
     for s in range(steps):
         total = 0.0
         for a in range(gas):
-            extra = {} if position_ids is None else {"position_ids": position_ids, "use_cache": False}
+            positions = position_ids[a % len(position_ids)] if isinstance(position_ids, list) else position_ids
+            extra = {} if positions is None else {"position_ids": positions, "use_cache": False}
             loss = sum(model(input_ids=data[s, a, r], labels=data[s, a, r], **extra).loss for r in range(dp)) / dp
             (loss / gas).backward()
             total += loss.item()

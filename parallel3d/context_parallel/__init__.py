@@ -28,8 +28,7 @@ def check_context_parallel(model: nn.Module, config) -> None:
     """Raise ConfigError if ``config.context_parallel`` cannot run ``model`` (cp 1 always can)."""
     cp = config.context_parallel.size
     if cp > 1:
-        check_model(_hf_model(model), cp, config.tensor_parallel.size, config.pipeline.stages,
-                    config.context_parallel.method)
+        check_model(_hf_model(model), cp, config.tensor_parallel.size, config.context_parallel.method)
 
 
 def apply_context_parallel(model: nn.Module, config, mesh: ParallelMesh) -> SequenceSplit | None:

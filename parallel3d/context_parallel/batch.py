@@ -25,7 +25,7 @@ the global count and the engine's factor ``dp_cp`` turns the mean into the sum.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -56,7 +56,7 @@ class SequenceSplit:
     """This rank's cut of each micro-batch (``cut``) and the forward around it (``run``)."""
 
     def __init__(self, attention: UlyssesAttention | RingAttention, rank: int, token_mean: bool, layers: int,
-                 windowed_layers: tuple[int, int | None] = (0, None)) -> None:
+                 windowed_layers: tuple[tuple[int, ...], int | None] = ((), None)) -> None:
         self.attention = attention
         self.size = attention.size
         self.method = attention.method
@@ -64,7 +64,8 @@ class SequenceSplit:
         self.rank = rank
         self.token_mean = token_mean
         self.layers = layers
-        self.windowed_layers, self.window = windowed_layers  # ring: the layers whose window it applies itself
+        # ring: the indices of the layers whose sliding window it applies itself, and the window
+        self.windowed_layers, self.window = frozenset(windowed_layers[0]), windowed_layers[1]
         self.length = 0  # the last cut's sequence length
 
     def problem(self, batch: Any) -> str | None:
@@ -119,11 +120,22 @@ class SequenceSplit:
                 "data-parallel ranks only (engine.mesh.dp, engine.mesh.local_rank(\"dp\"))")
 
     def cut(self, batch: dict) -> dict:
-        """This rank's keyword arguments for the model (see the module docstring)."""
+        """This rank's keyword arguments for the model (see the module docstring); the ring is
+        handed the micro-batch's documents."""
+        out, documents = self.cut_apart(batch)
+        if self.method == "ring":
+            self.attention.documents = documents
+        self.length = _sequence_length(batch)
+        return out
+
+    def cut_apart(self, batch: dict) -> tuple[dict, torch.Tensor | None]:
+        """This rank's keyword arguments for the model, and for ring each token's document in packed
+        rows (None: one document a row, and always under Ulysses), without handing them to the
+        attention: pipeline stages cut a window's micro-batches before running any of them."""
         problem = self.problem(batch)
         if problem is not None:
             raise ConfigError(problem)
-        length = self.length = _sequence_length(batch)
+        length = _sequence_length(batch)
         device = batch.get("input_ids", batch.get("inputs_embeds")).device
         piece = (ring_index(self.rank, self.size, length, device) if self.method == "ring"
                  else slice(self.rank * length // self.size, (self.rank + 1) * length // self.size))
@@ -135,8 +147,7 @@ class SequenceSplit:
         if not isinstance(positions, torch.Tensor):
             positions = torch.arange(length, device=device)[None]
         out["position_ids"] = positions[:, piece]
-        if self.method == "ring":
-            self.attention.documents = self._documents(batch, positions)
+        documents = self._documents(batch, positions) if self.method == "ring" else None
         shifted = batch.get("shift_labels")
         if not isinstance(shifted, torch.Tensor) and isinstance(batch.get("labels"), torch.Tensor):
             shifted = nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -144,7 +155,7 @@ class SequenceSplit:
             out["shift_labels"] = out["labels"] = shifted[:, piece].contiguous()
             out["num_items_in_batch"] = self._divisor(shifted, batch.get("num_items_in_batch"))
         out["use_cache"] = False  # a cache of this rank's keys would be a slice of the sequence's
-        return out
+        return out, documents
 
     @staticmethod
     def _documents(batch: dict, positions: torch.Tensor) -> torch.Tensor | None:
@@ -166,21 +177,27 @@ class SequenceSplit:
         return count / self.size
 
     def run(self, module: Callable, kwargs: dict) -> Any:
-        """The model's forward on this rank's cut; every attention layer must have gone through the
-        cp attention (and, for ring, every sliding-window layer handed it its window)."""
+        """The model's forward on this rank's cut, its attention calls checked (``check_calls``)."""
         self.attention.reset()
         output = module(**self.cut(kwargs))
-        if self.attention.calls != self.layers:
+        self.check_calls(range(self.layers), self.length)
+        return output
+
+    def check_calls(self, layers: Sequence[int], length: int) -> None:
+        """Every attention layer of ``layers`` (global indices: the model's, or a pipeline stage's)
+        went through the cp attention once since its last ``reset``, and, for ring, every
+        sliding-window layer among them handed it its window (sequences of ``length`` tokens)."""
+        if self.attention.calls != len(layers):
             raise ConfigError(f"context_parallel: the forward called the {self.method} attention "
-                              f"{self.attention.calls} times for {self.attention.model_type}'s {self.layers} layers, "
+                              f"{self.attention.calls} times for {len(layers)} layers of {self.attention.model_type}, "
                               "not once each: a layer that bypasses transformers' AttentionInterface would attend "
                               "within its slice only, and one that calls attention several times (differential "
                               "attention) is not reproduced")
-        window_matters = self.window is not None and self.window < self.length
-        if self.method == "ring" and self.attention.windowed != self.windowed_layers and window_matters:
-            raise ConfigError(f"context_parallel (ring): {self.attention.model_type} has {self.windowed_layers} "
+        windowed = sum(index in self.windowed_layers for index in layers)
+        window_matters = self.window is not None and self.window < length
+        if self.method == "ring" and self.attention.windowed != windowed and window_matters:
+            raise ConfigError(f"context_parallel (ring): {self.attention.model_type} has {windowed} "
                               f"sliding-window layers of {self.window} tokens, shorter than the sequence "
-                              f"({self.length}), but {self.attention.windowed} attention calls passed a "
+                              f"({length}), but {self.attention.windowed} attention calls passed a "
                               "sliding_window; a window applied through the mask alone would be lost (the ring builds "
                               "its own causal mask)")
-        return output

@@ -41,18 +41,18 @@ def _local_heads(total: int, tp: int) -> int:
     return total // tp if total >= tp else 1
 
 
-def windowed_layers(model: nn.Module) -> tuple[int, int | None]:
-    """How many of the model's attention layers have a sliding window (each must pass it to ring),
-    and the config's window."""
+def windowed_layers(model: nn.Module) -> tuple[tuple[int, ...], int | None]:
+    """The indices of the model's attention layers that have a sliding window (each must pass it
+    to ring), and the config's window."""
     config = _text_config(model)
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
-        return sum(kind == "sliding_attention" for kind in layer_types), window
-    return (getattr(config, "num_hidden_layers", 0) if window is not None else 0), window
+        return tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention"), window
+    return (tuple(range(getattr(config, "num_hidden_layers", 0))) if window is not None else ()), window
 
 
-def check_model(model: nn.Module, cp: int, tp: int, pp: int, method: str = "ulysses") -> None:
+def check_model(model: nn.Module, cp: int, tp: int, method: str = "ulysses") -> None:
     """Raise ConfigError if ``model`` cannot run context parallelism over ``cp`` ranks with ``method``."""
     from transformers import PreTrainedModel
 
@@ -65,9 +65,6 @@ def check_model(model: nn.Module, cp: int, tp: int, pp: int, method: str = "ulys
     def refuse(reason: str) -> ConfigError:
         return ConfigError(f"context_parallel ({method}) does not support {kind} ({type(model).__name__}): {reason}")
 
-    if pp > 1:
-        raise ConfigError(f"context_parallel.size {cp} with pipeline.stages {pp} is not supported yet; use "
-                          "context parallelism with tensor parallelism and ZeRO, or pipeline stages without it")
     implementation = model.config._attn_implementation
     if implementation not in _KERNELS:
         raise refuse(f'its attention implementation is {implementation!r}; load it with attn_implementation "sdpa" '

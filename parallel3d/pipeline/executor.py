@@ -37,7 +37,9 @@ Engine hooks: ``before_backward(pass_)`` / ``after_backward(pass_)`` are called 
 is_last, is_last_of_step)``; ``is_last`` marks the last pass of the step that accumulates weight
 gradients into that chunk's parameters (the last ``B``, or the last ``W`` in ``zb_h1``), the
 moment to reduce the chunk's gradients. ``before_weight_group(params)`` is called in a ``W``
-before each group of parameters whose gradients it computes together. With ``record=True`` every compute action is timed and
+before each group of parameters whose gradients it computes together. ``around_compute(action)``
+gives a context each ``F``, ``B`` and ``W`` runs in (context parallelism's per-micro-batch state,
+parallel3d/context_parallel/stages.py). With ``record=True`` every compute action is timed and
 ``timeline`` holds :class:`~parallel3d.pipeline.simulate.Interval` s (seconds from a pp barrier
 at the start of the step); :meth:`gather_timeline` collects all ranks' and
 :meth:`write_chrome_trace` writes them for ``draw.py``.
@@ -45,6 +47,7 @@ at the start of the step); :meth:`gather_timeline` collects all ranks' and
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -64,7 +67,7 @@ from parallel3d.pipeline.stage import PipelineModel, sum_tied_grads, tied_grad_s
 
 __all__ = ["BackwardPass", "PipelineExecutor", "backward_input", "backward_weight"]
 
-BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "num_items_in_batch")
+BATCH_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids", "num_items_in_batch")
 
 
 class BackwardPass(NamedTuple):
@@ -218,6 +221,7 @@ class PipelineExecutor:
                  before_backward: Callable[[BackwardPass], None] | None = None,
                  after_backward: Callable[[BackwardPass], None] | None = None,
                  before_weight_group: Callable[[list], None] | None = None,
+                 around_compute: Callable[[Action], contextlib.AbstractContextManager] | None = None,
                  sum_tied_grads: bool = True, scale_by_microbatches: bool = True, record: bool = False) -> None:
         p = dist.get_world_size(group)
         if p != pipe.num_stages:
@@ -239,6 +243,7 @@ class PipelineExecutor:
         self.before_backward = before_backward
         self.after_backward = after_backward
         self.before_weight_group = before_weight_group
+        self.around_compute = around_compute
         self.sum_tied_grads = sum_tied_grads
         self.scale_by_microbatches = scale_by_microbatches
         self.record = record
@@ -347,9 +352,7 @@ class PipelineExecutor:
                 x = x.detach().requires_grad_(x.is_floating_point())
 
             def run() -> None:
-                out = chunk(x, attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
-                            labels=mb["labels"] if chunk.is_last else None,
-                            num_items_in_batch=mb.get("num_items_in_batch"))
+                out = _run_chunk(chunk, x, mb)
                 if chunk.is_last:
                     losses.append(out.detach().float())
                     out = out / divisor if divisor != 1 else out  # DeepSpeed's order: divide, then scale
@@ -358,7 +361,8 @@ class PipelineExecutor:
                     produced_f[key] = out.detach()
                 inputs[key], outputs[key] = x, out
 
-            timed(a, run)
+            with self._around(a):
+                timed(a, run)
 
         def backward(a: Action) -> None:
             key, chunk = (a.microbatch, a.chunk), chunks[a.chunk]
@@ -378,13 +382,15 @@ class PipelineExecutor:
                 if not chunk.is_first:
                     produced_b[key] = dx if dx is not None else torch.zeros_like(x)
 
-            timed(a, run)
+            with self._around(a):
+                timed(a, run)
             hook(self.after_backward, a)
 
         def weight(a: Action) -> None:
             key = (a.microbatch, a.chunk)
             hook(self.before_backward, a)
-            timed(a, lambda: backward_weight(weight_work.pop(key), self.before_weight_group))
+            with self._around(a):
+                timed(a, lambda: backward_weight(weight_work.pop(key), self.before_weight_group))
             hook(self.after_backward, a)
 
         index = 0
@@ -419,6 +425,11 @@ class PipelineExecutor:
             sum_tied_grads(self.pipe, self.group, base=tied_base)
         return self._broadcast_loss(losses, m)
 
+    def _around(self, a: Action) -> contextlib.AbstractContextManager:
+        """The context a compute action runs in (``around_compute``, e.g. context parallelism's
+        per-micro-batch state), or none."""
+        return self.around_compute(a) if self.around_compute is not None else contextlib.nullcontext()
+
     def _broadcast_loss(self, losses: list[torch.Tensor], m: int) -> torch.Tensor:
         if self.pipe.is_last:
             stacked = torch.stack(losses)
@@ -448,9 +459,8 @@ class PipelineExecutor:
                 chunk = chunks[a.chunk]
                 x = mb["input_ids"] if chunk.is_first else (
                     recv.pop(key).wait() if key in recv else local.pop((a.microbatch, a.chunk - 1)))
-                out = chunk(x, attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
-                            labels=mb["labels"] if chunk.is_last else None,
-                            num_items_in_batch=mb.get("num_items_in_batch"))
+                with self._around(a):
+                    out = _run_chunk(chunk, x, mb)
                 if chunk.is_last:
                     losses.append(out.float())
                 else:
@@ -476,6 +486,15 @@ class PipelineExecutor:
         meta = {"schedule": self.schedule, "num_stages": self.num_stages,
                 "virtual_stages": self.pipe.virtual_stages, **(metadata or {})}
         return write_chrome_trace(intervals, path, metadata=meta)
+
+
+def _run_chunk(chunk: Any, x: torch.Tensor, mb: dict) -> torch.Tensor:
+    """A chunk's forward on its input ``x`` with the micro-batch's other arguments (the labels and
+    the loss divisor only on the last stage)."""
+    last = chunk.is_last
+    return chunk(x, attention_mask=mb.get("attention_mask"), position_ids=mb.get("position_ids"),
+                 labels=mb["labels"] if last else None, shift_labels=mb.get("shift_labels") if last else None,
+                 num_items_in_batch=mb.get("num_items_in_batch"))
 
 
 def _forward_program(p: int, v: int, m: int, rank: int, chunk: int) -> list[Action]:

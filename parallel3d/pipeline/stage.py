@@ -184,7 +184,8 @@ class PipelineStage(nn.Module):
     ``[micro_batch, seq, hidden]`` from the previous stage. Returns the hidden states, or on
     the last stage the loss (HF's causal-LM loss: mean over the micro-batch's tokens whose
     shifted label is not -100, or their sum divided by ``num_items_in_batch`` when given, as
-    transformers does) -- the logits when ``labels`` is None.
+    transformers does; ``shift_labels``, when given, are the targets as they are, shifted before
+    context parallelism cut the sequence) -- the logits when ``labels`` is None.
     """
 
     def __init__(self, model: nn.Module, anatomy: PipelineAnatomy, layout: StageLayout, stage: int,
@@ -236,7 +237,8 @@ class PipelineStage(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+                num_items_in_batch: torch.Tensor | int | None = None,
+                shift_labels: torch.Tensor | None = None) -> torch.Tensor:
         program = self.anatomy.base_program
         ns, hidden = program.prepare(self.hf_base, self.is_first, x, attention_mask, position_ids)
         for index, layer in zip(self.block_indices, self.layers):
@@ -249,9 +251,8 @@ class PipelineStage(nn.Module):
         logits = self.anatomy.head_program.logits(self.hf_model, program.finish(ns, hidden))
         if labels is None:
             return logits
-        if num_items_in_batch is None:
-            return self.loss_fn(logits, labels)
-        return self.loss_fn(logits, labels, num_items_in_batch=num_items_in_batch)
+        given = {"num_items_in_batch": num_items_in_batch, "shift_labels": shift_labels}
+        return self.loss_fn(logits, labels, **{k: v for k, v in given.items() if v is not None})
 
 
 @dataclass(frozen=True)
