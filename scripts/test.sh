@@ -33,4 +33,5 @@ echo "scripts/test.sh: testing with $("$PY" --version) in $VENV:"
 "$PY" -m pip freeze --exclude-editable --disable-pip-version-check | tr '\n' ' '
 echo
 export DS_ACCELERATOR=cpu
-exec "$PY" -m pytest -q "$@"
+# --durations: every CI log lists the slowest tests, so a new slow one shows up where the time is counted
+exec "$PY" -m pytest -q --durations=25 "$@"
