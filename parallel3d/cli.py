@@ -1,13 +1,15 @@
 """The ``zero3d`` command: ``train``, ``launch``, ``export``, ``plot``, ``plan``, ``simulate``.
 
     zero3d train [CONFIG] [--nproc-per-node N] [--max-restarts N] [--print-config] [key.sub=value ...]
-    zero3d launch ...   (parallel3d.launcher)    zero3d export ...   (parallel3d.export)
-    zero3d plot ...     (parallel3d.plot)        zero3d plan ...     (parallel3d.planner.cli)
+    zero3d launch ...   (parallel3d.launch.launcher)
+    zero3d export ...   (parallel3d.export.export)
+    zero3d plot ...     (parallel3d.job.plot)
+    zero3d plan ...     (parallel3d.planner.cli)
     zero3d simulate ... (parallel3d.simulate.cli)
 
 ``zero3d train`` validates the whole job and prepares its tokenizer and packed data in this
 process, so bad input stops here with one message, then starts N local workers through
-torchrun (`parallel3d.launcher.run_local`) running ``parallel3d.job.run``. With N = 1 it
+torchrun (`parallel3d.launch.launcher.run_local`) running ``parallel3d.job.run``. With N = 1 it
 trains in this process. For several machines use
 ``zero3d launch --hostfile hosts -m parallel3d.job.run CONFIG key=value ...``.
 """
@@ -26,9 +28,9 @@ from parallel3d.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 _DISPATCH = {
-    "launch": ("parallel3d.launcher", "run a training script on one or many nodes through torchrun"),
-    "export": ("parallel3d.export", "write a checkpoint as a Hugging Face from_pretrained() directory"),
-    "plot": ("parallel3d.plot", "draw a run's loss and validation curves as a PNG"),
+    "launch": ("parallel3d.launch.launcher", "run a training script on one or many nodes through torchrun"),
+    "export": ("parallel3d.export.export", "write a checkpoint as a Hugging Face from_pretrained() directory"),
+    "plot": ("parallel3d.job.plot", "draw a run's loss and validation curves as a PNG"),
     "plan": ("parallel3d.planner.cli", "the layouts of a model that fit a cluster, ranked by predicted step time"),
     "simulate": ("parallel3d.simulate.cli", "run one rank of a job alone (fake backend) and measure its memory"),
 }
@@ -42,7 +44,7 @@ commands:
 
 
 def train_parser() -> argparse.ArgumentParser:
-    from parallel3d.launcher import whole_number
+    from parallel3d.launch.launcher import whole_number
 
     p = argparse.ArgumentParser(
         prog="zero3d train", allow_abbrev=False,
@@ -111,8 +113,8 @@ def train_main(argv: Sequence[str], as_program: bool = False) -> int:
         return 2
     except (JobStopped, KeyboardInterrupt) as exc:
         return job_run.report_stop(exc, 0)
-    from parallel3d.launcher import run_local
-    from parallel3d.lifeline import exit_now
+    from parallel3d.launch.launcher import run_local
+    from parallel3d.runtime.lifeline import exit_now
 
     logger.info("starting %d local workers", nproc)
     code = run_local(["parallel3d.job.run", *positional], nproc, module=True, max_restarts=args.max_restarts)

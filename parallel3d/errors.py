@@ -18,7 +18,7 @@ class UsageError(RuntimeError):
 
 class CollectiveError(RuntimeError):
     """A collective that timed out or lost a peer, explained: which operation on which group,
-    and which ranks did not arrive (parallel3d/watchdog.py)."""
+    and which ranks did not arrive (parallel3d/runtime/watchdog.py)."""
 
 
 class UntestedOptimizerError(ConfigError, AssertionError):

@@ -4,10 +4,10 @@ The order matters and is fixed: (1) validate everything that can be validated wi
 talking to other ranks (config, optimizer options, a pretrained directory against the model);
 (2) join the process group (collective timeout ``comm.timeout_s``) and agree, in one small
 collective, that every rank has the same resolved config, world size and model signature, or
-that one rank's input was bad (parallel3d/agreement.py), so every rank stops with the same
-message; (3) a meta model gets its buffers and storage-less params (parallel3d/meta_init.py);
+that one rank's input was bad (parallel3d/runtime/agreement.py), so every rank stops with the same
+message; (3) a meta model gets its buffers and storage-less params (parallel3d/build/meta_init.py);
 (4) build the pp x dp x cp x tp mesh; (5) ``apply_tp`` -> context parallelism's attention
-(parallel3d/context_parallel) -> ``apply_pipeline`` -> ``apply_zero`` (parallel3d/apply.py).
+(parallel3d/context_parallel) -> ``apply_pipeline`` -> ``apply_zero`` (parallel3d/build/apply.py).
 """
 
 from __future__ import annotations
@@ -23,30 +23,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel3d.agreement import agree, describe
-from parallel3d.apply import apply_ep, apply_pipeline, apply_tp, apply_zero
-from parallel3d.config import Zero3DConfig, load_config
-from parallel3d.ds_arguments import (check_distributed_arguments, check_model, refuse_deepspeed_partitioned,
+from parallel3d.runtime.agreement import agree, describe
+from parallel3d.build.apply import apply_ep, apply_pipeline, apply_tp, apply_zero
+from parallel3d.config.config import Zero3DConfig, load_config
+from parallel3d.compat.ds_arguments import (check_distributed_arguments, check_model, refuse_deepspeed_partitioned,
                                      resolve_config)
-from parallel3d.config_sections import CommConfig
+from parallel3d.config.sections import CommConfig
 from parallel3d.context_parallel import apply_context_parallel, check_context_parallel
-from parallel3d.engine import Engine
+from parallel3d.engine.engine import Engine
 from parallel3d.expert_parallel import check_expert_parallel
 from parallel3d.expert_parallel.bias_balance import ExpertBiasBalancer, balanced_routers, check_bias_balance
 from parallel3d.errors import ConfigError, UsageError
-from parallel3d.gathered import register
-from parallel3d.lifeline import install_exit_guard
-from parallel3d.lr_build import build_lr_scheduler
-from parallel3d.optimizer_check import check_sharded_optimizer
-from parallel3d.peft_model import unwrap_peft
-from parallel3d.mesh import build_mesh
-from parallel3d.world import default_device, ensure_process_group
-from parallel3d.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
+from parallel3d.compat.gathered import register
+from parallel3d.runtime.lifeline import install_exit_guard
+from parallel3d.lr.build import build_lr_scheduler
+from parallel3d.build.optimizer_check import check_sharded_optimizer
+from parallel3d.build.peft_model import unwrap_peft
+from parallel3d.runtime.mesh import build_mesh
+from parallel3d.runtime.world import default_device, ensure_process_group
+from parallel3d.build.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
 from parallel3d.planner.auto import resolve_auto
-from parallel3d.stage3_notice import persistence_notice
-from parallel3d import compiled_blocks, token_mean
-from parallel3d.watchdog import Watchdog, set_timeout
-from parallel3d.worker_errors import install as install_worker_errors
+from parallel3d.build.stage3_notice import persistence_notice
+from parallel3d.build import compiled_blocks
+from parallel3d.engine import token_mean
+from parallel3d.runtime.watchdog import Watchdog, set_timeout
+from parallel3d.runtime.worker_errors import install as install_worker_errors
 from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
@@ -251,13 +252,13 @@ def initialize(
     shards with ``model.safetensors.index.json``) of which each rank reads only its slices.
 
     DeepSpeed's keyword arguments are read as ``deepspeed.initialize`` reads them (``args``,
-    ``config_params``, ``dist_init_required``, ``distributed_port``; parallel3d/ds_arguments.py).
+    ``config_params``, ``dist_init_required``, ``distributed_port``; parallel3d/compat/ds_arguments.py).
     An ``optimizer`` or ``lr_scheduler`` passed here wins over the config's section, as there.
     """
     install_worker_errors()  # under torchrun: a ConfigError/UsageError ends a worker with one line
     check_model(model)
     refuse_deepspeed_partitioned(model)
-    model = unwrap_peft(model)  # train the HF model inside a PeftModel (parallel3d/peft_model.py)
+    model = unwrap_peft(model)  # train the HF model inside a PeftModel (parallel3d/build/peft_model.py)
     check_distributed_arguments(mpu, mesh_param, dist_init_required, distributed_port)
     config = resolve_config(config, config_params, args)
     device = torch.device(device) if device is not None else default_device()

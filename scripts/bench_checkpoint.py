@@ -190,7 +190,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from parallel3d.lifeline import exit_now
+    from parallel3d.runtime.lifeline import exit_now
 
     main()
-    exit_now(0)  # no interpreter teardown: torch 2.13's gloo threads can abort it (parallel3d/lifeline.py)
+    exit_now(0)  # no interpreter teardown: torch 2.13's gloo threads can abort it (parallel3d/runtime/lifeline.py)

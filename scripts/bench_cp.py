@@ -239,9 +239,9 @@ def versus_deepspeed(args, tokens: torch.Tensor) -> None:
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
-    from parallel3d.config import load_config
+    from parallel3d.config.config import load_config
     from parallel3d.context_parallel import apply_context_parallel
-    from parallel3d.mesh import build_mesh
+    from parallel3d.runtime.mesh import build_mesh
 
     world = dist.get_world_size()
     whole = {"input_ids": tokens[:1], "labels": tokens[:1]}

@@ -227,7 +227,7 @@ def analyse(schedule: str, m: int, v: int, gathered: list[dict], step_wall: floa
     """Rank 0: the numbers of one recorded step from every rank's ``step`` result."""
     from parallel3d.pipeline import Costs, Interval, Kind, schedule_table, simulate
     from parallel3d.pipeline.simulate import _peak_live
-    from parallel3d.plot import timeline_stats
+    from parallel3d.job.plot import timeline_stats
 
     ranks = [g["actions"] for g in gathered]
     t0s = [g["t0"] for g in gathered]
@@ -294,7 +294,7 @@ def main(argv=None) -> int:
     import parallel3d.pipeline.executor as executor_mod
     from parallel3d.pipeline import Interval
     from parallel3d.pipeline.draw import draw_png
-    from parallel3d.plot import plot_timeline
+    from parallel3d.job.plot import plot_timeline
 
     transformers.logging.set_verbosity_error()
     clock = DualClock()

@@ -308,7 +308,7 @@ def _max_over_ranks(rows: list[list[float]]) -> list[list[float]]:
 def count_step(step, ids) -> dict:
     """One more step of a runner with every collective counted (functional ones, DTensor's,
     included; DDP's C++ reducer is not seen): calls, payload and ring wire bytes of this rank."""
-    from parallel3d.comm_counter import count_collectives
+    from parallel3d.runtime.comm_counter import count_collectives
 
     with count_collectives(functional=True) as comm:
         step(ids)

@@ -20,7 +20,7 @@ differs. ``single`` tells what either buys over letting torch's threads share th
 Steps are taken in turn (runner order reversed every other round) so that the load of a
 shared machine falls on all runners alike; the median step time is reported.
 
-Then one more step of each runner is counted (``parallel3d.comm_counter``), split into
+Then one more step of each runner is counted (``parallel3d.runtime.comm_counter``), split into
 forward / backward / optimizer step, and printed beside the theory: per transformer layer,
 forward 2 all-reduces of b*s*h (attention and MLP outputs), backward 2 more (their inputs'
 gradients); besides the layers, the vocab-parallel embedding (forward, b*s*h), the head's
@@ -180,7 +180,7 @@ def theory(name: str, args, L: int, psi: int) -> dict:
 
 
 def count_table(runner: Runner, args, L: int) -> tuple[list[str], dict]:
-    from parallel3d.comm_counter import count_collectives
+    from parallel3d.runtime.comm_counter import count_collectives
 
     with count_collectives(runner.mesh) as comm:
         runner.step(comm)

@@ -120,7 +120,7 @@ def check(model_type: str, group, shard_group) -> str:
 def worker(types: list[str], out: str) -> None:
     import torch.distributed as dist
 
-    from parallel3d.mesh import build_mesh
+    from parallel3d.runtime.mesh import build_mesh
 
     import transformers
 

@@ -51,9 +51,9 @@ SHIMMED = {
     **{f"deepspeed.utils.{name}": f"parallel3d.{name}" for name in (
         "safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_grad", "safe_set_full_grad",
         "safe_get_full_optimizer_state", "safe_set_full_optimizer_state")},
-    **{f"deepspeed.runtime.lr_schedules.{name}": f"parallel3d.lr_schedules.{name}" for name in (
+    **{f"deepspeed.runtime.lr_schedules.{name}": f"parallel3d.lr.schedules.{name}" for name in (
         "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")},
-    **{f"deepspeed.runtime.lr_schedules.{name}": f"parallel3d.lr_cycles.{name}" for name in (
+    **{f"deepspeed.runtime.lr_schedules.{name}": f"parallel3d.lr.cycles.{name}" for name in (
         "OneCycle", "LRRangeTest")},
 }
 """DeepSpeed's public name -> the Zero3D object that replaces it under the shim (same name)."""

@@ -211,7 +211,7 @@ class Workspace:
 
 def complete_checkpoint(tag_dir: Path) -> str | None:
     """None if ``tag_dir`` is a whole checkpoint (manifest, index and every chunk's checksum), else why not."""
-    from parallel3d.checkpoint_storage import read_chunk, read_metadata
+    from parallel3d.checkpoint.storage import read_chunk, read_metadata
     from parallel3d.errors import ConfigError
     from parallel3d.job.resume_check import check_complete
 

@@ -294,6 +294,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from parallel3d.lifeline import exit_now
+    from parallel3d.runtime.lifeline import exit_now
 
     exit_now(main())

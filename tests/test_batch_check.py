@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed
 
-from parallel3d.batch_check import batch_problem, positional_names, vocab_size_of
+from parallel3d.engine.batch_check import batch_problem, positional_names, vocab_size_of
 from tests.test_checkpoint import _error
 from tests.tiny import ds_config
 from tests.tiny_tp import make_tp_model

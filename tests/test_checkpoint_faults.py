@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed
 
-from parallel3d.worker_errors import REPORTED_BY_RANK0
+from parallel3d.runtime.worker_errors import REPORTED_BY_RANK0
 from tests.test_checkpoint import NotAWeight, _error
 from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
 
@@ -25,7 +25,7 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 def save_without_space(root: str, simulate: bool) -> dict:
     import parallel3d
-    from parallel3d import checkpoint_storage
+    from parallel3d.checkpoint.checkpoint import storage
 
     rank = torch.distributed.get_rank()
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=ds_config(2, 1, 2))
@@ -95,7 +95,7 @@ def test_a_pickle_payload_in_a_tensor_file_gets_the_loaders_message(dist, tmp_pa
 
     import xxhash
 
-    from parallel3d.export import main as export_main
+    from parallel3d.export.export import main as export_main
     from tests.test_export import train_and_save
 
     dist.run(2, train_and_save, "llama", 1, str(tmp_path / "ckpt"))
@@ -142,7 +142,7 @@ def test_the_loaders_refusal_in_one_line(payload, reason):
     import io
     import pickle
 
-    from parallel3d.checkpoint_storage import loader_refusal
+    from parallel3d.checkpoint.storage import loader_refusal
 
     data = io.BytesIO()
     torch.save({"payload": payload}, data)

@@ -33,8 +33,8 @@ CHILD = textwrap.dedent("""
 
 
 def _complete(tag_dir: Path) -> None:
-    from parallel3d.checkpoint import read_manifest
-    from parallel3d.checkpoint_storage import read_chunk, read_metadata
+    from parallel3d.checkpoint.checkpoint import read_manifest
+    from parallel3d.checkpoint.storage import read_chunk, read_metadata
 
     read_manifest(tag_dir)
     md = read_metadata(tag_dir)
@@ -69,7 +69,7 @@ def test_kill_during_save_keeps_latest_whole(tmp_path, delay):
 def test_kill_while_replacing_a_tag_loads_its_new_copy(tmp_path):
     """Saving a tag that exists moves the old copy aside, then renames the new one in: a kill
     between the two renames leaves no ``rolling/``, and loading takes the complete new copy."""
-    from parallel3d.checkpoint import resolve_tag
+    from parallel3d.checkpoint.checkpoint import resolve_tag
 
     _run_and_kill(tmp_path, 0.0, "rolling")
     assert resolve_tag(tmp_path, None) == tmp_path / "rolling"

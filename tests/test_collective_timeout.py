@@ -1,5 +1,5 @@
 """A stalled rank ends the job after ``comm.timeout_s`` with a message naming the operation, the
-group and the rank that did not arrive (parallel3d/watchdog.py), instead of a silent hang."""
+group and the rank that did not arrive (parallel3d/runtime/watchdog.py), instead of a silent hang."""
 
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def known_calls() -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from parallel3d.comm_counter import count_collectives
+    from parallel3d.runtime.comm_counter import count_collectives
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("pp", "dp", "tp"))
@@ -108,7 +108,7 @@ def functional_calls() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from parallel3d.comm_counter import count_collectives
+    from parallel3d.runtime.comm_counter import count_collectives
 
     mesh = init_device_mesh("cpu", (2,))
     d = distribute_tensor(torch.ones(4, 6), mesh, [Shard(0)])
@@ -136,7 +136,7 @@ def test_functional_collectives_are_counted(dist):
 
 def zero_step(stage: int, gas: int) -> dict:
     import parallel3d
-    from parallel3d.comm_counter import count_collectives
+    from parallel3d.runtime.comm_counter import count_collectives
 
     model = make_model("llama")
     psi = sum(p.numel() for p in model.parameters())
@@ -186,7 +186,7 @@ def test_zero_elements_per_step(zero_counts, stage, gas):
         flags = r["n_params"]
         assert r["flag_all_reduces"] == 1
         # one element before the forward: whether every rank's micro-batches are valid token ids
-        # (parallel3d/batch_check.py), and one after: the mean loss
+        # (parallel3d/engine/batch_check.py), and one after: the mean loss
         checks = 2
         if stage == 0:  # unsharded buffers: no padding, one all-reduce of every gradient per step
             assert padded == psi
@@ -225,7 +225,7 @@ def test_zero_elements_per_step(zero_counts, stage, gas):
 
 def tp_step(sequence_parallel: bool) -> dict:
     import parallel3d
-    from parallel3d.comm_counter import count_collectives
+    from parallel3d.runtime.comm_counter import count_collectives
 
     config = ds_config(1, 1, 1)
     config["tensor_parallel"] = {"size": 2, "sequence_parallel": sequence_parallel}

@@ -1,4 +1,4 @@
-"""Compiled blocks (``compile: {"enabled": true}``, parallel3d/compiled_blocks.py) against eager.
+"""Compiled blocks (``compile: {"enabled": true}``, parallel3d/build/compiled_blocks.py) against eager.
 
 Each distributed case trains the same tiny model twice on every rank, eagerly and with its
 blocks compiled, over several steps, and holds the compiled run to the eager one: the losses
@@ -34,7 +34,7 @@ def _train(kind: str, config: dict, compiled: dict | None, layers: int, by_metho
     import torch.distributed as dist
 
     import parallel3d
-    from parallel3d.compiled_blocks import compile_counts
+    from parallel3d.build.compiled_blocks import compile_counts
 
     gas = config["gradient_accumulation_steps"]
     model, vocab = _model(kind, layers)
@@ -94,7 +94,7 @@ def compiled_against_eager(kind: str, config: dict, compiled: dict, layers: int 
 
 
 def _counts_now() -> dict[str, int]:
-    from parallel3d.compiled_blocks import compile_counts
+    from parallel3d.build.compiled_blocks import compile_counts
 
     return compile_counts()
 
@@ -202,7 +202,7 @@ def test_refused_keys(block, says):
 
 def test_deepcompile_defaults_accepted():
     """DeepSpeed 0.19's DeepCompile keys at their defaults mean what leaving them out means."""
-    from parallel3d.config import Zero3DConfig
+    from parallel3d.config.config import Zero3DConfig
 
     cfg = Zero3DConfig.from_dict({"compile": {"enabled": True, "deepcompile": False, "free_activation": False,
                                               "double_buffer": True, "passes": None, "kwargs": {"fullgraph": True}}})
@@ -212,7 +212,7 @@ def test_deepcompile_defaults_accepted():
 def _layout_error(model, tp: int, cp: int, ep: int = 1) -> str:
     """``initialize``'s check of the layout (run before any process group: a world of one cannot
     hold tp 2 or cp 2 in this process)."""
-    from parallel3d.compiled_blocks import check_layout
+    from parallel3d.build.compiled_blocks import check_layout
     from parallel3d.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
@@ -235,7 +235,7 @@ def test_expert_parallel_refused():
 
 
 def test_random_draws_names_attention_dropout():
-    from parallel3d.compiled_blocks import random_draws
+    from parallel3d.build.compiled_blocks import random_draws
     from models import fetch_unit_modules
 
     model = make_model("llama", attention_dropout=0.25)

@@ -1,4 +1,4 @@
-"""Tests of parallel3d.config: DeepSpeed JSON/YAML in, typed config out, one clear error otherwise.
+"""Tests of parallel3d.config.config: DeepSpeed JSON/YAML in, typed config out, one clear error otherwise.
 
 DeepSpeed itself (installed as a test dependency) is the oracle for the batch-size rule and the
 defaults; its config parser runs without torch.distributed being initialized.
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from parallel3d.config import IGNORED_KEYS, Zero3DConfig, load_config, resolve_batch_sizes
-from parallel3d.config_sections import (
+from parallel3d.config.config import IGNORED_KEYS, Zero3DConfig, load_config, resolve_batch_sizes
+from parallel3d.config.sections import (
     BF16Config, FP16Config, OptimizerConfig, PipelineConfig, SchedulerConfig, Section, TensorParallelConfig,
     WarmupCosineLRParams, WarmupDecayLRParams, WarmupLRParams, ZeroConfig)
 from parallel3d.errors import ConfigError
@@ -385,7 +385,7 @@ def test_every_field_has_a_docstring():
 
 
 def test_config_modules_do_not_import_torch_distributed():
-    for name in ("config.py", "config_sections.py"):
+    for name in ("config/config.py", "config/sections.py"):
         tree = ast.parse((REPO / "parallel3d" / name).read_text())
         imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]

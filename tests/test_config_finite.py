@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel3d.config import load_config
+from parallel3d.config.config import load_config
 from parallel3d.errors import ConfigError
 from parallel3d.job.config import load_job_config
 from tests.test_job_config import job

@@ -226,9 +226,9 @@ def _float64_gradient(cp: int, method: str = "ulysses", family: str = "llama", o
                       packed: bool = False) -> tuple[dict, float]:
     """One forward/backward of a float64 model through the cp cut and the cp attention; the
     gradients summed over cp (each rank's loss is cp times its share, so the mean is the loss)."""
-    from parallel3d.config import load_config
+    from parallel3d.config.config import load_config
     from parallel3d.context_parallel import apply_context_parallel, check_context_parallel
-    from parallel3d.mesh import build_mesh
+    from parallel3d.runtime.mesh import build_mesh
 
     model = _model(family, **dict(overrides)).double()
     config = load_config({"train_micro_batch_size_per_gpu": 2, "context_parallel": {"size": cp, "method": method}},
@@ -324,7 +324,7 @@ def test_refused_models_and_layouts(dist, config, model, message):
 
 
 def test_config_errors():
-    from parallel3d.config import load_config
+    from parallel3d.config.config import load_config
     from parallel3d.errors import ConfigError
 
     base = {"train_micro_batch_size_per_gpu": 1}

@@ -18,7 +18,7 @@ def outcomes(cases: list[tuple[str, bool]], scratch: str, lose: str = "") -> lis
     optimizer's state (the momentum)."""
     from coverage_check import check
 
-    from parallel3d.engine import Engine
+    from parallel3d.engine.engine import Engine
 
     original = Engine.load_checkpoint
     if lose == "all":

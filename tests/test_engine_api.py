@@ -169,7 +169,7 @@ def _no_sync(stage: int, split: bool) -> dict:
     for step in range(2):
         first, second = (torch.arange(8)[None] * (3 + step + 2 * rank + k) % 96 for k in (0, 1))
         if split:
-            from parallel3d.comm_counter import count_collectives
+            from parallel3d.runtime.comm_counter import count_collectives
 
             with engine.no_sync():
                 loss = engine(input_ids=first, labels=first).loss  # its batch check agrees on one flag over the ranks

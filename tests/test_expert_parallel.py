@@ -37,7 +37,7 @@ def _float64_model(kind: str, skewed: bool) -> torch.nn.Module:
 def _float64_gradients(kind: str, ep: int, skewed: bool) -> dict:
     """One forward/backward per rank of the float64 model with its experts split over ``ep`` ranks."""
     from parallel3d.expert_parallel import apply_expert_parallel
-    from parallel3d.mesh import build_mesh
+    from parallel3d.runtime.mesh import build_mesh
 
     mesh = build_mesh(1, 1, ep=ep)
     model = _float64_model(kind, skewed)
@@ -175,7 +175,7 @@ def test_checkpoint_resumes_across_ep_sizes_and_exports(dist, tmp_path, kind, sa
     goes on as one process would; the checkpoint exports to an HF directory holding every expert."""
     from transformers import AutoModelForCausalLM
 
-    from parallel3d.export import export_checkpoint
+    from parallel3d.export.export import export_checkpoint
 
     saved = dist.run(DP, _save, kind, *save, str(tmp_path / "ckpt"))[0]
     want_losses, want_params = _oracle(kind)

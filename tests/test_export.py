@@ -16,7 +16,7 @@ import torch.distributed
 from safetensors import safe_open
 
 from parallel3d.errors import ConfigError
-from parallel3d.export import export_checkpoint, main, resolve_checkpoint
+from parallel3d.export.export import export_checkpoint, main, resolve_checkpoint
 from tests.tiny import VOCAB, ds_config, make_model, rank_micro_batches, token_batches
 
 STEPS = 3
@@ -94,7 +94,7 @@ def test_export_matches_engine(dist, tmp_path, kind, stage):
 def test_frozen_params_reported(dist, tmp_path, caplog):
     ckpt = tmp_path / "ckpt"
     dist.run(2, train_and_save, "llama", 1, str(ckpt), "model.norm.weight")
-    with caplog.at_level(logging.WARNING, logger="parallel3d.export"):
+    with caplog.at_level(logging.WARNING, logger="parallel3d.export.export"):
         export_checkpoint(ckpt, tmp_path / "hf")
     assert "1 parameters are not in the checkpoint" in caplog.text and "model.norm.weight" in caplog.text
 

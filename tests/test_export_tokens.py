@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from parallel3d.export import main as export_main
-from parallel3d.export_tokens import trained_tokenizer
+from parallel3d.export.export import main as export_main
+from parallel3d.export.tokens import trained_tokenizer
 from tests.test_train_cli import tiny_job
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel3d.comm_counter import count_collectives
-from parallel3d.config import load_config
+from parallel3d.runtime.comm_counter import count_collectives
+from parallel3d.config.config import load_config
 from parallel3d.errors import ConfigError
 from tests.test_hybrid_sharding import GAS, STEPS, _config, oracle
 from tests.tiny import make_model, max_rel_param_error, rank_micro_batches, token_batches

@@ -8,8 +8,8 @@ import functools
 import pytest
 import torch
 
-from parallel3d.comm_counter import count_collectives
-from parallel3d.config import load_config
+from parallel3d.runtime.comm_counter import count_collectives
+from parallel3d.config.config import load_config
 from parallel3d.errors import ConfigError
 from tests.tiny import ds_config, make_model, max_rel_param_error, oracle_run, rank_micro_batches, token_batches
 
@@ -201,7 +201,7 @@ def test_fp16_overflows_are_skipped_alike_on_every_replica(dist):
 
 def _saved_chunks() -> tuple[int, int]:
     import parallel3d
-    from parallel3d.checkpoint import _chunks_to_save
+    from parallel3d.checkpoint.checkpoint import _chunks_to_save
 
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=_config(2, 4, 2))
     engine.train_batch(iter(rank_micro_batches(token_batches(1, GAS, 4), engine.mesh.local_rank("dp"))))

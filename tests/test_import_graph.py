@@ -93,3 +93,10 @@ def test_the_checker_finds_a_circle():
 def test_no_import_circles():
     found = cycles(import_graph())
     assert not found, "import circles: " + "; ".join(" <-> ".join(group) for group in found)
+
+
+def test_the_top_level_is_the_front_door():
+    """parallel3d/'s modules live in subpackages by concern (docs/design.md, Module map); the top
+    level keeps what a user imports or runs first."""
+    top = sorted(p.name for p in (ROOT / "parallel3d").glob("*.py"))
+    assert top == ["__init__.py", "cli.py", "errors.py", "initialize.py"], top

@@ -17,7 +17,7 @@ from models.init_programs import MaterializeError
 from models.init_self_check import ReplaySelfCheckError
 from models.materialize import InitReplay
 from parallel3d.errors import ConfigError
-from parallel3d.meta_init import take_source
+from parallel3d.build.meta_init import take_source
 
 _CONFIG = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                num_key_value_heads=1)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from parallel3d import ConfigError
-from parallel3d.config import read_config_file
+from parallel3d.config.config import read_config_file
 from parallel3d.job import checkpoints, model as model_lib
 from parallel3d.job.config import apply_overrides, engine_dict, load_job_config, parse_override
 from parallel3d.job.data import load_documents

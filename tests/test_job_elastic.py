@@ -19,7 +19,7 @@ import uuid
 
 import yaml
 
-from parallel3d.launcher import free_port
+from parallel3d.launch.launcher import free_port
 from tests.test_job_signals import MARK, job_processes
 from tests.test_job_signals import cache_dir  # noqa: F401 - the fixture is used by name
 from tests.test_train_cli import ROOT, assert_close_records, read_metrics, tiny_job
@@ -53,7 +53,7 @@ def test_a_job_that_loses_a_node_goes_on_with_fewer_ranks(tmp_path, cache_dir): 
 
     try:
         nodes.append(start(0))
-        while not any("parallel3d.agent" in cmd for cmd, _ in job_processes(marks[0]).values()):
+        while not any("parallel3d.launch.agent" in cmd for cmd, _ in job_processes(marks[0]).values()):
             time.sleep(0.2)
         time.sleep(3)  # node 0's agent binds the rendezvous port before node 1's tries
         nodes.append(start(1))

@@ -43,7 +43,7 @@ def test_lora_job_from_a_model_directory(tmp_path, cache_dir):  # noqa: F811
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(vals) == 2 and vals[-1] < vals[0], vals  # steps 0 and 4
     tag = second / "run" / "checkpoints" / "global_step4"
-    from parallel3d.checkpoint_storage import read_metadata
+    from parallel3d.checkpoint.storage import read_metadata
 
     saved = [f for f in read_metadata(tag).state_dict_metadata if f.startswith("model/")]
     assert saved and all(".lora_" in f for f in saved)

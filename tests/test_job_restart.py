@@ -3,7 +3,7 @@ resume from the latest complete checkpoint by themselves, and the run ends as an
 
 Restarted torchrun workers used to hang at start-up in a futex, with no output: torch 2.13
 shares the agent's store between rounds, and the new ranks read the dead round's gloo
-addresses from it (see parallel3d/agent.py and parallel3d/mesh.py `_job_store`).
+addresses from it (see parallel3d/launch/agent.py and parallel3d/runtime/mesh.py `_job_store`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """`zero3d train` on two processes stops when told, whichever process of the job gets the signal.
 
-The job is launcher (``zero3d train``) -> agent (torchrun's, ``parallel3d.agent``) -> two
+The job is launcher (``zero3d train``) -> agent (torchrun's, ``parallel3d.launch.agent``) -> two
 workers. Each case sends one signal to one of them while the job trains and asserts that no
 process of the job is left a few seconds later, that ``latest`` names a complete checkpoint,
 and what the job said. Processes are found by an environment variable only this job carries.
@@ -83,7 +83,7 @@ class Job:
             return self.launcher.pid
         procs = job_processes(self.mark)
         if role == "agent":
-            return next(pid for pid, (cmd, _) in procs.items() if "parallel3d.agent" in cmd)
+            return next(pid for pid, (cmd, _) in procs.items() if "parallel3d.launch.agent" in cmd)
         return next(pid for pid, (cmd, env) in procs.items() if "parallel3d.job.run" in cmd and env.get("RANK") == "1")
 
     def wait_gone(self, timeout: float = GONE_S) -> dict:

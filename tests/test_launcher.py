@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from parallel3d import launcher
+from parallel3d.launch import launcher
 from parallel3d.errors import ConfigError
-from parallel3d.launcher import expand_nodelist, filter_hosts, main, parse_hostfile, torchrun_command
+from parallel3d.launch.launcher import expand_nodelist, filter_hosts, main, parse_hostfile, torchrun_command
 
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "SLURM_NNODES",
               "SLURM_JOB_NUM_NODES", "SLURM_STEP_NUM_NODES", "SLURM_NODEID", "SLURM_PROCID")
@@ -33,14 +33,14 @@ def dry_run(capsys, *argv: str) -> dict[str, list[str]]:
 
 
 def torchrun_flags(argv: list[str]) -> dict[str, str]:
-    i = argv.index("parallel3d.agent")
+    i = argv.index("parallel3d.launch.agent")
     return {argv[j]: argv[j + 1] for j in range(i + 1, argv.index("--master-port") + 2, 2)}
 
 
 def test_torchrun_command_exact():
     cmd = torchrun_command(["train.py", "--config", "ds.json"], nproc_per_node=8, nnodes=2, node_rank=1,
                            master_addr="h0", master_port=1234)
-    assert cmd == [sys.executable, "-m", "parallel3d.agent", "--nproc-per-node", "8", "--nnodes", "2",
+    assert cmd == [sys.executable, "-m", "parallel3d.launch.agent", "--nproc-per-node", "8", "--nnodes", "2",
                    "--node-rank", "1", "--master-addr", "h0", "--master-port", "1234", "train.py", "--config", "ds.json"]
     assert torchrun_command(["pkg.mod", "-x"], nproc_per_node=1, module=True)[-3:] == ["-m", "pkg.mod", "-x"]
 
@@ -192,7 +192,7 @@ def test_elastic_flags_dry_run(capsys):
     out = dry_run(capsys, "--nnodes", "1:2", "--max-restarts", "3", "--master-addr", "10.0.0.1", "--master-port", "6000",
                   "--nproc-per-node", "2", "t.py", "--lr", "1")
     argv = out["node0"]
-    assert argv[argv.index("parallel3d.agent") + 1:] == [
+    assert argv[argv.index("parallel3d.launch.agent") + 1:] == [
         "--nproc-per-node", "2", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.1:6000",
         "--rdzv-id", "zero3d-10.0.0.1-6000", "--max-restarts", "3", "t.py", "--lr", "1"]
     restarts_only = dry_run(capsys, "--max-restarts", "1", "--master-port", "6001", "t.py")["node0"]

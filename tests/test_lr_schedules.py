@@ -1,4 +1,4 @@
-"""parallel3d.lr_schedules against DeepSpeed's own classes as the oracle."""
+"""parallel3d.lr.schedules against DeepSpeed's own classes as the oracle."""
 
 import io
 import os
@@ -10,9 +10,9 @@ import torch
 from deepspeed.runtime import lr_schedules as ds
 
 from parallel3d.errors import ConfigError
-from parallel3d.lr_cycles import LRRangeTest, OneCycle
-from parallel3d.lr_build import build_lr_scheduler
-from parallel3d.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from parallel3d.lr.cycles import LRRangeTest, OneCycle
+from parallel3d.lr.build import build_lr_scheduler
+from parallel3d.lr.schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 STEPS = 50
 

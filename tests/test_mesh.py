@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from parallel3d.errors import ConfigError
-from parallel3d.mesh import AXES, VIEWS, MeshShape, ParallelMesh, build_mesh
+from parallel3d.runtime.mesh import AXES, VIEWS, MeshShape, ParallelMesh, build_mesh
 
 # (pp, dp_replicate, cp, tp) on 8 ranks; dp_shard takes what is left
 LAYOUTS_8 = [(2, 1, 1, 2), (1, 2, 1, 2), (1, 2, 2, 1), (2, 2, 1, 1), (1, 1, 2, 2), (1, 1, 1, 1)]

@@ -211,8 +211,8 @@ def test_shard_source_runs_rebuild_the_shard(size, packed, pad, world, replicas)
 def test_storageless_parameters_never_allocate_their_size():
     """A meta model's parameters become storage-less without ever asking for their bytes: a 4 TiB
     one (more than any host or device holds) costs one element, and sharding it stays storage-less."""
-    from parallel3d.meta_init import detach_from_meta
-    from parallel3d.storageless import is_storageless
+    from parallel3d.build.meta_init import detach_from_meta
+    from parallel3d.build.storageless import is_storageless
     from parallel3d.tensor_parallel.sharding import make_spec
 
     with torch.device("meta"):

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 
-from parallel3d.checkpoint_storage import read_metadata
-from parallel3d.export import main
+from parallel3d.checkpoint.storage import read_metadata
+from parallel3d.export.export import main
 from tests.peft_tiny import hf_name, make_peft_model
 from tests.tiny import VOCAB, ds_config, make_model, oracle_run, rank_micro_batches, token_batches
 
@@ -100,7 +100,7 @@ def test_adapter_keys_are_those_peft_saves():
     a modules_to_save copy included."""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 
-    from parallel3d.export_adapter import adapter_key
+    from parallel3d.export.adapter import adapter_key
 
     model = get_peft_model(make_model("llama"), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
     ours = {adapter_key(n, "default") for n, p in model.base_model.model.named_parameters() if p.requires_grad}

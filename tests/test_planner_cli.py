@@ -102,7 +102,7 @@ def _auto_run(config: dict) -> dict:
     import torch.distributed as dist
 
     import parallel3d
-    from parallel3d.config import Zero3DConfig
+    from parallel3d.config.config import Zero3DConfig
     from parallel3d.planner.auto import _workload, choose
     from parallel3d.planner.hardware import cpu
     from parallel3d.planner.predict import Planner

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig
 
-from parallel3d.config import load_config
+from parallel3d.config.config import load_config
 from parallel3d.planner.predict import Layout
 from parallel3d.planner.report import LEGEND, layout_config
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from parallel3d.errors import ConfigError
-from parallel3d.plot import main, read_metrics
+from parallel3d.job.plot import main, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -60,7 +60,7 @@ def test_bad_input(tmp_path, capsys, content, msg):
     assert main([str(tmp_path / "missing_run")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--smooth"):
-        from parallel3d.plot import plot_metrics
+        from parallel3d.job.plot import plot_metrics
         plot_metrics(tmp_path, smooth=1.5)
 
 
@@ -101,7 +101,7 @@ def test_plot_timeline_writes_png(tmp_path, capsys, schedule, v):
 def test_plot_timeline_title_and_draw_png_reused(tmp_path, monkeypatch):
     """The Gantt chart is draw.py's draw_png, titled with the schedule and the bubble."""
     import parallel3d.pipeline.draw as draw
-    from parallel3d.plot import plot_timeline
+    from parallel3d.job.plot import plot_timeline
 
     trace, res = write_trace(tmp_path, "1f1b")
     calls = []
@@ -115,7 +115,7 @@ def test_plot_timeline_title_and_draw_png_reused(tmp_path, monkeypatch):
 
 def test_timeline_stats_match_simulate():
     from parallel3d.pipeline import Costs, Interval, schedule_table, simulate
-    from parallel3d.plot import timeline_stats
+    from parallel3d.job.plot import timeline_stats
 
     for name, v in [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("zb_h1", 1)]:
         res = simulate(schedule_table(name, 4, 8, v), Costs(1, 2, 0.5))

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel3d.comm_counter import count_collectives
-from parallel3d.config import load_config
+from parallel3d.runtime.comm_counter import count_collectives
+from parallel3d.config.config import load_config
 from parallel3d.errors import ConfigError
 from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
 from zero.quantized_comm import BLOCK, dequantize, gather_shards_int8, quantize, reduce_to_shard_int8

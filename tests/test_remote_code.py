@@ -55,7 +55,7 @@ def test_tokenizer_with_auto_map_is_refused_unless_trusted(tmp_path):
 
 
 def test_plan_and_export_refuse_it_too(tmp_path, capsys):
-    from parallel3d.export import main as export_main
+    from parallel3d.export.export import main as export_main
     from parallel3d.planner.cli import main as plan_main
 
     path = code_dir(tmp_path / "model")
@@ -75,8 +75,8 @@ def test_export_passes_the_setting_to_the_tokenizer_and_model_it_loads(tmp_path,
     import yaml
     from transformers import AutoModelForCausalLM
 
-    from parallel3d import export
-    from parallel3d.export_tokens import save_model_configs
+    from parallel3d.export import export
+    from parallel3d.export.tokens import save_model_configs
 
     run = tmp_path / "run"
     tag = run / "checkpoints" / "global_step1"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig
 
 from parallel3d.cli import main as zero3d
-from parallel3d.fake_backend import is_fake, receive_buffer
+from parallel3d.runtime.fake_backend import is_fake, receive_buffer
 from parallel3d.pipeline.p2p import P2P
 
 CONFIG = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -75,7 +75,7 @@ def oracle() -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
 def train_layout(dp: int, micro: int, stage: int, tp: int = 1, pp: int = 1, normalization: str = "tokens",
                  manual: bool = False, sequence_parallel: bool = False) -> tuple[list[float], dict, list[float]]:
     import parallel3d
-    from parallel3d.token_mean import global_label_tokens
+    from parallel3d.engine.token_mean import global_label_tokens
 
     gas = ROWS // (dp * micro)
     config = ds_config(stage, gas, dp, stage3_param_persistence_threshold=0)
@@ -159,7 +159,7 @@ def test_micro_batch_mean_differs_on_this_data(dist):
 
 
 def test_refused_with_gradient_sum():
-    from parallel3d.config import load_config
+    from parallel3d.config.config import load_config
     from parallel3d.errors import ConfigError
 
     config = {**ds_config(0, 1, 1), "loss_normalization": "tokens", "gradient_allreduce_op": "sum"}
@@ -192,7 +192,7 @@ def test_direct_call_with_labels_needs_num_items_in_batch():
     backward scales as a token-mean loss (no 1/accumulation, times dp): refused; train_batch still trains."""
     import parallel3d
     from parallel3d.errors import ConfigError
-    from parallel3d.token_mean import global_label_tokens
+    from parallel3d.engine.token_mean import global_label_tokens
 
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config={
         **ds_config(0, 2, 1), "loss_normalization": "tokens"})

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from parallel3d import worker_errors
+from parallel3d.runtime import worker_errors
 from parallel3d.errors import ConfigError, UsageError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,7 +80,7 @@ def test_no_hook_outside_torchrun(monkeypatch):
 def _agree_marks(messages: list) -> tuple[str, bool]:
     import torch.distributed as dist
 
-    from parallel3d.agreement import agree
+    from parallel3d.runtime.agreement import agree
 
     mine = messages[dist.get_rank()]
     try:

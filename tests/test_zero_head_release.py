@@ -31,7 +31,7 @@ def _twice(model):
 
 def _train(stage: int, tied: bool, pp: int, schedule: str, early: bool, twice: bool = False) -> dict:
     import parallel3d
-    import parallel3d.apply as apply
+    import parallel3d.build.apply as apply
 
     world = torch.distributed.get_world_size()
     dp = world // pp

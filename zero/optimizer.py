@@ -252,7 +252,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         self._expert_parts = {i for i, part in enumerate(params) if id(part[0]) in expert}
         if any(p.is_meta for ps in params for p in ps):
             raise ValueError("parameters on the meta device: give them storage-less tensors on the device first "
-                             "(parallel3d.meta_init.detach_from_meta) and their values through initial_values")
+                             "(parallel3d.build.meta_init.detach_from_meta) and their values through initial_values")
         device = params[0][0].device
         self._comm_device = device  # where collectives run (offloaded shards are on the host)
         self.layout = self._expert_layout(params, list(fetch_modules), device) if expert else \

@@ -12,7 +12,7 @@ from torch import nn
 
 from parallel3d.context_parallel.batch import SequenceSplit
 from parallel3d.context_parallel.model import check_model, install_attention, windowed_layers
-from parallel3d.mesh import ParallelMesh
+from parallel3d.runtime.mesh import ParallelMesh
 
 __all__ = ["SequenceSplit", "apply_context_parallel", "check_context_parallel"]
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel3d.batch_check import IGNORE_INDEX
+from parallel3d.engine.batch_check import IGNORE_INDEX
 from parallel3d.context_parallel.ring import RingAttention, ring_index
 from parallel3d.context_parallel.ulysses import UlyssesAttention
 from parallel3d.errors import ConfigError

@@ -25,7 +25,7 @@ from torch import nn
 from parallel3d.context_parallel.ring import RingAttention
 from parallel3d.context_parallel.ulysses import UlyssesAttention
 from parallel3d.errors import ConfigError
-from parallel3d.mesh import ParallelMesh
+from parallel3d.runtime.mesh import ParallelMesh
 
 _KERNELS = ("sdpa", "eager")
 _names = itertools.count()

@@ -27,7 +27,7 @@ from torch import nn
 
 from parallel3d.errors import ConfigError
 from parallel3d.expert_parallel.dispatch import dispatch_combine
-from parallel3d.storageless import clone
+from parallel3d.build.storageless import clone
 
 
 def _grouped_mm_forward(module: nn.Module):

@@ -23,8 +23,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from parallel3d.config import read_config_file
-from parallel3d.config_sections import SchedulerConfig, describe_validation_error
+from parallel3d.config.config import read_config_file
+from parallel3d.config.sections import SchedulerConfig, describe_validation_error
 from parallel3d.errors import ConfigError
 
 _MISSING = object()

@@ -2,7 +2,7 @@
 gathered over them.
 
 ``accelerator.prepare`` shards a loader over every process. Under Zero3D the tensor- and
-pipeline-parallel ranks of one replica must see the same micro-batches (parallel3d/mesh.py),
+pipeline-parallel ranks of one replica must see the same micro-batches (parallel3d/runtime/mesh.py),
 so the shard count is the dp size and the shard index the rank's dp index. accelerate's shard
 wrappers read both as plain attributes (transformers' Trainer resets them the same way for its
 ``BatchRebalanceSampler``), so they are set on the prepared loader. At dp 1 the batch sampler's last batch is left short,

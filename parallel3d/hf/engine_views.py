@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from parallel3d.engine import Engine
+from parallel3d.engine.engine import Engine
 
 
 class EngineModel:

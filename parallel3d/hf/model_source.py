@@ -5,7 +5,7 @@ anything is sharded, which is what a model no rank can hold cannot survive (host
 one of the Trainer/DeepSpeed seam's known failures). Given a directory instead of a model, the
 Zero3D Trainer builds the model on the meta device (no memory) and hands the directory to
 ``parallel3d.initialize(pretrained=...)``, where each rank reads only the slices it keeps
-(parallel3d/meta_init.py).
+(parallel3d/build/meta_init.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from parallel3d.errors import ConfigError
-from parallel3d.remote_code import check_remote_code
+from parallel3d.build.remote_code import check_remote_code
 
 
 def meta_model(path: str | os.PathLike, trust_remote_code: bool = False) -> nn.Module:

@@ -1,13 +1,13 @@
 """Where the Zero3D Trainer writes: checkpoints for resuming, and a gathered HF model directory.
 
 * ``checkpoint-N/zero3d/`` (``save_steps``): the engine's mesh-free checkpoint
-  (parallel3d/checkpoint.py): weights, optimizer states, LR schedule and counters under
+  (parallel3d/checkpoint/checkpoint.py): weights, optimizer states, LR schedule and counters under
   Hugging Face names and full shapes, loadable on any layout or world size. The Trainer's own
   files (``trainer_state.json``, RNG states) sit beside it, so ``resume_from_checkpoint``
   and ``save_total_limit`` work as they do. No model files are gathered at every save (as
   with DeepSpeed ZeRO-3); ``zero3d export checkpoint-N/zero3d OUT`` writes them when wanted.
 * ``save_model(DIR)``: a ``from_pretrained`` directory, streamed from a scratch checkpoint by
-  ``zero3d export`` (parallel3d/export.py) on rank 0, so no rank ever holds the whole model; the
+  ``zero3d export`` (parallel3d/export/export.py) on rank 0, so no rank ever holds the whole model; the
   weights are the fp32 masters cast to the working precision. The tokenizer and
   ``training_args.bin`` are written as the Trainer writes them.
 """
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel3d.engine import Engine
-from parallel3d.export import WEIGHT_SUFFIXES, export_checkpoint
+from parallel3d.engine.engine import Engine
+from parallel3d.export.export import WEIGHT_SUFFIXES, export_checkpoint
 
 logger = logging.getLogger(__name__)
 

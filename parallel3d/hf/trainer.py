@@ -37,15 +37,15 @@ import transformers
 
 import parallel3d
 from parallel3d.errors import ConfigError, UsageError
-from parallel3d.gathered import GatheredParameters
+from parallel3d.compat.gathered import GatheredParameters
 from parallel3d.hf.config_fill import scheduler_section, trainer_config
 from parallel3d.hf.data import gather_over_dp, shard_over_dp
 from parallel3d.hf.engine_views import EngineModel, EngineOptimizer, EngineScheduler
 from parallel3d.hf.launch_check import refuse_accelerate_launch, refuse_competing_arguments
 from parallel3d.hf.model_source import meta_model
 from parallel3d.hf.saving import engine_dir, export_model
-from parallel3d.lr_build import build_lr_scheduler
-from parallel3d.worker_errors import install as install_worker_errors
+from parallel3d.lr.build import build_lr_scheduler
+from parallel3d.runtime.worker_errors import install as install_worker_errors
 
 
 class Zero3DTrainerMixin:

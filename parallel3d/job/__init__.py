@@ -4,7 +4,8 @@ One job each: `config` (the job schema and overrides), `defaults` (the built-in 
 `corpus` (the bundled CPython docs), `tokenizer`, `data` (load, tokenize, pack), `sampler`
 (seeded, dp-sharded, resumable order), `model`, `checkpoints` (resume, keep-last-k),
 `metrics` (bar, JSONL, TensorBoard, summary), `prepare` (everything before the engine),
-`trainer` (the loop), `run` (the worker entry point).
+`trainer` (the loop), `run` (the worker entry point); `plot` draws a run's curves
+(``zero3d plot``).
 """
 
 from parallel3d.job.config import JobConfig, load_job_config

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from parallel3d.batch_check import IGNORE_INDEX
+from parallel3d.engine.batch_check import IGNORE_INDEX
 from parallel3d.errors import ConfigError
 
 logger = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint import MANIFEST
-from parallel3d.checkpoint_storage import METADATA_FILE, read_metadata
+from parallel3d.checkpoint.checkpoint import MANIFEST
+from parallel3d.checkpoint.storage import METADATA_FILE, read_metadata
 from parallel3d.errors import ConfigError
-from parallel3d.export import resolve_checkpoint
+from parallel3d.export.export import resolve_checkpoint
 from parallel3d.job.config import JobConfig
 from parallel3d.job.resume_check import check_complete, fallback_hint, named_tag
 

@@ -7,7 +7,7 @@ A YAML or JSON file (or a dict) validated with the same rules and message style 
 engine config: every problem is one `ConfigError` naming the dotted key, the value and the
 rule; an unknown key names the nearest known one. ``engine`` is the DeepSpeed-style engine
 config, inline or a path to a ds_config.json used unchanged; it is validated here by the
-engine's own schema (`parallel3d.config`) with keys reported under ``engine.``.
+engine's own schema (`parallel3d.config.config`) with keys reported under ``engine.``.
 
 Command-line overrides ``key.sub=value`` are applied to the mapping before validation;
 values are typed like YAML scalars (``1e-4`` is a number, ``true`` a bool, ``[a, b]`` a list).
@@ -23,8 +23,8 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from parallel3d.config import Zero3DConfig, read_config_file
-from parallel3d.config_sections import (
+from parallel3d.config.config import Zero3DConfig, read_config_file
+from parallel3d.config.sections import (
     NonNegInt, PositiveInt, Section, describe_validation_error, problem, rule, show)
 from parallel3d.errors import ConfigError
 
@@ -53,7 +53,7 @@ class ModelConfig(Section):
     """Model dtype; "auto" follows the engine (bf16/fp16 sections). Any other value must agree with it."""
     trust_remote_code: bool = False
     """Let model.path run its own Python code (a config.json with auto_map); false refuses such a
-    directory (parallel3d/remote_code.py)."""
+    directory (parallel3d/build/remote_code.py)."""
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

@@ -25,7 +25,7 @@ from itertools import chain
 import numpy as np
 from pathlib import Path
 
-from parallel3d.batch_check import IGNORE_INDEX
+from parallel3d.engine.batch_check import IGNORE_INDEX
 from parallel3d.errors import ConfigError
 from parallel3d.job.cache import cached_dir, key_of
 from parallel3d.job.chat import chat_columns, conversation, tokenize_conversation

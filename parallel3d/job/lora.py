@@ -3,7 +3,7 @@
 The section's keys are ``peft.LoraConfig``'s; targets are checked against the model's module
 names first, so a name that matches nothing is one message listing the names there are (peft
 would raise its own error deep inside the wrapping). The wrapping runs on the meta device, so
-it draws nothing; ``initialize`` draws the adapters (parallel3d/peft_meta.py) and reads the base
+it draws nothing; ``initialize`` draws the adapters (parallel3d/build/peft_meta.py) and reads the base
 from model.path.
 """
 

@@ -15,7 +15,7 @@ import torch
 
 from parallel3d.errors import ConfigError
 from parallel3d.job.config import JobConfig
-from parallel3d.remote_code import check_remote_code
+from parallel3d.build.remote_code import check_remote_code
 
 logger = logging.getLogger(__name__)
 

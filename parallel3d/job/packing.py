@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from parallel3d.batch_check import IGNORE_INDEX
+from parallel3d.engine.batch_check import IGNORE_INDEX
 
 
 def _block(parts: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int) -> dict[str, list[int]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from parallel3d.config import Zero3DConfig, load_config
+from parallel3d.config.config import Zero3DConfig, load_config
 from parallel3d.errors import ConfigError
 from parallel3d.job import model as model_lib
 from parallel3d.job.checkpoints import check_resume_model, find_resume
@@ -25,7 +25,7 @@ from parallel3d.job.data import iter_texts, load_documents, pack_documents
 from parallel3d.job.sampler import BlockSampler
 from parallel3d.job.resume_batch import check_resume_batch
 from parallel3d.job.schedule import resumed_schedule
-from parallel3d.meta_init import pretrained_source
+from parallel3d.build.meta_init import pretrained_source
 from parallel3d.job.tokenizer import builtin_tokenizer, has_tokenizer, local_tokenizer, with_chat_template
 from models.packed_attention import packing_problem
 

@@ -18,7 +18,7 @@ from parallel3d.errors import ConfigError
 
 def saved_global_batch(resume_from: Path) -> int | None:
     """The ``train_batch_size`` the checkpoint was trained with (None when it does not say)."""
-    from parallel3d.checkpoint import decode_value, read_manifest
+    from parallel3d.checkpoint.checkpoint import decode_value, read_manifest
 
     manifest = read_manifest(resume_from)
     saved = (manifest.get("written_by") or {}).get("train_batch_size")

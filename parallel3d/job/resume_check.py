@@ -17,11 +17,11 @@ import logging
 import re
 from pathlib import Path
 
-from parallel3d.checkpoint import read_manifest
-from parallel3d.checkpoint_manifest import check_pair
-from parallel3d.checkpoint_storage import METADATA_FILE, CorruptCheckpointError, read_metadata
+from parallel3d.checkpoint.checkpoint import read_manifest
+from parallel3d.checkpoint.manifest import check_pair
+from parallel3d.checkpoint.storage import METADATA_FILE, CorruptCheckpointError, read_metadata
 from parallel3d.errors import ConfigError
-from parallel3d.worker_errors import REPORTED_BY_RANK0
+from parallel3d.runtime.worker_errors import REPORTED_BY_RANK0
 
 logger = logging.getLogger(__name__)
 

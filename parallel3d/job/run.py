@@ -21,9 +21,9 @@ from parallel3d.job.config import JobConfig, load_job_config
 from parallel3d.job.metrics import TqdmHandler
 from parallel3d.job.prepare import Prepared, prepare
 from parallel3d.job.stop import JobStopped
-from parallel3d.lifeline import die_with_agent, exit_now
-from parallel3d.watchdog import backend_reason, is_collective_failure
-from parallel3d.worker_errors import REPORTED_BY_RANK0
+from parallel3d.runtime.lifeline import die_with_agent, exit_now
+from parallel3d.runtime.watchdog import backend_reason, is_collective_failure
+from parallel3d.runtime.worker_errors import REPORTED_BY_RANK0
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +83,12 @@ def run_job(job: JobConfig) -> dict:
     Workers that torchrun restarted after a failure (``--max-restarts``) continue the run from
     its latest checkpoint, whatever ``train.resume`` says: the checkpoints are this run's own.
     """
-    from parallel3d.config import Zero3DConfig
+    from parallel3d.config.config import Zero3DConfig
     from parallel3d.job.checkpoints import stored_checkpoints
     from parallel3d.job.config import engine_dict
     from parallel3d.job.resume_check import with_fallback
     from parallel3d.job.trainer import train
-    from parallel3d.world import default_device, ensure_process_group
+    from parallel3d.runtime.world import default_device, ensure_process_group
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart > 0:

@@ -34,7 +34,7 @@ def schedule_state(engine_config: dict) -> dict | None:
 
 def _saved(resume_from: Path) -> tuple[dict | None, int | None]:
     """The checkpoint's saved schedule state and its scheduler's last_batch_iteration."""
-    from parallel3d.checkpoint import decode_value, read_manifest
+    from parallel3d.checkpoint.checkpoint import decode_value, read_manifest
 
     manifest = read_manifest(resume_from)
     client = decode_value(manifest.get("client_state")) or {}
@@ -47,7 +47,7 @@ def _saved(resume_from: Path) -> tuple[dict | None, int | None]:
 def lr_at(engine_config: dict, iteration: int) -> float:
     """The first param group's LR of the config's schedule after ``iteration`` (a scheduler's
     ``last_batch_iteration``), computed on a stand-in optimizer."""
-    from parallel3d.lr_build import build_lr_scheduler
+    from parallel3d.lr.build import build_lr_scheduler
 
     lr = float(((engine_config.get("optimizer") or {}).get("params") or {}).get("lr", 1e-3))
     stand_in = SimpleNamespace(param_groups=[{"lr": lr}])

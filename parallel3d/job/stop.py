@@ -19,7 +19,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-from parallel3d.lifeline import STOP_SIGNALS
+from parallel3d.runtime.lifeline import STOP_SIGNALS
 
 logger = logging.getLogger(__name__)
 

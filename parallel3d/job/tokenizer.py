@@ -14,7 +14,7 @@ from pathlib import Path
 
 from parallel3d.errors import ConfigError
 from parallel3d.job.cache import cached_dir, key_of
-from parallel3d.remote_code import check_remote_code
+from parallel3d.build.remote_code import check_remote_code
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from parallel3d.job.prepare import Prepared, describe
 from parallel3d.job.sampler import BlockSampler, TrainLoader, eval_batches
 from parallel3d.job.schedule import STATE_KEY, schedule_state
 from parallel3d.job.stop import JobStopped, StopSignals
-from parallel3d.token_mean import global_label_tokens
+from parallel3d.engine.token_mean import global_label_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ def _train(prep: Prepared, stop: StopSignals) -> dict:
         _write_run_files(prep, out)
     start, total = engine.global_steps, prep.total_steps
     if cfg.progress and rank == 0:
-        logging.getLogger("parallel3d.engine").setLevel(logging.WARNING)  # the bar shows the loss
+        logging.getLogger("parallel3d.engine.engine").setLevel(logging.WARNING)  # the bar shows the loss
     metrics = Metrics(out, rank == 0, total, start, cfg.progress)
     t_run = time.perf_counter()
     last_saved = start if prep.resume_from is not None else None

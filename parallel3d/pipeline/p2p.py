@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallel3d.fake_backend import receive_buffer
+from parallel3d.runtime.fake_backend import receive_buffer
 
 __all__ = ["P2P", "PendingRecv"]
 

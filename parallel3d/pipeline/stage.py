@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from models.pipeline_anatomy import AnatomyError, PipelineAnatomy, pipeline_anatomy
 from parallel3d.errors import ConfigError
-from parallel3d.fake_backend import receive_buffer
+from parallel3d.runtime.fake_backend import receive_buffer
 
 __all__ = [
     "BALANCE_METHODS", "PipelineModel", "PipelineStage", "StageLayout", "TiedParam", "partition_blocks",

@@ -52,7 +52,7 @@ def _dotted(section: str | None, key: str) -> str:
 
 def _mapping(source: Any) -> dict | None:
     """The config as a mapping, or None when it cannot hold "auto" (already a Zero3DConfig)."""
-    from parallel3d.config import Zero3DConfig, read_config_file
+    from parallel3d.config.config import Zero3DConfig, read_config_file
 
     if isinstance(source, Zero3DConfig):
         return None
@@ -150,7 +150,7 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
         _set(probe, s, k, 1)
     if micro_auto:
         probe.pop("train_micro_batch_size_per_gpu")
-    from parallel3d.config import Zero3DConfig
+    from parallel3d.config.config import Zero3DConfig
     from parallel3d.planner.predict import Planner
     from parallel3d.planner.search import Choice
 

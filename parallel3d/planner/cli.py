@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from parallel3d.errors import ConfigError
-from parallel3d.remote_code import check_remote_code
+from parallel3d.build.remote_code import check_remote_code
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _positive(value: int | None, flag: str) -> None:
 
 def hardware_from_args(args: argparse.Namespace):
     """The cluster: a device preset, the device count (--gpus or a hostfile) and memory."""
-    from parallel3d.launcher import parse_hostfile
+    from parallel3d.launch.launcher import parse_hostfile
     from parallel3d.planner.hardware import PRESETS
 
     if (args.gpus is None) == (args.hostfile is None):

@@ -5,7 +5,7 @@
 * Collectives: ``steps x latency + payload x wire_factor / bandwidth`` per call, ``wire_factor``
   being ``comm_counter``'s ring accounting (2 (n-1)/n for an all-reduce...), ``steps`` the ring's
   hops (2 (n-1) for an all-reduce, n - 1 for a reduce-scatter or all-gather, 1 for a p2p).
-* Links per mesh axis. Ranks are laid out tp fastest, then dp, then pp (``parallel3d.mesh``), so a
+* Links per mesh axis. Ranks are laid out tp fastest, then dp, then pp (``parallel3d.runtime.mesh``), so a
   group of ``size`` ranks ``stride`` apart sits inside one node when ``stride x size <= gpus per
   node`` and then moves over NVLink. Otherwise its ring crosses nodes; the ``k = gpus_per_node /
   stride`` members it has in each node share the node's network cards with the other groups of
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from parallel3d.comm_counter import wire_factor
+from parallel3d.runtime.comm_counter import wire_factor
 from parallel3d.errors import ConfigError
 
 

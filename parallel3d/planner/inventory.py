@@ -26,7 +26,7 @@ from models.anatomy import fetch_unit_modules
 from models.pipeline_anatomy import AnatomyError, AnatomyPaths, PipelineAnatomy, anatomy_paths, pipeline_anatomy
 from parallel3d.errors import ConfigError
 from parallel3d.expert_parallel.plan import resolve_experts
-from parallel3d.meta_init import detach_from_meta
+from parallel3d.build.meta_init import detach_from_meta
 from parallel3d.pipeline.stage import StageLayout, make_layout
 from parallel3d.planner.fake_tp import fake_tp_group
 from parallel3d.tensor_parallel.apply import apply_tensor_parallel

@@ -38,7 +38,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from models.anatomy import fetch_unit_modules
 from models.layer_configs import with_layers
-from parallel3d.comm_counter import count_collectives
+from parallel3d.runtime.comm_counter import count_collectives
 from parallel3d.errors import ConfigError
 from parallel3d.planner.fake_tp import fake_tp_group
 from parallel3d.tensor_parallel.apply import apply_tensor_parallel

@@ -42,7 +42,7 @@ NOT_SEEN_CPU = ("the allocator's rounding, caching and fragmentation of a GPU (t
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from parallel3d.launcher import whole_number
+    from parallel3d.launch.launcher import whole_number
     from parallel3d.pipeline.schedules import SCHEDULES
 
     p = argparse.ArgumentParser(prog="zero3d simulate", allow_abbrev=False, description=__doc__,

@@ -9,7 +9,7 @@ parallel shards, pipeline stage and ZeRO shards, the real forward, backward and 
 at the real sequence length and micro-batch) with the real allocations. The model is built on
 the meta device and goes through the normal ``parallel3d.initialize`` path, so only this rank's
 share is ever materialized. Receive buffers are zero-filled on the fake backend
-(parallel3d/fake_backend.py): the step is never skipped for garbage gradients.
+(parallel3d/runtime/fake_backend.py): the step is never skipped for garbage gradients.
 
 One departure from a real start: the values. ``initialize`` normally fills a meta model with
 what eager construction would give (``models.materialize.InitReplay``), which replays the whole
@@ -90,7 +90,7 @@ class DrawnValues:
 
 def _drawn_source(model):
     """``initialize``'s ``take_source`` for a simulated rank (see the module docstring)."""
-    from parallel3d.meta_init import take_source
+    from parallel3d.build.meta_init import take_source
 
     return DrawnValues(take_source(model))
 
@@ -210,7 +210,7 @@ def simulate(spec: RankSpec) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Child process entry: read the spec, simulate, write the result (or the one error) as JSON."""
     from parallel3d.errors import ConfigError
-    from parallel3d.lifeline import exit_now
+    from parallel3d.runtime.lifeline import exit_now
     from parallel3d.planner.cli import quiet_transformers
 
     spec_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]

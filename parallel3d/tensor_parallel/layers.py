@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from parallel3d import storageless
+from parallel3d.build import storageless
 from parallel3d.tensor_parallel.comm import (
     copy_to_tp,
     gather_from_tp,

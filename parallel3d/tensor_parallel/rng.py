@@ -65,7 +65,7 @@ class SplitRegionRNG:
     def __init__(self, tp_rank: int) -> None:
         self.tp_rank = tp_rank
         self._open: list[tuple[int, torch.device, torch.Tensor]] = []
-        # False where the blocks draw no random numbers and are compiled (parallel3d/compiled_blocks.py):
+        # False where the blocks draw no random numbers and are compiled (parallel3d/build/compiled_blocks.py):
         # the swaps would be graph breaks inside every block, and change no number
         self.active = True
 

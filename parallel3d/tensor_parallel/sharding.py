@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from parallel3d.storageless import is_storageless, storageless
+from parallel3d.build.storageless import is_storageless, storageless
 
 
 @dataclass(frozen=True)
