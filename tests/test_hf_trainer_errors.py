@@ -57,6 +57,13 @@ def test_context_parallel_layout(tmp_path):
         make(tmp_path, {**ZERO3, "context_parallel": {"size": 2}})
 
 
+def test_torch_compile_argument(tmp_path):
+    """The Trainer compiles in accelerate's prepare, which the engine replaces: it would train uncompiled."""
+    with pytest.raises(ConfigError, match=r"TrainingArguments\(torch_compile=True\) was given together with "
+                                          r"zero3d_config.*\"compile\": \{\"enabled\": true"):
+        make(tmp_path, torch_compile=True, torch_compile_backend="eager")
+
+
 def test_missing_config_and_model_init(tmp_path):
     from parallel3d.hf import Trainer
 

@@ -46,6 +46,11 @@ def refuse_competing_arguments(args: Any, model_init: Any) -> None:
     if getattr(args, "fsdp", None):
         raise ConfigError(f"TrainingArguments(fsdp={args.fsdp!r}) was given together with zero3d_config: Zero3D "
                           "shards the model itself (zero_optimization.stage 3 is FSDP's full sharding); leave fsdp unset")
+    if getattr(args, "torch_compile", False):  # also set by torch_compile_backend / torch_compile_mode
+        raise ConfigError("TrainingArguments(torch_compile=True) was given together with zero3d_config: the Trainer "
+                          "compiles the model in accelerate's prepare, which the Zero3D engine replaces, so the model "
+                          'would train uncompiled; set "compile": {"enabled": true, "backend": ...} in zero3d_config '
+                          "(each block compiled on its own, docs/compile.md) and leave torch_compile unset")
     if model_init is not None:
         raise ConfigError("parallel3d.hf.Trainer takes model= (a model, or a name/path started on the meta device), "
                           "not model_init=: the engine shards the one model it is given")
