@@ -73,6 +73,31 @@ def test_prediction_equals_memory_report_under_expert_parallelism(dist, name, st
         assert m["predicted"] == m["report"], (rank, m["predicted"], m["report"])
 
 
+def test_search_prices_tp_with_whole_experts(dist):
+    """At tp 2 x dp 2 x ep 2 the planner's own prediction (tp rank 0, dp rank 0) holds the engine's model
+    states to the byte, and its profile keeps the experts whole on the tp rank, as the engine does."""
+    import torch
+
+    from parallel3d.planner.hardware import a100
+    from parallel3d.planner.predict import Layout, Planner, Workload
+
+    kind, tp, ep, dp, cases = LAYOUTS["tp2-dp2-ep2"]
+    measured = _results(dist, "tp2-dp2-ep2")
+    for i, (stage, precision) in enumerate(cases):
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        planner = Planner(make_moe(kind), Workload(seq=16, global_batch=8, dtype=dtype, bucket_size=3000,
+                                                   persistence_threshold=50))
+        first = next(r[i] for r in measured if r[i]["ranks"] == {"tp": 0, "dp": 0})
+        assert planner.predict(Layout(1, dp, tp, stage, 2, ep=ep), a100(1, 4)).ranks[0].states == first["report"]
+    keys = planner.profile_keys(Layout(1, dp, tp, 1, 2, ep=ep), a100(1, 4), False)
+    assert keys and all(key[-1] for key in keys)  # experts whole
+    key = ("only", 1, 1, tp, False, False, a100(1, 4).attention, False)
+    whole, split = planner._profile(*key, True), planner._profile(*key, False)
+    # one block, 16 tokens x top 2 rows through gate_up (h -> 2i) and down (i -> h): split over tp, or whole
+    rows, hidden, inter = 16 * 2, planner.model.config.hidden_size, planner.model.config.moe_intermediate_size
+    assert whole.flops[0] - split.flops[0] == (1 - 1 / tp) * 2 * rows * 3 * hidden * inter
+
+
 def test_inventory_holds_one_ep_th_of_the_experts():
     """The expert params are 1/E of the stacked weights, kept whole over tp; the rest as without ep."""
     from parallel3d.planner.inventory import ModelShapes
@@ -140,6 +165,7 @@ def test_search_tries_expert_parallel_sizes_and_the_snippet_names_them():
     planner = _planner()
     assert sorted({c.ep for c in candidates(planner, a100(8, 8), Choice(**pinned))}) == [1, 2, 4, 8]
     assert sorted({c.ep for c in candidates(planner, a100(4, 8), Choice(**pinned))}) == [1, 2, 4]
+    assert sorted({c.ep for c in candidates(planner, a100(8, 8), Choice(**{**pinned, "tp": 2}))}) == [1, 2, 4]
     refused: dict = {}
     assert not list(candidates(planner, a100(8, 8), Choice(**pinned, ep=3), refused))
     assert any("does not divide the 8 experts" in reason for reason in refused)

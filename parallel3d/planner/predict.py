@@ -230,7 +230,8 @@ class Planner:
         return self._shapes[tp, ep]
 
     def _profile(self, *key) -> PassProfile:
-        """The profile of ``key`` = (kind, blocks, micro_batch, tp, sp, ac, attention, split), computed once."""
+        """The profile of ``key`` = (kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts),
+        computed once."""
         if key not in self._profiles and key not in self._failed:
             self._fill([key], workers=1)
         if key in self._failed:
@@ -254,8 +255,9 @@ class Planner:
         w = self.workload
         for key, value in compute(self.config, w.seq, w.dtype, missing, workers).items():
             if isinstance(value, ProfileError):
-                kind, blocks, micro_batch, tp, sp, ac, attention, split = key
-                value = f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}: {value}"
+                kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts = key
+                value = (f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}"
+                         f"{', experts whole' if whole_experts else ''}: {value}")
             self._record(key, value)
             if self.store is not None:
                 self.store.put(key, value)
@@ -267,7 +269,10 @@ class Planner:
             self._profiles[key] = value
 
     def _chunk_keys(self, layout: Layout, kind: str, hw: Hardware) -> list[tuple]:
-        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1")
+        # under expert parallelism tensor parallelism leaves the experts whole on every tp rank
+        whole_experts = layout.ep > 1 and layout.tp > 1
+        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1",
+               whole_experts)
         return [(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2)]
 
     def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
@@ -315,9 +320,6 @@ class Planner:
             if layout.zero_shard % layout.ep:
                 raise ConfigError(f"expert_parallel.autoep_size {layout.ep} does not divide the {layout.zero_shard} "
                                   "ranks ZeRO shards over")
-            if layout.tp > 1:  # the profile splits the experts over tp; under ep each tp rank runs them whole
-                raise ConfigError("the planner prices expert_parallel at tp 1 only: under tensor parallelism the "
-                                  "experts stay whole on every tp rank, which the tp profile does not model")
             if layout.sequence_parallel or layout.zeropp or w.hpz > 1:
                 raise ConfigError("expert_parallel does not compose with sequence parallelism or ZeRO++'s hpZ")
             if self.top_k is None:

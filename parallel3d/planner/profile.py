@@ -40,6 +40,7 @@ from models.anatomy import fetch_unit_modules
 from models.layer_configs import with_layers
 from parallel3d.runtime.comm_counter import count_collectives
 from parallel3d.errors import ConfigError
+from parallel3d.expert_parallel.plan import resolve_experts
 from parallel3d.planner.fake_tp import fake_tp_group
 from parallel3d.tensor_parallel.apply import apply_tensor_parallel
 
@@ -51,11 +52,29 @@ _CPU_FLASH = {"_scaled_dot_product_flash_attention_for_cpu": False,
               "_scaled_dot_product_flash_attention_for_cpu_backward": True}
 
 
+def _grouped_mm_flops(name: str, args: tuple) -> int:
+    """Grouped matrix multiplies (MoE experts: ``torch._grouped_mm``, transformers' fallback ops), which torch's
+    registry lacks: twice the multiply-adds of every group, whichever operand the groups cut."""
+    a, b = args[0], args[1]
+    if name == "grouped_mm_fallback":  # (input [S, K], weight [G, K, N], offs)
+        return 2 * a.numel() * b.shape[2]
+    if name == "grouped_mm_fallback_backward":  # grad_input and grad_weight: two products of that size
+        return 4 * a.numel() * b.shape[2]
+    if a.dim() == 3 and b.dim() == 2:  # [G, M, K] x [K, sum N_g]
+        return 2 * a.shape[1] * a.shape[2] * b.shape[1]
+    return 2 * a.numel() * b.shape[-1]  # [S, K] x [G, K, N], [M, sum K_g] x [sum K_g, N], [G, M, K] x [G, K, N]
+
+
+_GROUPED = frozenset({"_grouped_mm", "grouped_mm_fallback", "grouped_mm_fallback_backward"})
+
+
 def _op_flops(func, args, kwargs, out) -> int:
     packet = func._overloadpacket
     if packet in flop_registry:
         return int(flop_registry[packet](*args, **kwargs, out_val=out))
     name = packet.__name__
+    if name in _GROUPED:
+        return _grouped_mm_flops(name, args)
     if name not in _CPU_FLASH:  # the CPU flash kernels are not in torch's registry; same FLOPs as CUDA's
         return 0
     if _CPU_FLASH[name]:  # backward(grad_out, query, key, value, out, logsumexp, ...)
@@ -297,8 +316,10 @@ def _text(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _build(config, blocks: int, dtype: torch.dtype, group, sequence_parallel: bool, checkpointing: bool) -> nn.Module:
-    """The model with ``blocks`` blocks on fake tensors, as tp rank 0 of ``group`` (None: no tp) holds it."""
+def _build(config, blocks: int, dtype: torch.dtype, group, sequence_parallel: bool, checkpointing: bool,
+           whole_experts: bool = False) -> nn.Module:
+    """The model with ``blocks`` blocks on fake tensors, as tp rank 0 of ``group`` (None: no tp) holds it;
+    ``whole_experts``: its experts modules left out of tensor parallelism, as expert parallelism has them."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -313,10 +334,19 @@ def _build(config, blocks: int, dtype: torch.dtype, group, sequence_parallel: bo
                            f"({type(exc).__name__}: {exc})") from None
     model.train()
     if group is not None:
-        apply_tensor_parallel(model, group, sequence_parallel=sequence_parallel)
+        whole = _experts_modules(model) if whole_experts else frozenset()
+        apply_tensor_parallel(model, group, sequence_parallel=sequence_parallel, whole=whole)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def _experts_modules(model: nn.Module) -> frozenset[str]:
+    """The experts modules expert parallelism splits (none in a chunk of dense blocks, as DeepSeek V3's first)."""
+    try:
+        return frozenset(m.name for m in resolve_experts(model, 1))
+    except ConfigError:
+        return frozenset()
 
 
 def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
@@ -353,7 +383,7 @@ def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
 
 def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, dtype: torch.dtype, tp: int = 1,
                  sequence_parallel: bool = False, checkpointing: bool = False, attention: str = "native",
-                 split_backward: bool = False) -> PassProfile:
+                 split_backward: bool = False, whole_experts: bool = False) -> PassProfile:
     """Profile ``kind`` (one of :data:`KINDS`) with ``blocks`` blocks of the model ``config`` describes.
 
     ``attention``: how ``scaled_dot_product_attention`` runs: ``native`` as this CPU dispatches
@@ -362,6 +392,9 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
     :func:`_gpu_kernels`). The model is run with
     transformers' ``sdpa`` attention unless its config names another. ``split_backward``: the
     backward as ZB-H1 runs it, the executor's ``backward_input`` then ``backward_weight``.
+    ``whole_experts``: under tp, the experts modules stay whole (every tp rank computes them on the
+    same rows), as the engine leaves them under expert parallelism; all experts are there, so the
+    experts' compute is the whole layer's for this rank's tokens, which expert parallelism only moves.
     """
     from parallel3d.pipeline.executor import backward_input, backward_weight
 
@@ -375,7 +408,7 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
             fake_tp_group(tp) as group:
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
-        model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing)
+        model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing, whole_experts)
         live = LiveBytes()
         _hook(model, kind, live)
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)

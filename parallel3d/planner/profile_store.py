@@ -27,7 +27,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-ProfileKey = tuple  # (kind, blocks, micro_batch, tp, sequence_parallel, checkpointing, attention, split)
+ProfileKey = tuple  # (kind, blocks, micro_batch, tp, sequence_parallel, checkpointing, attention, split, whole_experts)
 _SOURCES = ("parallel3d", "models", "zero")
 
 
@@ -86,11 +86,11 @@ _JOB: dict = {}  # what a forked worker profiles with (set before the fork)
 def _profile_one(key: ProfileKey) -> tuple[ProfileKey, Any]:
     from parallel3d.planner.profile import ProfileError, profile_pass
 
-    kind, blocks, micro_batch, tp, sp, ac, attention, split = key
+    kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts = key
     try:
         return key, profile_pass(_JOB["config"], kind, blocks, micro_batch=micro_batch, seq=_JOB["seq"],
                                  dtype=_JOB["dtype"], tp=tp, sequence_parallel=sp, checkpointing=ac,
-                                 attention=attention, split_backward=split)
+                                 attention=attention, split_backward=split, whole_experts=whole_experts)
     except ProfileError as exc:
         return key, exc
 
