@@ -49,20 +49,39 @@ def packed_positions() -> torch.Tensor:
     return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in rows])
 
 
+PADDED = {"left": (3, 9), "right": (5, 11)}
+"""Padded tokens of a micro-batch's two rows (unequal lengths): left padding covers whole ring
+chunks at cp 4 (2 tokens) and leaves query rows that see no key; right padding ends rows early."""
+
+
+def shape_batch(batch: dict, layout: str = "plain") -> dict:
+    """A micro-batch laid out as ``layout``: "plain" as given; "packed" with packed_positions();
+    "left" / "right" padded (``PADDED``): an attention_mask with zeros, labels -100 there."""
+    if layout == "packed":
+        return {**batch, "position_ids": packed_positions(), "use_cache": False}
+    if layout in PADDED:
+        mask = torch.ones_like(batch["input_ids"])
+        for row, count in enumerate(PADDED[layout]):
+            mask[row, slice(0, count) if layout == "left" else slice(SEQ - count, SEQ)] = 0
+        return {**batch, "attention_mask": mask, "labels": batch["labels"].masked_fill(mask == 0, -100)}
+    return batch
+
+
 @functools.cache
 def _oracle(gas: int, dp: int, family: str = "llama", overrides: tuple = (),
-            packed: bool | str = False) -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
-    """``packed`` True: every micro-batch's rows packed; "alternate": a window's even micro-batches."""
+            layout: str = "plain") -> tuple[list[float], dict[str, torch.Tensor], list[float]]:
+    """``layout``: every micro-batch's (``shape_batch``), or "alternate": a window's even micro-batches packed."""
     norms: list[float] = []
+    shaping = ({"position_ids": [packed_positions(), None]} if layout == "alternate"
+               else {"prepare": functools.partial(shape_batch, layout=layout)})
     losses, params = oracle_run(family, _data(gas, dp), model=_model(family, **dict(overrides)), grad_norms=norms,
-                                position_ids=[packed_positions(), None] if packed == "alternate" else
-                                packed_positions() if packed else None)
+                                **shaping)
     return losses, params, norms
 
 
 def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalization: str = "micro_batch",
              deepspeed_key: bool = False, family: str = "llama", method: str = "ulysses",
-             overrides: tuple = (), packed: bool | str = False, pipeline: dict | None = None) -> tuple[list[float], dict]:
+             overrides: tuple = (), layout: str = "plain", pipeline: dict | None = None) -> tuple[list[float], dict]:
     """``pipeline``: the config's pipeline section (the parameters returned are then the stage's)."""
     import parallel3d
 
@@ -79,9 +98,8 @@ def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalizat
     engine, _, _, _ = parallel3d.initialize(model=_model(family, **dict(overrides)), config=config)
     assert engine.mesh.cp == cp and engine.mesh.dp == dp
     batches = rank_micro_batches(_data(gas, dp), engine.mesh.local_rank("dp"))
-    if packed:
-        batches = [{**batch, "position_ids": packed_positions(), "use_cache": False}
-                   if packed is True or i % gas % 2 == 0 else batch for i, batch in enumerate(batches)]
+    batches = [shape_batch(batch, ("packed" if i % gas % 2 == 0 else "plain") if layout == "alternate" else layout)
+               for i, batch in enumerate(batches)]
     losses, norms = [], []
     for s in range(STEPS):
         losses.append(engine.train_batch(iter(batches[s * gas:(s + 1) * gas])))
@@ -90,8 +108,8 @@ def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalizat
 
 
 def _check(results: list, gas: int, dp: int, family: str = "llama", overrides: tuple = (),
-           packed: bool = False) -> None:
-    want_losses, want_params, want_norms = _oracle(gas, dp, family, overrides, packed)
+           layout: str = "plain") -> None:
+    want_losses, want_params, want_norms = _oracle(gas, dp, family, overrides, layout)
     for losses, params, norms in results:
         assert losses == pytest.approx(want_losses, rel=RTOL)
         assert norms == pytest.approx(want_norms, rel=RTOL)  # before clipping: ZeRO's shards over dp_shard x cp
@@ -156,26 +174,41 @@ def test_ring_qwen3(dist, cp):
 def test_ring_packed_documents(dist, cp, family, overrides):
     """Packed rows (position ids restarting per document): the ring keeps the documents apart as
     one process's mask does (at cp 4 with Mistral's 5-token window too)."""
-    _check(dist.run(cp, train_cp, cp, 2, 1, family=family, method="ring", overrides=overrides, packed=True), 2, 1,
-           family, overrides, packed=True)
+    _check(dist.run(cp, train_cp, cp, 2, 1, family=family, method="ring", overrides=overrides, layout="packed"), 2,
+           1, family, overrides, layout="packed")
+
+
+@pytest.mark.parametrize("cp, stage, method, layout, eager", [
+    (2, 1, "ulysses", "left", True), (2, 3, "ulysses", "packed", False), (2, 3, "ring", "right", False),
+    (4, 0, "ring", "left", True)])
+def test_padding_and_packing_equal_one_process(dist, cp, stage, method, layout, eager):
+    """Padded micro-batches (an attention_mask with zeros, labels -100 there) and, under Ulysses,
+    packed documents, trained through the engine. With eager, left padding leaves query rows that
+    see no key; one process's eager kernel gives them uniform attention over every key (the
+    prediction of each row's first real token comes from one), which both methods reproduce."""
+    overrides = (("attn_implementation", "eager"),) if eager else ()
+    _check(dist.run(cp, train_cp, cp, stage, 1, method=method, overrides=overrides, layout=layout), 2, 1,
+           overrides=overrides, layout=layout)
 
 
 FOUR_LAYERS = (("num_hidden_layers", 4),)
 
 
-@pytest.mark.parametrize("method, stage, pipeline, packed", [
-    ("ring", 1, {"schedule": "1f1b"}, False),
-    ("ulysses", 3, {"schedule": "zb_h1"}, False),
+@pytest.mark.parametrize("method, stage, pipeline, layout", [
+    ("ring", 1, {"schedule": "1f1b"}, "plain"),
+    ("ulysses", 3, {"schedule": "zb_h1"}, "plain"),
+    # padded rows: each micro-batch's mask reaches the attention in its forward and its recompute
+    ("ulysses", 1, {"schedule": "1f1b", "activation_checkpointing": True}, "left"),
     # the first micro-batch of each window packed, the second not: each micro-batch's documents reach
     # the ring in its forward and in its backward's recompute, the schedule running them interleaved
     ("ring", 3, {"schedule": "interleaved_1f1b", "virtual_stages": 2, "activation_checkpointing": True},
      "alternate")])
-def test_pp2_cp2(dist, method, stage, pipeline, packed):
+def test_pp2_cp2(dist, method, stage, pipeline, layout):
     """Pipeline stages over context-parallel shards: the stages run this rank's cut of each
     micro-batch and pass its shard of the activations on; each stage's parameters, the losses and
     gradient norms equal one process's."""
-    want_losses, want_params, want_norms = _oracle(2, 1, "llama", FOUR_LAYERS, packed)
-    results = dist.run(4, train_cp, 2, stage, 1, method=method, overrides=FOUR_LAYERS, packed=packed,
+    want_losses, want_params, want_norms = _oracle(2, 1, "llama", FOUR_LAYERS, layout)
+    results = dist.run(4, train_cp, 2, stage, 1, method=method, overrides=FOUR_LAYERS, layout=layout,
                        pipeline={"stages": 2, **pipeline})
     seen = set()
     for losses, params, norms in results:
@@ -223,7 +256,7 @@ def test_token_mean_dp2_cp2(dist):
 
 
 def _float64_gradient(cp: int, method: str = "ulysses", family: str = "llama", overrides: tuple = (),
-                      packed: bool = False) -> tuple[dict, float]:
+                      layout: str = "plain") -> tuple[dict, float]:
     """One forward/backward of a float64 model through the cp cut and the cp attention; the
     gradients summed over cp (each rank's loss is cp times its share, so the mean is the loss)."""
     from parallel3d.config.config import load_config
@@ -236,8 +269,7 @@ def _float64_gradient(cp: int, method: str = "ulysses", family: str = "llama", o
     check_context_parallel(model, config)
     split = apply_context_parallel(model, config, build_mesh(1, 1, torch.device("cpu"), cp=cp))
     ids = _data(1, 1)[0, 0, 0]
-    extra = {"position_ids": packed_positions(), "use_cache": False} if packed else {}
-    loss = split.run(model, {"input_ids": ids, "labels": ids, **extra}).loss
+    loss = split.run(model, shape_batch({"input_ids": ids, "labels": ids}, layout)).loss
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
     for g in grads.values():
@@ -247,20 +279,25 @@ def _float64_gradient(cp: int, method: str = "ulysses", family: str = "llama", o
     return grads, float(loss)
 
 
-@pytest.mark.parametrize("cp, method, family, overrides", [
-    (2, "ulysses", "llama", ()), (4, "ulysses", "llama", ()), (2, "ring", "llama", ()), (4, "ring", "llama", ()),
-    (2, "ring", "qwen3", ()), (4, "ring", "qwen3", ()), (4, "ring", "mistral", WINDOW), (2, "ring", "llama", MQA),
-    (4, "ring", "llama", "packed"), (2, "ring", "mistral", "packed")])
-def test_float64_gradient(dist, cp, method, family, overrides):
-    """``overrides`` "packed": packed documents (position ids restarting), Mistral with its window."""
-    packed = overrides == "packed"
-    overrides = (WINDOW if family == "mistral" else ()) if packed else overrides
+@pytest.mark.parametrize("cp, method, family, overrides, layout", [
+    (2, "ulysses", "llama", (), "plain"), (4, "ulysses", "llama", (), "plain"), (2, "ring", "llama", (), "plain"),
+    (4, "ring", "llama", (), "plain"), (2, "ring", "qwen3", (), "plain"), (4, "ring", "qwen3", (), "plain"),
+    (4, "ring", "mistral", WINDOW, "plain"), (2, "ring", "llama", MQA, "plain"), (4, "ring", "llama", (), "packed"),
+    (2, "ring", "mistral", WINDOW, "packed"), (2, "ulysses", "llama", (), "packed"),
+    (4, "ulysses", "llama", (("attn_implementation", "eager"),), "packed"), (2, "ulysses", "llama", (), "left"),
+    (4, "ulysses", "llama", (), "right"),
+    (4, "ring", "llama", (), "left"), (2, "ring", "llama", MQA, "right"),
+    (4, "ring", "mistral", WINDOW, "right")])
+def test_float64_gradient(dist, cp, method, family, overrides, layout):
+    """``layout`` "packed": packed documents (position ids restarting); "left", "right": padded rows
+    of unequal lengths (``PADDED``). Ulysses with the eager kernel gets transformers' eager mask. (Left
+    padding with eager is checked in fp32 only: in a float64 model the eager kernel's float32
+    softmax turns a row that sees no key into NaN under one process.)"""
     model = _model(family, **dict(overrides)).double()
     ids = _data(1, 1)[0, 0, 0]
-    loss = model(input_ids=ids, labels=ids, **({"position_ids": packed_positions(), "use_cache": False} if packed
-                                               else {})).loss
+    loss = model(**shape_batch({"input_ids": ids, "labels": ids}, layout)).loss
     loss.backward()
-    for grads, got_loss in dist.run(cp, _float64_gradient, cp, method, family, overrides, packed):
+    for grads, got_loss in dist.run(cp, _float64_gradient, cp, method, family, overrides, layout):
         assert got_loss == pytest.approx(loss.item(), rel=1e-12)
         for n, p in model.named_parameters():
             assert torch.allclose(grads[n], p.grad, rtol=1e-10, atol=1e-13), n
@@ -269,9 +306,9 @@ def test_float64_gradient(dist, cp, method, family, overrides):
 BAD_BATCHES = {
     "odd length": (lambda b: {k: v[:, :SEQ - 1] for k, v in b.items()},
                    "sequence length 15 is not divisible by context_parallel"),
-    "padding": (lambda b: {**b, "attention_mask": torch.ones_like(b["input_ids"]).index_fill(1, torch.tensor([0]), 0)},
-                "attention_mask with zeros"),
-    "packed": (lambda b: {**b, "position_ids": torch.arange(SEQ).remainder(8).expand(2, SEQ)}, "packed documents"),
+    "mask values": (lambda b: {**b, "attention_mask": torch.full_like(b["input_ids"], 2)},
+                    "context_parallel takes an attention_mask of 0s and 1s shaped [batch, 16] (padding), got shape "
+                    "(2, 16) with other values"),
     "per rank": (lambda b: {k: v.roll(dist.get_rank(), 0) for k, v in b.items()},
                  "were handed different micro-batches"),
     "ring: length 14": (lambda b: {k: v[:, :SEQ - 2] for k, v in b.items()},

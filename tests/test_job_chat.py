@@ -144,8 +144,8 @@ def test_packed_documents_give_the_losses_of_separate_runs(kind, attn):
     assert not torch.allclose(_token_losses(model(**leaky).logits, batch["labels"]), alone)
 
 
-def _packed_loss_on_layout(tp: int, pp: int) -> tuple[float, float]:
-    """eval_batch's token-mean loss of packed rows on a tp/pp layout, and the same documents run alone."""
+def _packed_loss_on_layout(tp: int, pp: int, cp: int = 1, method: str = "ring") -> tuple[float, float]:
+    """eval_batch's token-mean loss of packed rows on a tp/pp/cp layout, and the same documents run alone."""
     import parallel3d
     from tests.float64_loss import install
     from tests.tiny_pp import make_pp_model
@@ -161,6 +161,7 @@ def _packed_loss_on_layout(tp: int, pp: int) -> tuple[float, float]:
     count = sum(sum(label != -100 for label in lab[1:]) for _, lab in docs)
     config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2,
               "loss_normalization": "tokens", "tensor_parallel": {"size": tp}, "pipeline": {"stages": pp},
+              "context_parallel": {"size": cp, "method": method},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, _, _, _ = parallel3d.initialize(model=model, config=config)
     engine.eval()
@@ -168,9 +169,12 @@ def _packed_loss_on_layout(tp: int, pp: int) -> tuple[float, float]:
     return loss, (total / count).item()
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_packed_documents_stay_apart_under_tp_and_pp(dist, tp, pp):
-    for got, want in dist.run(tp * pp, _packed_loss_on_layout, tp, pp):
+@pytest.mark.parametrize("tp,pp,cp,method", [(2, 1, 1, None), (1, 2, 1, None), (1, 1, 2, "ring"),
+                                              (1, 1, 2, "ulysses")])
+def test_packed_documents_stay_apart_under_tp_pp_and_cp(dist, tp, pp, cp, method):
+    """The job's packed blocks (documents, then padding as a document of its own) under context
+    parallelism too: each rank holds half of every block (ring: two of its four chunks)."""
+    for got, want in dist.run(tp * pp * cp, _packed_loss_on_layout, tp, pp, cp, method or "ring"):
         assert got == pytest.approx(want, rel=1e-5)
 
 

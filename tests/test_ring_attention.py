@@ -38,7 +38,8 @@ def _inputs(heads: int, kv_heads: int, value_dim: int = DIM) -> list[torch.Tenso
     return [torch.randn(shape, generator=g, dtype=torch.float64) for shape in shapes]
 
 
-def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int, value_dim: int) -> list[torch.Tensor]:
+def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int, value_dim: int, padding=None,
+               inner: str = "sdpa") -> list[torch.Tensor]:
     import torch.distributed as dist
 
     from parallel3d.context_parallel import ring
@@ -48,7 +49,8 @@ def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int, value_dim:
     q, k, v, grad = _inputs(heads, kv_heads, value_dim)
     index = ring_index(dist.get_rank(), dist.get_world_size(), LENGTH)
     mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
-    attention = RingAttention(dist.group.WORLD, "test")
+    attention = RingAttention(dist.group.WORLD, "test", inner)
+    attention.padding = padding
     out, _ = attention(_Module(), *mine, None, sliding_window=window, softcap=softcap, scaling=0.3)
     out.backward(grad[:, index])
     return [out.detach(), *(t.grad for t in mine)]
@@ -68,6 +70,53 @@ def test_ring_equals_plain_attention(dist, cp, heads, kv_heads, window, softcap,
     want = _reference(q, k, v, 0.3, window, softcap)
     want.backward(grad)
     results = dist.run(cp, _ring_part, heads, kv_heads, window, softcap, tile, value_dim)
+    for rank, (out, dq, dk, dv) in enumerate(results):
+        index = ring_index(rank, cp, LENGTH)
+        torch.testing.assert_close(out, want.detach()[:, index], rtol=1e-12, atol=1e-12)
+        for got, full in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
+            torch.testing.assert_close(got, full[:, :, index], rtol=1e-11, atol=1e-12)
+
+
+PADDED = {"left": (3, 9), "right": (5, 13)}
+"""Padded tokens of the two rows: at cp 4 (chunks of 3 tokens) the first chunk is padding in both
+rows under left padding, so only the rows that see no key keep its blocks."""
+
+
+def _padding(side: str) -> torch.Tensor:
+    mask = torch.ones(2, LENGTH, dtype=torch.bool)
+    for row, count in enumerate(PADDED[side]):
+        mask[row, slice(0, count) if side == "left" else slice(LENGTH - count, LENGTH)] = False
+    return mask
+
+
+def _padded_reference(q, k, v, scale, window, padding, inner):
+    """One process's kernels on the whole sequence with the padding mask: torch's sdpa with the
+    boolean mask (0 for a row that sees nothing), or eager's scores plus the dtype's minimum."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    diff = torch.arange(LENGTH)[:, None] - torch.arange(LENGTH)[None]
+    allowed = ((diff >= 0) & (diff < window) if window is not None else diff >= 0) & padding[:, None, None, :]
+    if inner == "sdpa":
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale).transpose(1, 2)
+    bias = torch.zeros((), dtype=q.dtype).masked_fill(~allowed, torch.finfo(q.dtype).min)
+    scores = q @ k.transpose(-1, -2) * scale + bias
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("cp, side, inner, window, kv_heads", [
+    (2, "left", "sdpa", None, 2), (4, "left", "eager", None, 1), (4, "right", "sdpa", None, 2),
+    (2, "right", "eager", 5, 2), (4, "left", "eager", 5, 2)])
+def test_ring_with_padding_equals_plain_attention(dist, cp, side, inner, window, kv_heads):
+    """Padding (left, right; unequal lengths): the padded keys are masked in every block, and rows
+    that see no key give what one process's kernel gives (sdpa: 0; eager: uniform over every key),
+    gradients included, no NaN."""
+    from parallel3d.context_parallel.ring import ring_index
+
+    padding = _padding(side)
+    q, k, v, grad = (t.requires_grad_() if i < 3 else t for i, t in enumerate(_inputs(4, kv_heads)))
+    want = _padded_reference(q, k, v, 0.3, window, padding, inner)
+    want.backward(grad)
+    results = dist.run(cp, _ring_part, 4, kv_heads, window, None, 1 << 22, DIM, padding, inner)
     for rank, (out, dq, dk, dv) in enumerate(results):
         index = ring_index(rank, cp, LENGTH)
         torch.testing.assert_close(out, want.detach()[:, index], rtol=1e-12, atol=1e-12)

@@ -97,11 +97,13 @@ def oracle_run(
     kind: str, data: torch.Tensor, clip: float = 0.5, lr: float = 1e-3, model: torch.nn.Module | None = None,
     optimizer: Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer] | None = None,
     grad_norms: list[float] | None = None, position_ids: torch.Tensor | list[torch.Tensor | None] | None = None,
+    prepare: Callable[[dict], dict] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process AdamW (or ``optimizer(params)``) over the global batch: per-step mean losses
     and final params. ``grad_norms``, if given, receives each step's total gradient norm;
     ``position_ids``, if given, go with every micro-batch (packed documents); a list gives the
-    position ids of each micro-batch of a window in turn (None: the plain positions)."""
+    position ids of each micro-batch of a window in turn (None: the plain positions); ``prepare``,
+    if given, turns each micro-batch's keyword arguments into the ones passed (padding masks)."""
     model = model if model is not None else make_model(kind)
     if optimizer is None:
         opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
@@ -114,7 +116,8 @@ def oracle_run(
         for a in range(gas):
             positions = position_ids[a % len(position_ids)] if isinstance(position_ids, list) else position_ids
             extra = {} if positions is None else {"position_ids": positions, "use_cache": False}
-            loss = sum(model(input_ids=data[s, a, r], labels=data[s, a, r], **extra).loss for r in range(dp)) / dp
+            batches = [{"input_ids": data[s, a, r], "labels": data[s, a, r], **extra} for r in range(dp)]
+            loss = sum(model(**(prepare(b) if prepare else b)).loss for b in batches) / dp
             (loss / gas).backward()
             total += loss.item()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))

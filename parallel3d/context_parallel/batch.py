@@ -9,11 +9,14 @@ a tp group are, so a data loader does not change; the engine cuts it here before
   are shifted over the whole sequence first (``shift_labels``, which transformers' causal LM
   loss takes as given), so the last token of a piece keeps its target, the next token.
 * ``position_ids`` are the global positions of the rank's tokens (RoPE sees the positions one
-  process would). Position ids that restart inside a row (packed documents): ring keeps the
-  documents apart as one process does (transformers' ``find_packed_sequence_indices`` of the
-  whole row, handed to the attention); Ulysses refuses them (its kernel runs one causal mask).
-* An ``attention_mask`` of ones is dropped (it means no mask); one with zeros (padding) is
-  refused: the attention runs a plain causal mask (with the model's sliding window).
+  process would). Position ids that restart inside a row (packed documents, without an
+  ``attention_mask``, as transformers detects them): the whole rows' documents
+  (``find_packed_sequence_indices``) and position ids go to the attention (``MaskInputs``),
+  which keeps the documents apart as one process's mask does.
+* An ``attention_mask`` of ones is dropped (it means no mask); one with zeros (padding, left or
+  right) is not cut: the whole micro-batch's mask goes to the attention (Ulysses: into the
+  full-sequence mask its kernel gets; ring: each block masks the padded keys it holds), and the
+  model gets none. Padded tokens need labels -100, as for one process.
 
 The loss: a rank's loss is its slice's summed token loss divided by ``num_items_in_batch``.
 Under the default normalization (the mean per micro-batch) the divisor is the micro-batch's
@@ -32,9 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel3d.engine.batch_check import IGNORE_INDEX
+from parallel3d.context_parallel.mask_inputs import MaskInputs
 from parallel3d.context_parallel.ring import RingAttention, ring_index
 from parallel3d.context_parallel.ulysses import UlyssesAttention
+from parallel3d.engine.batch_check import IGNORE_INDEX
 from parallel3d.errors import ConfigError
 
 _SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "labels", "shift_labels", "position_ids", "attention_mask")
@@ -88,16 +92,9 @@ class SequenceSplit:
             if isinstance(value, torch.Tensor) and (value.dim() < 2 or value.shape[1] != length):
                 return f"context_parallel: {key} has shape {tuple(value.shape)}, not [batch, {length}, ...]"
         mask = batch.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and not bool((mask == 1).all()):
-            return ("context_parallel does not support an attention_mask with zeros (padding): the attention runs "
-                    "a plain causal mask over the whole sequence; pack or cut the sequences to one length instead")
-        positions = batch.get("position_ids")
-        if isinstance(positions, torch.Tensor) and self.method != "ring":
-            steps = positions[:, 1:] - positions[:, :-1]
-            if not bool((steps == 1).all()):
-                return ("context_parallel (ulysses) needs position_ids that rise by 1 along each row; position ids "
-                        "that restart (packed documents) are not supported: its attention would not keep the "
-                        'documents apart; method "ring" does')
+        if isinstance(mask, torch.Tensor) and (mask.dim() != 2 or not bool(((mask == 0) | (mask == 1)).all())):
+            return (f"context_parallel takes an attention_mask of 0s and 1s shaped [batch, {length}] (padding), got "
+                    f"shape {tuple(mask.shape)}" + ("" if mask.dim() != 2 else " with other values"))
         return None
 
     def differing(self, batches: list, device: torch.device) -> str | None:
@@ -120,18 +117,16 @@ class SequenceSplit:
                 "data-parallel ranks only (engine.mesh.dp, engine.mesh.local_rank(\"dp\"))")
 
     def cut(self, batch: dict) -> dict:
-        """This rank's keyword arguments for the model (see the module docstring); the ring is
-        handed the micro-batch's documents."""
-        out, documents = self.cut_apart(batch)
-        if self.method == "ring":
-            self.attention.documents = documents
+        """This rank's keyword arguments for the model (see the module docstring); the attention is
+        handed the micro-batch's padding and documents."""
+        out, self.attention.inputs = self.cut_apart(batch)
         self.length = _sequence_length(batch)
         return out
 
-    def cut_apart(self, batch: dict) -> tuple[dict, torch.Tensor | None]:
-        """This rank's keyword arguments for the model, and for ring each token's document in packed
-        rows (None: one document a row, and always under Ulysses), without handing them to the
-        attention: pipeline stages cut a window's micro-batches before running any of them."""
+    def cut_apart(self, batch: dict) -> tuple[dict, MaskInputs]:
+        """This rank's keyword arguments for the model, and the whole micro-batch's padding and
+        packed documents the attention needs, without handing them to it: pipeline stages cut a
+        window's micro-batches before running any of them."""
         problem = self.problem(batch)
         if problem is not None:
             raise ConfigError(problem)
@@ -147,7 +142,9 @@ class SequenceSplit:
         if not isinstance(positions, torch.Tensor):
             positions = torch.arange(length, device=device)[None]
         out["position_ids"] = positions[:, piece]
-        documents = self._documents(batch, positions) if self.method == "ring" else None
+        mask = batch.get("attention_mask")
+        padding = mask.bool() if isinstance(mask, torch.Tensor) and not bool(mask.bool().all()) else None
+        inputs = MaskInputs(padding, self._documents(batch, positions), positions.expand(_rows(batch), -1))
         shifted = batch.get("shift_labels")
         if not isinstance(shifted, torch.Tensor) and isinstance(batch.get("labels"), torch.Tensor):
             shifted = nn.functional.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[..., 1:]
@@ -155,13 +152,13 @@ class SequenceSplit:
             out["shift_labels"] = out["labels"] = shifted[:, piece].contiguous()
             out["num_items_in_batch"] = self._divisor(shifted, batch.get("num_items_in_batch"))
         out["use_cache"] = False  # a cache of this rank's keys would be a slice of the sequence's
-        return out, documents
+        return out, inputs
 
     @staticmethod
     def _documents(batch: dict, positions: torch.Tensor) -> torch.Tensor | None:
         """Each token's document when the rows are packed (position ids that do not rise by 1), as
         transformers finds them for one process: only without an attention mask (with one, one
-        process attends across the documents, and so does the ring)."""
+        process attends across the documents, and so does the cp attention)."""
         from transformers.masking_utils import find_packed_sequence_indices
 
         if batch.get("attention_mask") is not None:

@@ -1,7 +1,7 @@
 """Which models run under context parallelism, and switching one to Ulysses or ring attention.
 
 Fail closed: a model is taken only when everything its attention does is reproduced by the cp
-attention: Ulysses runs the model's own kernel (sdpa or eager) on the full sequence with a plain
+attention: Ulysses runs the model's own kernel (sdpa or eager) on the full sequence with one process's
 causal mask; ring runs its own blocked softmax with the causal mask, the layer's sliding window
 and softcapping (parallel3d/context_parallel/ring.py). Refused, with the model type and the
 reason: attention that does not go through transformers' ``AttentionInterface``, an
@@ -132,7 +132,7 @@ def install_attention(model: nn.Module, mesh: ParallelMesh, method: str) -> Ulys
     from transformers import AttentionInterface
 
     kind = getattr(model.config, "model_type", type(model).__name__)
-    attention = (RingAttention(mesh.groups.cp, kind) if method == "ring"
+    attention = (RingAttention(mesh.groups.cp, kind, model.config._attn_implementation) if method == "ring"
                  else UlyssesAttention(mesh.groups.cp, model.config._attn_implementation, kind))
     name = f"zero3d_{method}_{next(_names)}"
     AttentionInterface.register(name, attention)

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel3d.context_parallel.mask_inputs import MaskInputs
 from parallel3d.errors import ConfigError
 
 
@@ -84,28 +85,40 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 class _Block:
     """One (query chunk, key chunk) pair, chunks as global position ranges [q0, q0 + n), [k0, k0 + m):
-    ``skip`` when wholly masked; ``masked`` unless wholly visible (causal, inside the window)."""
+    ``skip`` when wholly masked; ``masked`` unless wholly visible (causal, inside the window).
 
-    def __init__(self, q0: int, k0: int, n: int, m: int, window: int | None,
-                 documents: torch.Tensor | None = None) -> None:
+    ``keys`` [B, S]: False at padded keys. ``void`` [B, S]: query rows that see no key at all
+    (padding before them) and get, as under one process's eager kernel, uniform attention over
+    every key of the sequence (see ``RingAttention``); a block holding such a row is never skipped."""
+
+    def __init__(self, q0: int, k0: int, n: int, m: int, window: int | None, documents: torch.Tensor | None = None,
+                 keys: torch.Tensor | None = None, void: torch.Tensor | None = None) -> None:
         self.q0, self.k0, self.window = q0, k0, window
         nearest, farthest = q0 - (k0 + m - 1), q0 + n - 1 - k0  # smallest and largest q - k in the pair
         inside = window if window is not None else farthest + 1
         self.skip = farthest < 0 or nearest >= inside
         self.masked = not self.skip and (nearest < 0 or farthest >= inside)
         self.causal = self.masked and q0 == k0 and n == m and farthest < inside  # the mask is exactly causal
-        self.documents = None
+        self.documents = self.keys = self.void = None
         if documents is not None and not self.skip:  # packed rows: a key is visible in its own document only
             self.documents = (documents[:, q0:q0 + n], documents[:, k0:k0 + m])
             self.skip = not bool((self.documents[0][:, :, None] == self.documents[1][:, None, :]).any())
             self.masked, self.causal = not self.skip, False
+        if keys is not None and not bool(keys[:, k0:k0 + m].all()):  # padding among the keys
+            self.keys = keys[:, None, None, None, k0:k0 + m]  # [B, 1, 1, 1, m]
+            self.skip = self.skip or not bool(self.keys.any())
+            self.masked, self.causal = not self.skip, False
+        if void is not None and bool(void[:, q0:q0 + n].any()):
+            self.void = void[:, None, None, q0:q0 + n, None]  # [B, 1, 1, n, 1]
+            self.skip, self.masked, self.causal = False, True, False
 
     def tiles(self, rows: int, columns: int, heads: int):
-        """Row ranges of at most ``_TILE_ELEMENTS`` scores, each with its mask (None: all visible)."""
+        """Row ranges of at most ``_TILE_ELEMENTS`` scores, each with its mask (None: all visible) and
+        its void rows (None: none), whose scores count as 0 for every key."""
         step = max(1, _TILE_ELEMENTS // max(1, columns * heads))
         for start in range(0, rows, step):
             stop = min(rows, start + step)
-            mask = None
+            mask = void = None
             if self.masked:
                 diff = (torch.arange(self.q0 + start, self.q0 + stop)[:, None]
                         - torch.arange(self.k0, self.k0 + columns)[None, :])
@@ -113,7 +126,22 @@ class _Block:
             if self.documents is not None:  # [B, 1, 1, rows, columns]
                 same = self.documents[0][:, start:stop, None] == self.documents[1][:, None, :]
                 mask = (same & mask.to(same.device))[:, None, None]
-            yield slice(start, stop), mask
+            if self.keys is not None:  # [B, 1, 1, rows, columns]
+                mask = mask.to(self.keys.device) & self.keys
+            if self.void is not None:
+                void = self.void[:, :, :, start:stop]
+                mask = mask.to(void.device) | void
+            yield slice(start, stop), mask, void
+
+
+def _masked_scores(scores: torch.Tensor, mask: torch.Tensor | None, void: torch.Tensor | None) -> torch.Tensor:
+    """Scores with masked pairs at -inf and void rows at 0 (their gradient passes through unchanged,
+    as through one process's eager kernel, which adds the dtype's minimum to every score of such a row)."""
+    if mask is not None:
+        scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+    if void is not None:
+        scores = scores.masked_fill(void.to(scores.device), 0.0)
+    return scores
 
 
 class _Ring:
@@ -145,14 +173,16 @@ class _Settings:
     """What one attention call needs besides tensors: the ring, the chunk length, the kernel's options."""
 
     def __init__(self, ring: _Ring, chunk: int, scale: float, window: int | None, softcap: float | None,
-                 documents: torch.Tensor | None) -> None:
+                 documents: torch.Tensor | None, keys: torch.Tensor | None = None,
+                 void: torch.Tensor | None = None) -> None:
         self.ring, self.chunk, self.scale, self.window, self.softcap = ring, chunk, scale, window, softcap
-        self.documents = documents
+        self.documents, self.keys, self.void = documents, keys, void
 
     def blocks(self, source: int) -> list[list[_Block]]:
         """blocks[a][b]: this rank's query chunk a against cp rank ``source``'s key chunk b."""
         size, n = self.ring.size, self.chunk
-        return [[_Block(a * n, b * n, n, n, self.window, self.documents) for b in ring_chunks(source, size)]
+        return [[_Block(a * n, b * n, n, n, self.window, self.documents, self.keys, self.void)
+                 for b in ring_chunks(source, size)]
                 for a in ring_chunks(self.ring.rank, size)]
 
 
@@ -180,10 +210,9 @@ def _forward_block(q, k, v, block: _Block, settings: _Settings):
             *_heads(q, k, v), 0.0, block.causal, scale=settings.scale)
         return out.view(q.shape), lse.view(q.shape[:-1])
     outs, lses = [], []
-    for rows, mask in block.tiles(q.shape[3], k.shape[2], q.shape[0] * q.shape[1] * q.shape[2]):
+    for rows, mask, void in block.tiles(q.shape[3], k.shape[2], q.shape[0] * q.shape[1] * q.shape[2]):
         scores, _ = _scores(q[:, :, :, rows], k, settings.scale, settings.softcap)
-        if mask is not None:
-            scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
+        scores = _masked_scores(scores, mask, void)
         lse = torch.logsumexp(scores, dim=-1)
         outs.append(torch.exp(scores - _finite(lse).unsqueeze(-1)) @ v.unsqueeze(2))
         lses.append(lse)
@@ -201,11 +230,10 @@ def _backward_block(q, k, v, out, grad_out, lse, delta, block: _Block, settings:
         dk += dk_block.unflatten(1, (k.shape[1], q.shape[2])).sum(2)
         dv += dv_block.unflatten(1, (k.shape[1], q.shape[2])).sum(2)
         return
-    for rows, mask in block.tiles(q.shape[3], k.shape[2], q.shape[0] * q.shape[1] * q.shape[2]):
+    for rows, mask, void in block.tiles(q.shape[3], k.shape[2], q.shape[0] * q.shape[1] * q.shape[2]):
         scores, capped = _scores(q[:, :, :, rows], k, settings.scale, settings.softcap)
-        if mask is not None:
-            scores = scores.masked_fill(~mask.to(scores.device), float("-inf"))
-        p = torch.exp(scores - lse[:, :, :, rows].unsqueeze(-1))
+        scores = _masked_scores(scores, mask, void)
+        p = torch.exp(scores - _finite(lse[:, :, :, rows]).unsqueeze(-1))  # rows that see no key: 0
         dv += (p.transpose(-1, -2) @ grad_out[:, :, :, rows]).sum(2)
         ds = p * (grad_out[:, :, :, rows] @ v.unsqueeze(2).transpose(-1, -2) - delta[:, :, :, rows].unsqueeze(-1))
         if capped is not None:
@@ -281,23 +309,42 @@ class RingAttention:
     ``calls`` counts the attention calls since the last ``reset`` and ``windowed`` those given a
     sliding window, so a forward whose layers did not all come here, or whose sliding layers did
     not pass their window, is caught rather than silently wrong.
+
+    Padding: a query row that sees no key (left padding: the padded tokens before the first real
+    one) gets what the model's own kernel (``inner``) gives it under one process: sdpa outputs 0
+    there (and no gradient); eager adds the dtype's minimum to every score of the row, so its
+    softmax is uniform over all the sequence's keys and its gradient passes through to q and k:
+    the ring computes such rows over every block with their scores taken as 0 (``_Block.void``).
+    The row's output feeds the prediction of the first real token, so the loss depends on it.
     """
 
     method = "ring"
 
-    def __init__(self, group: dist.ProcessGroup, model_type: str) -> None:
+    def __init__(self, group: dist.ProcessGroup, model_type: str, inner: str = "sdpa") -> None:
         self.group = group
+        self.inner = inner
         self.ring = _Ring(group)
         self.size = self.ring.size
         self.model_type = model_type
         self.calls = 0
         self.windowed = 0
-        self.documents: torch.Tensor | None = None
-        """[B, S]: each token's document in a packed row (transformers' ``find_packed_sequence_indices``
-        of the whole sequence's position ids, set by the batch cutter), or None: one document a row."""
+        self.inputs = MaskInputs()
+        """The micro-batch's padding and packed documents (set by the batch cutter). Every rank holds
+        the whole rows, so a block's key padding is read at the global positions of the keys it
+        holds, not sent with them."""
 
     def reset(self) -> None:
         self.calls = self.windowed = 0
+
+    def _void(self, window: int | None) -> torch.Tensor | None:
+        """[B, S]: the query rows that see no key (none, or not eager: None); see the class docstring."""
+        if self.inputs.padding is None or self.inner != "eager":
+            return None
+        seen = self.inputs.padding.long().cumsum(-1)  # keys visible to each query without a window
+        if window is not None:  # minus those at or before q - w
+            seen = seen - nn.functional.pad(seen, (window, 0))[:, :seen.shape[1]]
+        void = seen == 0
+        return void if bool(void.any()) else None
 
     def _refuse(self, reason: str) -> ConfigError:
         return ConfigError(f"context_parallel (ring) cannot run {self.model_type}'s attention: {reason}")
@@ -324,11 +371,11 @@ class RingAttention:
         if sliding_window is not None:
             self.windowed += 1
         work = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-        if self.documents is not None and self.documents.shape != (batch, length * self.size):
-            raise self._refuse(f"document ids of shape {tuple(self.documents.shape)} for {batch} rows of "
-                               f"{length * self.size} tokens")
+        problem = self.inputs.problem(batch, length * self.size)
+        if problem is not None:
+            raise self._refuse(problem)
         settings = _Settings(self.ring, length // 2, dim ** -0.5 if scaling is None else scaling, sliding_window,
-                             softcap, self.documents)
+                             softcap, self.inputs.documents, self.inputs.padding, self._void(sliding_window))
         grouped = query.to(work).reshape(batch, kv_heads, heads // kv_heads, length, dim)
         output = _RingAttention.apply(grouped, key, value, settings)  # k, v travel in their own dtype
         output = output.reshape(batch, heads, length, value.shape[-1])

@@ -13,7 +13,7 @@ separate process groups (their own gloo contexts, NCCL communicators), so their 
 match each other's; the cp ranks of a stage run the same schedule, so they enter each layer's
 exchange together.
 
-What the attention needs per micro-batch (the ring's document ids of packed rows) is put in
+What the attention needs per micro-batch (its padding and packed documents, ``MaskInputs``) is put in
 place around every compute action of that micro-batch (``around``): its forward, and its
 backward passes, which recompute the forward under activation checkpointing. After each forward
 of a chunk its attention calls are checked, as the forward without stages checks the model's.
@@ -24,9 +24,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-import torch
-
 from parallel3d.context_parallel.batch import SequenceSplit, _sequence_length
+from parallel3d.context_parallel.mask_inputs import MaskInputs
 from parallel3d.pipeline.actions import Action, Kind
 
 
@@ -39,23 +38,22 @@ class StageCut:
     def __init__(self, split: SequenceSplit, chunk_layers: Sequence[Sequence[int]]) -> None:
         self.split = split
         self.chunk_layers = [tuple(layers) for layers in chunk_layers]
-        self._documents: list[torch.Tensor | None] = []
+        self._inputs: list[MaskInputs] = []
         self._lengths: list[int] = []
 
     def cut(self, batches: list[dict]) -> list[dict]:
-        """This rank's keyword arguments for each micro-batch of the window (its documents kept)."""
+        """This rank's keyword arguments for each micro-batch of the window (its mask inputs kept)."""
         pieces = [self.split.cut_apart(batch) for batch in batches]
-        self._documents = [documents for _, documents in pieces]
+        self._inputs = [inputs for _, inputs in pieces]
         self._lengths = [_sequence_length(batch) for batch in batches]
         return [kwargs for kwargs, _ in pieces]
 
     @contextlib.contextmanager
     def around(self, action: Action) -> Iterator[None]:
-        """Run a compute action of the schedule: its micro-batch's documents in the ring; a
+        """Run a compute action of the schedule: its micro-batch's mask inputs in the attention; a
         forward's attention calls counted and checked against its chunk's layers."""
         attention = self.split.attention
-        if self.split.method == "ring":
-            attention.documents = self._documents[action.microbatch]
+        attention.inputs = self._inputs[action.microbatch]
         if action.kind != Kind.F:
             yield
             return

@@ -14,6 +14,14 @@ repeated so that every rank receives the one its query heads use, as DeepSpeed's
 It is registered with transformers' ``AttentionInterface`` under a name of its own and the model's
 config is switched to it (parallel3d/context_parallel/model.py), so transformers builds no mask
 (a name outside ``AttentionMaskInterface`` gets none) and every attention layer calls it.
+
+Masks: the kernel sees the whole sequence, so it takes the mask one process builds, built here
+with transformers' own mask functions (``masking_utils``) from what the batch cutter hands over
+for the whole micro-batch: the padding ``attention_mask`` (a key that is padding is masked), and
+for packed rows (position ids restarting, without an attention mask, as transformers detects
+them) the documents and position ids, so no token attends across a document boundary. Built
+once per micro-batch ([B, 1, S, S], as one process holds it) and reused by every layer. Without
+padding or documents sdpa runs with ``is_causal`` and no mask, as for one process.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from parallel3d.context_parallel.mask_inputs import MaskInputs
 from parallel3d.errors import ConfigError
 
 
@@ -72,9 +81,36 @@ class UlyssesAttention:
         self.inner = inner
         self.model_type = model_type
         self.calls = 0
+        self.inputs = MaskInputs()  # the micro-batch's padding and packed documents (set by the batch cutter)
+        self._mask: tuple[MaskInputs, tuple, torch.Tensor | None] | None = None
 
     def reset(self) -> None:
         self.calls = 0
+
+    def _full_mask(self, batch: int, length: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """The mask one process's kernel gets over the whole sequence (None: sdpa's ``is_causal``),
+        built once per micro-batch (its ``inputs``) and reused by every layer."""
+        inputs, key = self.inputs, (batch, length, dtype, device)
+        if self._mask is not None and self._mask[0] is inputs and self._mask[1] == key:
+            return self._mask[2]
+        from transformers import masking_utils
+
+        function = masking_utils.causal_mask_function
+        if inputs.documents is not None:  # as transformers' create_causal_mask does for packed rows
+            function = masking_utils.and_masks(
+                masking_utils.remap_positions_for_packed_sequence(function, inputs.positions.to(device)),
+                masking_utils.packed_sequence_mask_function(inputs.documents.to(device)))
+        padding = None if inputs.padding is None else inputs.padding.to(device)
+        if self.inner == "eager":
+            mask = masking_utils.eager_mask(batch_size=batch, q_length=length, kv_length=length, mask_function=function,
+                                            attention_mask=padding, dtype=dtype, device=device)
+        elif padding is None and inputs.documents is None:
+            mask = None
+        else:
+            mask = masking_utils.sdpa_mask(batch_size=batch, q_length=length, kv_length=length, mask_function=function,
+                                           attention_mask=padding, allow_is_causal_skip=False, device=device)
+        self._mask = (inputs, key, mask)
+        return mask
 
     def _refuse(self, reason: str) -> ConfigError:
         return ConfigError(f"context_parallel (ulysses) cannot run {self.model_type}'s attention: {reason}")
@@ -111,15 +147,14 @@ class UlyssesAttention:
         if heads % cp or (kv_heads % cp and cp % kv_heads):
             raise self._refuse(f"{heads} query and {kv_heads} key/value heads on this rank: the query heads must "
                                f"divide by context_parallel.size {cp}, the kv heads divide it or by it")
+        problem = self.inputs.problem(query.shape[0], full)
+        if problem is not None:
+            raise self._refuse(problem)
         if kv_heads < cp:  # each rank receives the kv head its query heads share
             key = key.repeat_interleave(cp // kv_heads, dim=1)
             value = value.repeat_interleave(cp // kv_heads, dim=1)
         query, key, value = (all_to_all(t, self.group, scatter_dim=1, gather_dim=2) for t in (query, key, value))
-        mask = None
-        if self.inner == "eager":  # the eager kernel masks only what it is given: the full causal mask
-            allowed = torch.ones(full, full, dtype=torch.bool, device=query.device).tril()
-            mask = torch.zeros(full, full, dtype=query.dtype, device=query.device)
-            mask = mask.masked_fill(~allowed, torch.finfo(query.dtype).min)[None, None]
+        mask = self._full_mask(query.shape[0], full, query.dtype, query.device)
         with _groups_for_call(module, query.shape[1] // key.shape[1]):
             output, _ = self._kernel(module)(module, query, key, value, mask, **kwargs)
         # [B, S, Hq/cp, D] -> this rank's tokens, every head: [B, s, Hq, D]
