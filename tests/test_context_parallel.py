@@ -437,7 +437,7 @@ def test_peft_lora_cp2(dist):
 class _CountingRing:
     """Stands in for RingAttention: a forward of ``layers`` calls, none of them passing a window."""
 
-    size, method, model_type, documents = 2, "ring", "moshi", None
+    size, method, model_type = 2, "ring", "moshi"
 
     def reset(self) -> None:
         self.calls = self.windowed = 0

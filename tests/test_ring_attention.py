@@ -43,6 +43,7 @@ def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int, value_dim:
     import torch.distributed as dist
 
     from parallel3d.context_parallel import ring
+    from parallel3d.context_parallel.mask_inputs import MaskInputs
     from parallel3d.context_parallel.ring import RingAttention, ring_index
 
     ring._TILE_ELEMENTS = tile
@@ -50,7 +51,7 @@ def _ring_part(heads: int, kv_heads: int, window, softcap, tile: int, value_dim:
     index = ring_index(dist.get_rank(), dist.get_world_size(), LENGTH)
     mine = [t[:, :, index].clone().requires_grad_() for t in (q, k, v)]
     attention = RingAttention(dist.group.WORLD, "test", inner)
-    attention.padding = padding
+    attention.inputs = MaskInputs(padding=padding)
     out, _ = attention(_Module(), *mine, None, sliding_window=window, softcap=softcap, scaling=0.3)
     out.backward(grad[:, index])
     return [out.detach(), *(t.grad for t in mine)]
