@@ -183,7 +183,7 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
     if isinstance(optimizer, torch.optim.Optimizer) and model_parameters is None:
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     check_context_parallel(model, cfg)
-    check_expert_parallel(model, cfg.expert_parallel.size, cfg.tensor_parallel.sequence_parallel)
+    check_expert_parallel(model, cfg.expert_parallel.size)
     if cfg.expert_parallel.load_balance_coeff is not None:
         check_bias_balance(model, cfg.tensor_parallel.sequence_parallel, cfg.compile.enabled)
     if cfg.loss_normalization == "tokens" and (problem := token_mean.model_problem(model)) is not None:
@@ -292,7 +292,7 @@ def initialize(
     if source is None:
         model.to(device)
     ep_info = apply_ep(model, mesh)
-    tp_info = apply_tp(model, cfg.tensor_parallel, mesh, ep_info)
+    tp_info = apply_tp(model, cfg.tensor_parallel, mesh, ep_info, cfg.expert_parallel.expert_tensor_parallel_size)
     sequence_split = apply_context_parallel(model, cfg, mesh)
     routers = balanced_routers(model) if cfg.expert_parallel.load_balance_coeff is not None else None
     pipe = apply_pipeline(model, cfg.pipeline, mesh, tp_info)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed
 
 from parallel3d.errors import ConfigError
-from tests.tiny import rank_micro_batches, token_batches, oracle_run, update_mismatch
+from tests.tiny import MICRO, SEQ, rank_micro_batches, token_batches, oracle_run, update_mismatch
 from tests.tiny_moe import EXPERTS, ep_config, make_moe
 
 KINDS = ("mixtral", "qwen3_moe")
@@ -89,8 +89,11 @@ def _train(kind: str, stage: int, ep: int) -> tuple[list[float], dict, dict]:
     config = ep_config(stage, GAS, DP, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000)
     engine, _, _, _ = parallel3d.initialize(model=make_moe(kind), config=config)
     data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, DP), torch.distributed.get_rank()))
-    losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
-    return losses, engine.full_parameters(), engine.memory_report(experts=True)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(engine.train_batch(data_iter))
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms, engine.full_parameters(), engine.memory_report(experts=True)
 
 
 @functools.cache
@@ -135,7 +138,8 @@ def test_refusals_name_the_problem():
         pytest.raises(ConfigError, resolve_experts, no_moe, 2).value)
     assert "expert_parallel.autoep_size 2 does not divide the 1 ranks ZeRO shards over" in _initialize_error(
         make_moe("mixtral"), autoep_size=2)
-    assert "expert_parallel.expert_tensor_parallel_size: 2 is not implemented" in _initialize_error(
+    assert ("expert_parallel.expert_tensor_parallel_size 2 with tensor_parallel.size 1: each expert is split over "
+            "all the tensor-parallel ranks or none; allowed: 1 (tensor parallelism is off)") in _initialize_error(
         make_moe("mixtral"), expert_tensor_parallel_size=2)
     assert "expert_parallel.preset_model is a DeepSpeed key Zero3D does not implement" in _initialize_error(
         make_moe("mixtral"), preset_model="mixtral")
@@ -190,8 +194,62 @@ def test_checkpoint_resumes_across_ep_sizes_and_exports(dist, tmp_path, kind, sa
         assert torch.equal(exported[name].detach(), value), name
 
 
+def _save_expert_tensor_parallel(kind: str, path: str) -> dict:
+    import parallel3d
+
+    extra, _, dp = COMPOSED["etp2"]
+    config = {**ep_config(3, GAS, dp, 2, stage3_param_persistence_threshold=0, reduce_bucket_size=2000), **extra}
+    engine = parallel3d.initialize(model=make_moe(kind), config=config)[0]
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
+    for _ in range(SAVE_AT):
+        engine.train_batch(data_iter)
+    engine.save_checkpoint(path)
+    return engine.full_parameters()
+
+
+def _resume_without_parallelism(kind: str, path: str) -> tuple[list[float], dict]:
+    """dp 4 with one micro-batch per step: the same 4 sequences a step as tp 2 x dp 2 with 2 micro-batches."""
+    import parallel3d
+
+    engine = parallel3d.initialize(model=make_moe(kind, seed=5), config=ep_config(1, 1, DP, 1))[0]
+    engine.load_checkpoint(path)
+    data = token_batches(STEPS, GAS, 2).reshape(STEPS, 1, GAS * 2, MICRO, SEQ)
+    data_iter = iter(rank_micro_batches(data, torch.distributed.get_rank())[SAVE_AT:])
+    return [engine.train_batch(data_iter) for _ in range(STEPS - SAVE_AT)], engine.full_parameters()
+
+
+def test_checkpoint_from_expert_tensor_parallel_resumes_without_it_and_exports(dist, tmp_path):
+    """Saved at (ZeRO 3, tp 2 x dp 2, ep 2, expert_tensor_parallel_size 2: each rank a quarter of the experts)
+    and resumed at (ZeRO 1, dp 4, no tp, no ep); the export holds every expert whole."""
+    from transformers import AutoModelForCausalLM
+
+    from parallel3d.export.export import export_checkpoint
+
+    kind = "qwen3_moe"
+    saved = dist.run(DP, _save_expert_tensor_parallel, kind, str(tmp_path / "ckpt"))[0]
+    want_losses, want_params = oracle_run(kind, token_batches(STEPS, GAS, 2), model=make_moe(kind))
+    start = dict(make_moe(kind).named_parameters())
+    for losses, params in dist.run(DP, _resume_without_parallelism, kind, str(tmp_path / "ckpt")):
+        assert losses == pytest.approx(want_losses[SAVE_AT:], rel=RTOL)
+        ratio, name, rel = update_mismatch(params, want_params, start, STEPS, RTOL)
+        assert ratio <= 1, f"{name}: update off by {rel:.2e}"
+    export_checkpoint(tmp_path / "ckpt", tmp_path / "hf")
+    exported = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "hf").named_parameters())
+    assert set(saved) == set(exported)
+    for name, value in saved.items():
+        assert torch.equal(exported[name].detach(), value), name
+
+
 COMPOSED = {  # world 4, ep 2: (config, model overrides, data-parallel ranks)
     "tp2": ({"tensor_parallel": {"size": 2}}, {}, 2),  # experts whole on each tp rank, attention split
+    # expert tensor parallelism: each tp rank a slice of its experts, the ep all-to-all per tp slice
+    "etp2": ({"tensor_parallel": {"size": 2}, "expert_parallel": {"enabled": True, "autoep_size": 2,
+                                                                  "expert_tensor_parallel_size": 2}}, {}, 2),
+    # sequence parallelism: each tp rank routes its part of the sequence through its ep group, experts
+    # whole; their gradients summed over tp, the router loss over the gathered router logits
+    "sp2": ({"tensor_parallel": {"size": 2, "sequence_parallel": True}}, {}, 2),
+    "sp_etp2": ({"tensor_parallel": {"size": 2, "sequence_parallel": True},  # the tp ranks' tokens gathered, then
+                 "expert_parallel": {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 2}}, {}, 2),
     "pp2": ({"pipeline": {"stages": 2}}, {"output_router_logits": False}, 2),  # pipelines refuse the router loss
     # folded over dp_shard x cp: each cp rank routes its part of the sequence (a router loss over a part differs)
     "cp2": ({"context_parallel": {"size": 2}}, {"output_router_logits": False}, 2),
@@ -199,7 +257,7 @@ COMPOSED = {  # world 4, ep 2: (config, model overrides, data-parallel ranks)
 }
 
 
-def _train_composed(kind: str, layout: str, stage: int) -> tuple[list[float], dict]:
+def _train_composed(kind: str, layout: str, stage: int) -> tuple[list[float], list[float], dict, dict]:
     import parallel3d
 
     extra, overrides, dp = COMPOSED[layout]
@@ -208,30 +266,52 @@ def _train_composed(kind: str, layout: str, stage: int) -> tuple[list[float], di
               **extra}
     engine = parallel3d.initialize(model=make_moe(kind, **overrides), config=config)[0]
     data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
-    return [engine.train_batch(data_iter) for _ in range(STEPS)], engine.full_parameters()
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(engine.train_batch(data_iter))
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms, engine.full_parameters(), engine.memory_report(experts=True)
 
 
 @pytest.mark.parametrize("kind,layout,stage", [("qwen3_moe", "tp2", 1), ("mixtral", "tp2", 3), ("mixtral", "pp2", 1),
                                                ("qwen3_moe", "pp2", 3), ("mixtral", "cp2", 2), ("qwen3_moe", "cp2", 3),
-                                               ("mixtral", "hybrid", 3), ("qwen3_moe", "hybrid", 1)])
+                                               ("mixtral", "hybrid", 3), ("qwen3_moe", "hybrid", 1),
+                                               ("mixtral", "etp2", 1), ("qwen3_moe", "etp2", 3),
+                                               ("qwen3_moe", "sp2", 1), ("mixtral", "sp2", 3),
+                                               ("qwen3_moe", "sp_etp2", 2)])
 def test_composes_with_tp_pp_cp_and_hybrid_sharding(dist, kind, layout, stage):
+    """Losses, gradient norms (AdamW hardly notices a wrong clipping norm) and every parameter."""
     _, overrides, dp = COMPOSED[layout]
-    want_losses, want_params = oracle_run(kind, token_batches(STEPS, GAS, dp), model=make_moe(kind, **overrides))
+    want_norms: list[float] = []
+    want_losses, want_params = oracle_run(kind, token_batches(STEPS, GAS, dp), model=make_moe(kind, **overrides),
+                                          grad_norms=want_norms)
     start = dict(make_moe(kind, **overrides).named_parameters())
+    experts = [p for n, p in start.items() if ".experts." in n]
     seen = set()
-    for losses, params in dist.run(4, _train_composed, kind, layout, stage):
+    for losses, norms, params, memory in dist.run(4, _train_composed, kind, layout, stage):
+        if layout == "etp2" and stage == 1:  # one rank per expert shard group: 1/(E x tp) of the experts, whole
+            expert_bytes = 4 * sum(p.numel() for p in experts) // (2 * 2)
+            assert memory["params"] == expert_bytes
+            assert memory["optimizer_states"] == 2 * expert_bytes + 4 * len(experts)
         assert losses == pytest.approx(want_losses, rel=RTOL)
+        assert norms == pytest.approx(want_norms, rel=RTOL)
         ratio, name, rel = update_mismatch(params, {n: want_params[n] for n in params}, start, STEPS, RTOL)
         assert ratio <= 1, f"{name}: update off by {rel:.2e}"
         seen |= set(params)
     assert seen == set(want_params)
 
 
-def test_sequence_parallel_is_refused():
-    from parallel3d.expert_parallel import check_expert_parallel
+def test_expert_tensor_parallel_size_other_than_1_or_tp_refused():
+    from parallel3d.config.config import load_config
 
-    with pytest.raises(ConfigError, match="expert_parallel with tensor_parallel.sequence_parallel is not supported"):
-        check_expert_parallel(make_moe("mixtral"), 2, sequence_parallel=True)
+    config = {**ep_config(1, 1, 2, 2), "tensor_parallel": {"size": 4}}
+    config["expert_parallel"]["expert_tensor_parallel_size"] = 2
+    with pytest.raises(ConfigError) as info:
+        load_config(config, 8)
+    assert str(info.value) == (
+        "expert_parallel.expert_tensor_parallel_size 2 with tensor_parallel.size 4: each expert is split over all "
+        "the tensor-parallel ranks or none; allowed: 1 (experts whole on every tensor-parallel rank) or 4 (each "
+        "expert split over them)")
 
 
 def _modify_experts(stage: int) -> torch.Tensor:

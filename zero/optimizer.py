@@ -185,6 +185,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             average over ``expert_shard_group`` is divided by the expert-parallel size to give the
             mean over all of ``group``, as for the other params. Frozen ones (also in ``frozen_params``)
             are laid out over ``expert_shard_group`` too, and get their values from its rank 0.
+            Expert params may also be ``model_parallel_params`` (expert tensor parallelism: each
+            expert split over the tensor-parallel group), all of them or none.
     """
 
     def __init__(
@@ -267,6 +269,11 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self._chunk_units.setdefault(chunk_of.get(params[unit.group_index][0], 0), []).append(ui)
             unit.group_index, unit.model_parallel, duplicated = origin[unit.group_index]
             unit.count_in_norm = not duplicated
+        split_experts = {u.model_parallel for u in self.units if u.expert}
+        if len(split_experts) > 1:
+            raise ValueError("expert parameters must be all model-parallel (expert tensor parallelism) or none")
+        # expert tensor parallelism: the expert squares are also summed over the model-parallel group
+        self._model_parallel_columns = slice(1, 3) if split_experts == {True} else slice(1, 2)
         # [units, 2]: which squared unit norms count as [replicated, model-parallel] (step-invariant)
         self._norm_weights = torch.tensor(
             [[float(u.count_in_norm and not u.model_parallel and not u.expert),
@@ -598,7 +605,8 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         other experts across the expert-parallel group, which together make up dp), the
         model-parallel part also over the model-parallel group (its pieces are disjoint, the
         replicated params are the same on every rank there), then everything over the norm groups.
-        Unsharded (stage 0), the expert part is summed over the expert-parallel group.
+        Unsharded (stage 0), the expert part is summed over the expert-parallel group. Experts split
+        over the model-parallel group (expert tensor parallelism) are summed over it too.
         """
         squares = torch.zeros(3, dtype=torch.float32, device=grads[0].device if grads else None)
         if grads:
@@ -610,7 +618,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         elif self.expert_parallel_group is not None:
             dist.all_reduce(squares[2:], group=self.expert_parallel_group)
         if self.model_parallel_group is not None:
-            dist.all_reduce(squares[1:2], group=self.model_parallel_group)
+            dist.all_reduce(squares[self._model_parallel_columns], group=self.model_parallel_group)
         total = squares.sum()
         for g in self.norm_groups:
             dist.all_reduce(total, group=g)

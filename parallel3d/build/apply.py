@@ -37,15 +37,20 @@ def apply_ep(model: nn.Module, mesh: ParallelMesh) -> ExpertParallelInfo | None:
 
 
 def apply_tp(model: nn.Module, section: TensorParallelConfig, mesh: ParallelMesh,
-             ep_info: ExpertParallelInfo | None = None) -> TensorParallelInfo | None:
-    """Replace the model's projections, embedding and head by tensor-parallel layers (tp > 1); experts
-    that expert parallelism split stay whole."""
+             ep_info: ExpertParallelInfo | None = None, expert_tp: int = 1) -> TensorParallelInfo | None:
+    """Replace the model's projections, embedding and head by tensor-parallel layers (tp > 1). Experts
+    that expert parallelism split stay whole at ``expert_tp`` 1 (``expert_tensor_parallel_size``); at
+    ``expert_tp`` = tp each rank keeps its tensor-parallel slice of its experts, as without expert
+    parallelism (docs/expert_parallel.md)."""
     if mesh.tp == 1:
         return None
     # under pipeline stages each chunk is its own sequence-parallel run (apply_pipeline)
-    whole = frozenset(m.name for m in ep_info.modules) if ep_info is not None else frozenset()
-    return apply_tensor_parallel(model, mesh.groups.tp, sequence_parallel=section.sequence_parallel,
+    whole = frozenset(m.name for m in ep_info.modules) if ep_info is not None and expert_tp == 1 else frozenset()
+    info = apply_tensor_parallel(model, mesh.groups.tp, sequence_parallel=section.sequence_parallel,
                                  sequence_segments=mesh.pp == 1, whole=whole)
+    if ep_info is not None:
+        ep_info.take_params(model)
+    return info
 
 
 def apply_pipeline(model: nn.Module, section: PipelineConfig, mesh: ParallelMesh,

@@ -112,8 +112,8 @@ def _row_reads(shape: torch.Size, spec: ShardSpec | None, rows: tuple[int, int],
     """(rectangle of the full tensor, view of ``dest``) pairs that fill piece rows ``rows``.
 
     Rows of vocabulary padding have no source: ``dest`` is zeroed first where there are any. A piece
-    that is not tp-sharded starts at row ``first_row`` of the full tensor (an expert-parallel rank's
-    experts).
+    not split along dim 0 starts at row ``first_row`` of the full tensor (an expert-parallel rank's
+    experts, whole or, under expert tensor parallelism, split along a later dim).
     """
     ra, rb = rows
     if spec is None:
@@ -122,7 +122,7 @@ def _row_reads(shape: torch.Size, spec: ShardSpec | None, rows: tuple[int, int],
         dest.zero_()
     if spec.dim == 0:
         return [((slice(full, full + n),), dest[a - ra : a - ra + n]) for a, full, n in spec.source_runs(ra, rb, rank, world)]
-    lead = (slice(ra, rb),) + (slice(None),) * (spec.dim - 1)
+    lead = (slice(first_row + ra, first_row + rb),) + (slice(None),) * (spec.dim - 1)  # tp-split experts: their rows
     return [((*lead, slice(full, full + n)), dest.narrow(spec.dim, a, n))
             for a, full, n in spec.source_runs(0, shape[spec.dim], rank, world)]
 

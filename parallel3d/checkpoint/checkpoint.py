@@ -40,14 +40,14 @@ import torch.distributed as dist
 from torch import nn
 
 from parallel3d.runtime.agreement import raise_on_every_rank
-from parallel3d.checkpoint.chunks import Chunk, piece_chunks
+from parallel3d.checkpoint.chunks import Chunk, Split, piece_chunks
 from parallel3d.checkpoint.manifest import (OPTIMIZER_TYPE, PEFT, SAVE_ID, check_fields, check_for_engine, check_pair,
                                             new_save_id)
 from parallel3d.checkpoint.storage import (DTYPES_BY_NAME, disk_full_text, plan_load, read_metadata, read_planned,
                                            save_chunks, write_json_atomically)
 from parallel3d.errors import ConfigError
 from parallel3d.build.peft_model import adapter_configs
-from parallel3d.tensor_parallel.sharding import ShardSpec, make_spec
+from parallel3d.tensor_parallel.sharding import make_spec
 
 logger = logging.getLogger(__name__)
 
@@ -65,20 +65,20 @@ class ParamEntry:
     """How one of this rank's trainable parameters is named in a checkpoint."""
 
     name: str  # the checkpoint name (for a tied copy: the name its first holder saves it under)
-    spec: ShardSpec | None
+    splits: tuple[Split, ...]  # how this rank's tensor is cut from the whole: tensor parallelism, an expert slice
     save: bool  # False for the second copy of a tied parameter (the first holder writes it)
-    split: tuple[int, int] | None = None  # (rank, ranks) of ``spec`` when not tensor parallelism's: an expert slice
 
     def global_shape(self, local_shape) -> tuple[int, ...]:
         shape = list(local_shape)
-        if self.spec is not None:
-            shape[self.spec.dim] = self.spec.full_size
+        for spec, _, _ in self.splits:
+            shape[spec.dim] = spec.full_size
         return tuple(shape)
 
 
 def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
     """This rank's trainable parameters and their checkpoint names."""
     specs = engine.tp_info.shard_specs if engine.tp_info is not None else {}
+    tp_rank, tp = engine.mesh.local_rank("tp"), engine.mesh.tp
     ep = engine.ep_info
     tied = {t.param: t for t in (engine.pipe.tied if engine.pipe is not None else ())}
     out = {}
@@ -86,14 +86,14 @@ def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
         if not p.requires_grad:
             continue
         spec, save = specs.get(name), True
-        if spec is not None and not spec.is_first_replica(engine.mesh.local_rank("tp")):
+        if spec is not None and not spec.is_first_replica(tp_rank):
             save = False  # a replicated kv head: its first holder writes it (ZeRO may cut the copies differently)
         if p in tied and not tied[p].first:
             name, save = next(n for n in tied[p].names if n != name), False
+        splits: tuple[Split, ...] = ((spec, tp_rank, tp),) if spec is not None else ()
         if ep is not None and name in ep.params:  # this rank's experts: a slice of dim 0 of the stacked weight
-            out[p] = ParamEntry(name, make_spec(ep.experts[name], 0, ep.size), save, (ep.rank, ep.size))
-            continue
-        out[p] = ParamEntry(name, spec, save)
+            splits = ((make_spec(ep.experts[name], 0, ep.size), ep.rank, ep.size), *splits)
+        out[p] = ParamEntry(name, splits, save)
     return out
 
 
@@ -114,13 +114,11 @@ def _pieces(engine):
     """``(entry, master piece, chunks_of)`` per piece of this rank; ``chunks_of(name, flat)`` maps a
     1-D tensor laid out like the piece to its chunks of the global tensor ``name``."""
     entries = param_entries(engine)
-    tp_rank, tp = engine.mesh.local_rank("tp"), engine.mesh.tp
     for param, first, master, shape in engine.optimizer.piece_params():
         e = entries[param]
 
         def chunks_of(name: str, flat: torch.Tensor, e=e, first=first, shape=shape) -> list[Chunk]:
-            rank, ranks = e.split or (tp_rank, tp)
-            return piece_chunks(name, flat, first, shape, e.global_shape(shape), e.spec, rank, ranks)
+            return piece_chunks(name, flat, first, shape, e.global_shape(shape), e.splits)
 
         yield e, master, chunks_of
 

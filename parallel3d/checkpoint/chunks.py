@@ -10,7 +10,8 @@ strided view of the rank's memory:
 1. ``flat_range_boxes``: a flat range of a contiguous tensor is at most ``2 * ndim - 1``
    boxes (for a matrix: the tail of the first row, the whole rows, the head of the last row);
 2. ``to_global``: a box of the tensor-parallel shard maps to one box of the full tensor per
-   packed block it touches (``ShardSpec.source_runs``), the vocabulary padding to none;
+   packed block it touches (``ShardSpec.source_runs``), the vocabulary padding to none; an
+   expert-parallel rank's experts are one more split (dim 0 of the stacked weight);
 3. ``piece_chunks``: both, with views into the piece's 1-D tensor (masters or an optimizer
    state), so saving copies nothing but the chunks and loading writes straight into place.
 
@@ -75,22 +76,27 @@ def flat_range_boxes(shape: Sequence[int], lo: int, hi: int) -> list[Box]:
     return boxes
 
 
-def to_global(box: Box, spec: ShardSpec | None, tp_rank: int, tp_world: int) -> list[tuple[Box, int, int]]:
-    """``(global box, local start, count)`` along the split dim for each part of a shard's ``box``.
+Split = tuple[ShardSpec, int, int]  # (spec, rank, ranks): how a rank's tensor is cut from the whole along spec.dim
 
-    Without a spec (a replicated parameter) the box is its own global box.
+
+def to_global(box: Box, splits: Sequence[Split] = ()) -> list[tuple[Box, tuple[tuple[int, int, int], ...]]]:
+    """``(global box, ((dim, local start, count), ...))`` for each part of a shard's ``box``.
+
+    Each split maps the box along its own dim (``ShardSpec.source_runs``): tensor parallelism's,
+    and an expert-parallel rank's slice of dim 0 of a stacked expert weight (both, under expert
+    tensor parallelism). Without a split (a replicated parameter) the box is its own global box.
     """
-    offsets, sizes = box
-    if spec is None:
-        return [(box, 0, sizes[0] if sizes else 0)]
-    d = spec.dim
-    lo = offsets[d]
-    out = []
-    for shard_start, full_start, count in spec.source_runs(lo, lo + sizes[d], tp_rank, tp_world):
-        g_off, g_size = list(offsets), list(sizes)
-        g_off[d], g_size[d] = full_start, count
-        out.append(((tuple(g_off), tuple(g_size)), shard_start - lo, count))
-    return out
+    parts: list[tuple[Box, tuple[tuple[int, int, int], ...]]] = [(box, ())]
+    for spec, rank, ranks in splits:
+        d, mapped = spec.dim, []
+        for (offsets, sizes), narrows in parts:
+            lo = offsets[d]
+            for shard_start, full_start, count in spec.source_runs(lo, lo + sizes[d], rank, ranks):
+                g_off, g_size = list(offsets), list(sizes)
+                g_off[d], g_size[d] = full_start, count
+                mapped.append(((tuple(g_off), tuple(g_size)), (*narrows, (d, shard_start - lo, count))))
+        parts = mapped
+    return parts
 
 
 def _box_view(flat: torch.Tensor, flat_start: int, shape: Sequence[int], box: Box) -> torch.Tensor:
@@ -107,16 +113,16 @@ def piece_chunks(
     start: int,
     local_shape: Sequence[int],
     global_shape: Sequence[int],
-    spec: ShardSpec | None = None,
-    tp_rank: int = 0,
-    tp_world: int = 1,
+    splits: Sequence[Split] = (),
 ) -> list[Chunk]:
     """Chunks of global tensor ``name`` held by ``flat``: elements ``[start, start + len(flat))``
-    of the (tensor-parallel shard of the) parameter, whose shape here is ``local_shape``."""
+    of the (sharded) parameter, whose shape here is ``local_shape``, cut from the whole by ``splits``."""
     chunks = []
     for box in flat_range_boxes(local_shape, start, start + flat.numel()):
         view = _box_view(flat, start, local_shape, box)
-        for (g_off, g_size), local_start, count in to_global(box, spec, tp_rank, tp_world):
-            part = view.narrow(spec.dim, local_start, count) if spec is not None else view
+        for (g_off, g_size), narrows in to_global(box, splits):
+            part = view
+            for dim, local_start, count in narrows:
+                part = part.narrow(dim, local_start, count)
             chunks.append(Chunk(name, g_off, g_size, tuple(global_shape), part))
     return chunks

@@ -243,6 +243,12 @@ class Zero3DConfig(Section):
         _divides_shard_ranks("zero_optimization.zero_hpz_partition_size", hpz, shard_ranks, " (the GPUs of a node, typically)")
         ep = self.expert_parallel.size
         _divides_shard_ranks("expert_parallel.autoep_size", ep, shard_ranks, " (expert parallelism is folded over them)")
+        etp = self.expert_parallel.expert_tensor_parallel_size
+        if etp not in (1, tp):
+            allowed = (f"1 (experts whole on every tensor-parallel rank) or {tp} (each expert split over them)"
+                       if tp > 1 else "1 (tensor parallelism is off)")
+            raise ConfigError(f"expert_parallel.expert_tensor_parallel_size {etp} with tensor_parallel.size {tp}: "
+                              f"each expert is split over all the tensor-parallel ranks or none; allowed: {allowed}")
         if ep > 1 and hpz > 1:
             raise ConfigError("expert_parallel with zero_optimization.zero_hpz_partition_size > 1 is not supported: "
                               "the secondary partition is cut from the data-parallel shard group, which expert "

@@ -675,20 +675,13 @@ class ExpertParallelConfig(Section):
     experts and the data-parallel shard ranks times the context-parallel size."""
 
     expert_tensor_parallel_size: PositiveInt = 1
-    """Ranks each expert is split over inside an expert-parallel rank; only 1 (whole experts) is
-    implemented."""
+    """Tensor-parallel ranks each expert is split over: 1 (each tp rank holds its experts whole) or
+    ``tensor_parallel.size`` (each expert split like a dense MLP; checked with the world size)."""
 
     load_balance_coeff: Optional[PositiveFloat] = None
     """DeepSeek V3's auxiliary-loss-free balancing (Megatron's ``moe_router_bias_update_rate``): after
     every step each router's ``e_score_correction_bias`` moves by ``coeff * sign(mean_load - load)``,
     the loads counted over the global batch; also without ``enabled`` (docs/expert_parallel.md)."""
-
-    @field_validator("expert_tensor_parallel_size")
-    @classmethod
-    def _whole_experts(cls, value: int) -> int:
-        if value != 1:
-            raise rule("is not implemented: each expert-parallel rank keeps its experts whole; allowed: 1")
-        return value
 
     @property
     def size(self) -> int:

@@ -39,15 +39,16 @@ class ExpertParallelInfo:
         """Where each of ``params`` starts in its full stacked weight (dim 0): a meta start reads from there."""
         return {name: self.rank * (count // self.size) for name, count in self.experts.items()}
 
+    def take_params(self, model: nn.Module) -> None:
+        """Point ``params`` at ``model``'s current parameters of those names (expert tensor parallelism
+        replaces each by its tensor-parallel slice)."""
+        self.params = {name: model.get_parameter(name) for name in self.params}
 
-def check_expert_parallel(model: nn.Module, size: int, sequence_parallel: bool) -> None:
+
+def check_expert_parallel(model: nn.Module, size: int) -> None:
     """ConfigError, before any collective, when ``model`` cannot be split over ``size`` expert-parallel ranks."""
     if size == 1:
         return
-    if sequence_parallel:
-        raise ConfigError("expert_parallel with tensor_parallel.sequence_parallel is not supported yet: the tensor-"
-                          "parallel ranks would route different parts of the sequence to experts they all hold "
-                          "whole; turn sequence_parallel off (tensor parallelism without it composes)")
     resolve_experts(model, size)
 
 

@@ -70,7 +70,8 @@ def split_experts(module: nn.Module, num_experts: int, group: dist.ProcessGroup)
         ones = torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device)
         out = compute(rows, local_ids.unsqueeze(1), ones)
         if rows.shape[0] == 0:  # keep the rows (the all-to-all's backward) and every weight in the graph
-            out = out + (rows.sum() + sum(p.sum() for p in kept)) * 0
+            # the module's current parameters: expert tensor parallelism replaces them by their tp slices
+            out = out + (rows.sum() + sum(p.sum() for p in module.parameters(recurse=False))) * 0
         return out
 
     def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
