@@ -82,7 +82,8 @@ def _oracle(gas: int, dp: int, family: str = "llama", overrides: tuple = (),
 def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalization: str = "micro_batch",
              deepspeed_key: bool = False, family: str = "llama", method: str = "ulysses",
              overrides: tuple = (), layout: str = "plain", pipeline: dict | None = None) -> tuple[list[float], dict]:
-    """``pipeline``: the config's pipeline section (the parameters returned are then the stage's)."""
+    """``pipeline``: the config's pipeline section (the parameters returned are then the stage's, and
+    the losses end with ``eval_batch`` of the first window after training)."""
     import parallel3d
 
     config = ds_config(stage, gas, dp, stage3_param_persistence_threshold=0)
@@ -104,6 +105,8 @@ def train_cp(cp: int, stage: int, dp: int, gas: int = 2, tp: int = 1, normalizat
     for s in range(STEPS):
         losses.append(engine.train_batch(iter(batches[s * gas:(s + 1) * gas])))
         norms.append(engine.get_global_grad_norm())
+    if pipeline is not None:
+        losses.append(engine.eval_batch(iter(batches[:gas])))
     return losses, engine.full_parameters(), norms
 
 
@@ -206,8 +209,16 @@ FOUR_LAYERS = (("num_hidden_layers", 4),)
 def test_pp2_cp2(dist, method, stage, pipeline, layout):
     """Pipeline stages over context-parallel shards: the stages run this rank's cut of each
     micro-batch and pass its shard of the activations on; each stage's parameters, the losses and
-    gradient norms equal one process's."""
+    gradient norms equal one process's, and so does the trained model's eval_batch loss."""
     want_losses, want_params, want_norms = _oracle(2, 1, "llama", FOUR_LAYERS, layout)
+    model = _model("llama", **dict(FOUR_LAYERS))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(want_params[name])
+        window = [shape_batch({"input_ids": _data(2, 1)[0, a, 0], "labels": _data(2, 1)[0, a, 0]},
+                              ("packed" if a % 2 == 0 else "plain") if layout == "alternate" else layout)
+                  for a in range(2)]
+        want_losses = want_losses + [sum(model(**batch).loss.item() for batch in window) / 2]
     results = dist.run(4, train_cp, 2, stage, 1, method=method, overrides=FOUR_LAYERS, layout=layout,
                        pipeline={"stages": 2, **pipeline})
     seen = set()
