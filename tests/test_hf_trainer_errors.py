@@ -55,6 +55,9 @@ def test_config_disagreeing_with_the_arguments(tmp_path):
 def test_context_parallel_layout(tmp_path):
     with pytest.raises(ConfigError, match=r"context_parallel.size 2 with parallel3d.hf.Trainer"):
         make(tmp_path, {**ZERO3, "context_parallel": {"size": 2}})
+    # DeepSpeed's spelling of the same axis (Ulysses) is refused alike
+    with pytest.raises(ConfigError, match=r"sequence_parallel_size 2 with parallel3d.hf.Trainer"):
+        make(tmp_path, {**ZERO3, "sequence_parallel_size": 2})
 
 
 def test_torch_compile_argument(tmp_path):

@@ -111,8 +111,11 @@ class Zero3DTrainerMixin:
     @staticmethod
     def _refuse_layout(config: dict) -> None:
         cp = config.get("context_parallel", {}).get("size", 1)
+        key = "context_parallel.size"
+        if cp in (1, None) and config.get("sequence_parallel_size", 1) not in (1, None):
+            cp, key = config["sequence_parallel_size"], "sequence_parallel_size"  # DeepSpeed's spelling (Ulysses)
         if cp not in (1, None):
-            raise ConfigError(f"context_parallel.size {cp!r} with parallel3d.hf.Trainer: the Trainer's loss and its "
+            raise ConfigError(f"{key} {cp!r} with parallel3d.hf.Trainer: the Trainer's loss and its "
                               "token counts are per whole sequence, and context parallelism cuts sequences; train "
                               "it with engine.train_batch or `zero3d train`, or use context_parallel.size 1")
 
