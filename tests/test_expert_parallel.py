@@ -301,6 +301,31 @@ def test_composes_with_tp_pp_cp_and_hybrid_sharding(dist, kind, layout, stage):
     assert seen == set(want_params)
 
 
+def _meta_start_expert_tensor_parallel(directory: str) -> tuple[dict, float]:
+    import parallel3d
+
+    extra, _, dp = COMPOSED["etp2"]
+    config = {**ep_config(3, 1, dp, 2, stage3_param_persistence_threshold=0, reduce_bucket_size=2000), **extra}
+    engine = parallel3d.initialize(model=make_moe("mixtral", meta=True), config=config, pretrained=directory)[0]
+    start = engine.full_parameters()
+    return start, engine.train_batch(iter(rank_micro_batches(token_batches(1, 1, dp), engine.mesh.local_rank("dp"))))
+
+
+def test_meta_start_with_expert_tensor_parallel_reads_each_ranks_box(dist, tmp_path):
+    """A meta-device Mixtral at tp 2 x dp 2 x ep 2, expert tensor parallel 2, ZeRO 3, from a directory
+    as save_pretrained writes it (one tensor per expert): each rank's quarter of every expert weight
+    (its experts' rows, its tp slice) is read exactly; the first step's loss is one process's."""
+    model = make_moe("mixtral", seed=3)
+    model.save_pretrained(tmp_path)
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want_losses, _ = oracle_run("mixtral", token_batches(1, 1, 2), model=model)
+    for start, loss in dist.run(DP, _meta_start_expert_tensor_parallel, str(tmp_path)):
+        assert set(start) == set(want)
+        for name, value in start.items():
+            assert torch.equal(value, want[name]), name
+        assert loss == pytest.approx(want_losses[0], rel=RTOL)
+
+
 def test_expert_tensor_parallel_size_other_than_1_or_tp_refused():
     from parallel3d.config.config import load_config
 
