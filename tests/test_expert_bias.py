@@ -64,15 +64,22 @@ def _reference(dp: int) -> tuple[list[float], dict, dict]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, biases
 
 
-def _train(layout: str) -> tuple[list[float], dict, dict]:
+def _train(layout: str, steps: tuple[int, int] = (0, STEPS), save: str | None = None, load: str | None = None,
+           seed: int = 0) -> tuple[list[float], dict, dict]:
+    """Steps ``[first, last)`` of the run on ``layout`` (resumed from ``load``, saved to ``save`` at the end)."""
     import parallel3d
 
     _, extra, dp, ep, stage = LAYOUTS[layout]
     config = {**ep_config(stage, GAS, dp, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000), **extra}
     config.setdefault("expert_parallel", {})["load_balance_coeff"] = COEFF
-    engine = parallel3d.initialize(model=make_deepseek_v3(), config=config)[0]
-    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
-    losses = [engine.train_batch(data_iter) for _ in range(STEPS)]
+    engine = parallel3d.initialize(model=make_deepseek_v3(seed), config=config)[0]
+    if load is not None:
+        engine.load_checkpoint(load)
+    batches = rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp"))
+    data_iter = iter(batches[steps[0] * GAS :])
+    losses = [engine.train_batch(data_iter) for _ in range(*steps)]
+    if save is not None:
+        engine.save_checkpoint(save)
     biases = {r.name: r.owner.get_buffer(BIAS).clone() for r in engine.expert_bias.routers}
     return losses, engine.full_parameters(), biases
 
@@ -92,6 +99,17 @@ def test_router_biases_follow_the_global_loads(dist, layout):
             assert torch.equal(bias, want_biases[name]), name
         seen |= set(biases)
     assert seen == set(want_biases)
+
+
+def test_router_biases_resume_from_a_checkpoint(dist, tmp_path):
+    """Saved after step 1 on pp 2 x ep 2 (each stage holds its layers' routers), resumed at dp 2 without
+    expert parallelism from other weights (seed 5): step 2 ends with the one-process biases."""
+    want_losses, want_params, want_biases = _reference(2)
+    dist.run(4, _train, "pp2_ep2", (0, 1), save=str(tmp_path))
+    for losses, params, biases in dist.run(2, _train, "dp2", (1, STEPS), load=str(tmp_path), seed=5):
+        assert losses == pytest.approx(want_losses[1:], rel=RTOL)
+        assert biases.keys() == want_biases.keys()
+        assert all(torch.equal(bias, want_biases[name]) for name, bias in biases.items())
 
 
 def test_load_balance_coeff_needs_a_router_bias():

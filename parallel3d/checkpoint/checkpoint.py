@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "checkpoint.json"
 FORMAT = "zero3d-checkpoint/3"
+ROUTER_BIASES = "router_biases"  # e_score_correction_bias of each router under load_balance_coeff, by name
 _FORMAT_2 = "zero3d-checkpoint/2"  # read too: its scalar states were named optim/ (0-dim params had none)
 _TAG = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
 
@@ -326,6 +327,10 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dic
     hf_config = getattr(engine.module, "config", None)
     config_json = hf_config.to_json_string() if hasattr(hf_config, "to_json_string") else None
     manifest["rng"] = _gather_to_rank0(_rng_state(), group)
+    if getattr(engine, "expert_bias", None) is not None:  # every pipeline stage's routers, by name (load_balance_coeff)
+        stages = _gather_to_rank0(engine.expert_bias.state_dict(), group)
+        manifest[ROUTER_BIASES] = encode_value({n: b for part in stages or () for n, b in part.items()},
+                                               ROUTER_BIASES)
     if staging is None:
         _write(Path(save_dir), tag, chunks, manifest, config_json, group, zip_crc32=False)
         return tag, None
@@ -457,9 +462,11 @@ def _decoded(manifest: dict, path: Path) -> dict:
     """The manifest's stored values decoded (optimizer, scheduler, client state, RNG), or a
     ConfigError naming the field that does not decode; nothing is applied yet."""
     out = {}
-    for field in ("optimizer", "lr_scheduler", "client_state", "rng"):
+    for field in ("optimizer", "lr_scheduler", "client_state", "rng", ROUTER_BIASES):
         try:
-            out[field] = decode_value(manifest[field])
+            out[field] = decode_value(manifest[field] if field != ROUTER_BIASES else manifest.get(field, {}))
+            if field == ROUTER_BIASES:
+                _check_router_biases(out[field])
         except (KeyError, TypeError, ValueError, RuntimeError, binascii.Error) as exc:
             raise ConfigError(f"checkpoint {path}: manifest field {field!r} holds a value that does not decode "
                               f"({exc!r}); the checkpoint.json is damaged or was edited") from None
@@ -470,6 +477,13 @@ def _decoded(manifest: dict, path: Path) -> dict:
             raise ConfigError(f"checkpoint {path}: manifest field 'rng[{rank}]' is not a valid RNG state ({exc}); "
                               "the checkpoint.json is damaged or was edited") from None
     return out
+
+
+def _check_router_biases(value) -> None:
+    """TypeError unless the saved router biases are ``{name: floating-point tensor}``."""
+    if not isinstance(value, dict) or not all(isinstance(t, torch.Tensor) and t.is_floating_point()
+                                              for t in value.values()):
+        raise TypeError("not a dict of floating-point tensors")
 
 
 def _check_model(engine, metadata, path: Path) -> None:
@@ -549,6 +563,8 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         zero.set_piece_states(states)
         zero.load_extra_state(values["optimizer"])
     zero.publish_params()
+    if getattr(engine, "expert_bias", None) is not None:
+        engine.expert_bias.load_state_dict(values[ROUTER_BIASES])
     if engine.lr_scheduler is not None and values["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(values["lr_scheduler"])
     engine.load_train_state({"global_steps": manifest["global_steps"], "global_samples": manifest["global_samples"],

@@ -445,9 +445,6 @@ class Engine(DeepSpeedSurface):
                 f"{self.micro_steps}, gradient_accumulation_steps {self.gradient_accumulation_steps}): "
                 "accumulated gradients are not saved, so save after engine.step() ends a window"
             )
-        if self.expert_bias is not None and self._is_rank0():
-            logger.warning("save_checkpoint: the routers' e_score_correction_bias (expert_parallel.load_balance_coeff) "
-                           "is not saved: a resumed run or an export starts them from the model's own values")
         self.wait_for_checkpoint()
         background = self.config.checkpoint.async_save
         if background and self._save_group is None and dist.is_initialized():

@@ -140,6 +140,22 @@ class ExpertBiasBalancer:
                 bias.add_(step.to(bias.dtype).view_as(bias))
         self.loads = [torch.zeros_like(load) for load in self.loads]
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's router biases by name (a checkpoint holds every stage's)."""
+        return {r.name: r.owner.get_buffer(BIAS).detach().cpu().clone() for r in self.routers}
+
+    def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
+        """Set the biases a checkpoint holds (one saved without ``load_balance_coeff`` holds none: the
+        model's stay)."""
+        missing = [r.name for r in self.routers if r.name not in values]
+        if missing:
+            logger.info("the checkpoint holds no router bias for %s: the model's own values stay", missing[:3])
+        with torch.no_grad():
+            for router in self.routers:
+                if router.name in values:
+                    bias = router.owner.get_buffer(BIAS)
+                    bias.copy_(values[router.name].view_as(bias))
+
     def detach(self) -> None:
         """Remove the counting hooks."""
         for hook in self._hooks:

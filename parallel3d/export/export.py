@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint.checkpoint import MANIFEST, check_tag, read_manifest
+from parallel3d.checkpoint.checkpoint import MANIFEST, ROUTER_BIASES, check_tag, read_manifest
 from parallel3d.checkpoint.manifest import PEFT
 from parallel3d.checkpoint.storage import read_chunk, read_metadata
 from parallel3d.errors import ConfigError
@@ -232,7 +232,12 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
         raise
     except Exception as exc:
         raise ConfigError(f"{tag_dir / 'config.json'} is not a valid Hugging Face config: {exc}") from exc
-    adapters = read_manifest(tag_dir).get(PEFT)
+    manifest = read_manifest(tag_dir)
+    adapters = manifest.get(PEFT)
+    if manifest.get(ROUTER_BIASES):
+        logger.warning("%s holds the routers' e_score_correction_bias trained by load_balance_coeff, which the "
+                       "export does not write yet: from_pretrained gives the exported model its initial biases",
+                       tag_dir)
     if merged and adapters is None:
         raise ConfigError(f"--merged merges PEFT adapters into their base, and {tag_dir} is a checkpoint of a model "
                           "without adapters (its export is the whole model already)")
