@@ -25,9 +25,12 @@ from pathlib import Path
 
 logger = logging.getLogger("ds_unit_tests")
 
-OPS = ("FusedAdamBuilder", "CPUAdamBuilder", "CPULionBuilder", "PinMemoryBuilder")
-"""DeepSpeed's CPU op builders the pinned subset loads: FusedAdam (DeepSpeed's Adam on CPU, and the
-tests that construct it), DeepSpeedCPUAdam (optimizer offload), DeepSpeedCPULion, pinned memory."""
+SHIM_OPS = ("FusedAdamBuilder", "PinMemoryBuilder")
+"""The op builders the pinned subset loads under the shim (the tests that construct DeepSpeed's FusedAdam,
+and test_destroy_unpin.py's pinned buffers): the two ops whose build files a whole run rewrote."""
+BASELINE_OPS = (*SHIM_OPS, "CPUAdamBuilder", "CPULionBuilder")
+"""And with DeepSpeed itself (``--rebaseline``): its optimizer offload (DeepSpeedCPUAdam) and DeepSpeedCPULion."""
+
 
 _BUILD = """
 import os, sys

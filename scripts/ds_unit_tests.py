@@ -277,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU 'devices' DeepSpeed's harness may use (its LOCAL_SIZE; tests of a larger world "
                              "size skip); the pinned subset is for 1; 2 or 4 run more tests (slower) and need "
                              "their own --rebaseline")
-    parser.add_argument("--build-ops", nargs="*", default=list(ds_unit_ops.OPS), metavar="BUILDER",
-                        help="DeepSpeed op builders to build before the tests (default: %(default)s); "
+    parser.add_argument("--build-ops", nargs="*", metavar="BUILDER",
+                        help="DeepSpeed op builders to build before the tests (default: those the subset loads, "
+                             f"{', '.join(ds_unit_ops.SHIM_OPS)}; with --rebaseline also "
+                             f"{', '.join(ds_unit_ops.BASELINE_OPS[len(ds_unit_ops.SHIM_OPS):])}); "
                              "give none to build nothing first")
     parser.add_argument("--build-timeout", type=int, default=3600, help="seconds one op's build may take")
     parser.add_argument("--subset", default=str(SUBSET_FILE), help="the pinned subset (JSON)")
@@ -300,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     tests = obtain_tests(Path(opts.work).expanduser(), opts.rev, opts.archive, opts.git_dir)
     files = opts.files or select_files(tests)
     subset_path = Path(opts.subset)
+    if opts.build_ops is None:
+        opts.build_ops = list(ds_unit_ops.BASELINE_OPS if opts.rebaseline else ds_unit_ops.SHIM_OPS)
     if opts.build_ops and (opts.rebaseline or not (opts.no_run or opts.baseline_only)):
         ds_unit_ops.build_ops(opts.build_ops, opts.build_timeout)
     if opts.rebaseline:
