@@ -16,7 +16,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ from transformers import GPT2Config, LlamaConfig
 from parallel3d.pipeline.schedules import schedule_table
 from parallel3d.pipeline.simulate import simulate
 from parallel3d.planner.memory import rank_peak
-from parallel3d.planner.profile import LiveBytes, profile_pass
+from parallel3d.planner.profile import LiveBytes, ProfileError, profile_pass, profile_passes
 
 LLAMA = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2)
@@ -59,6 +59,42 @@ def test_fake_profile_equals_a_real_run(config):
     assert (fake.at_rest, fake.forward_peak, fake.backward_peak, sum(fake.flops)) == \
         (kept, forward_peak, backward_peak, flops)
     assert kept > 0 and flops > 0
+
+
+def _fields(profile) -> tuple:
+    """A profile's figures (PassProfile compares by identity)."""
+    return tuple(getattr(profile, f.name) for f in fields(profile))
+
+
+@pytest.mark.parametrize("config,keys", [
+    (LLAMA, [("only", 2, 2, 2, True, True, "flash", False, False), ("first", 2, 2, 2, True, True, "flash", True, False),
+             ("middle", 2, 2, 2, True, True, "flash", True, False),
+             ("middle", 2, 2, 2, True, True, "flash", False, False),
+             ("last", 2, 2, 2, True, True, "flash", True, False), ("last", 2, 1, 2, True, True, "flash", False, False),
+             ("last", 1, 1, 1, False, False, "native", False, False),
+             ("only", 1, 2, 1, False, False, "native", False, False)]),
+    (GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4),
+     [("middle", 2, 2, 2, False, False, "materialized", True, False),
+      ("last", 2, 2, 2, False, False, "materialized", False, False)]),
+], ids=["llama", "gpt2"])
+def test_passes_on_one_built_model_equal_fresh_builds(config, keys):
+    """profile_passes runs the passes of one (blocks, tp, sp, checkpointing, experts) on one built model:
+    every figure equals the pass on a model of its own (profile_pass), whatever ran before it."""
+    shared = profile_passes(config, keys, seq=16, dtype=torch.bfloat16)
+    assert set(shared) == set(keys)
+    for kind, blocks, mb, tp, sp, ac, attention, split, whole in keys:
+        alone = profile_pass(config, kind, blocks, micro_batch=mb, seq=16, dtype=torch.bfloat16, tp=tp,
+                             sequence_parallel=sp, checkpointing=ac, attention=attention, split_backward=split,
+                             whole_experts=whole)
+        assert _fields(shared[kind, blocks, mb, tp, sp, ac, attention, split, whole]) == _fields(alone)
+
+
+def test_a_pass_that_cannot_build_is_reported_per_key():
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, hidden_act="no-such-activation")
+    keys = [("only", 1, mb, 1, False, False, "flash", False, False) for mb in (1, 2)]
+    got = profile_passes(config, keys, seq=16, dtype=torch.bfloat16)
+    assert all(isinstance(got[key], ProfileError) for key in keys)
 
 
 def _per_block(tp: int, sp: bool = False, s: int = 64, b: int = 2, h: int = 64, a: int = 4) -> tuple[int, dict]:

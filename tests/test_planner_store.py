@@ -8,7 +8,6 @@ from dataclasses import fields
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from parallel3d.planner import profile_store
 from parallel3d.planner.hardware import a100
 from parallel3d.planner.predict import Planner, Workload
 from parallel3d.planner.profile_store import ProfileStore
@@ -40,7 +39,7 @@ def test_prefetched_and_stored_profiles_give_the_same_plan(tmp_path, monkeypatch
     def no_profiling(*args, **kwargs):
         raise AssertionError("a stored profile was computed again")
 
-    monkeypatch.setattr(profile_store, "profile_pass", no_profiling, raising=False)
+    monkeypatch.setattr("parallel3d.planner.profile.profile_passes", no_profiling)
     monkeypatch.setattr("parallel3d.planner.predict.compute", no_profiling)
     assert _ranked(Planner(_model(), WORKLOAD, store=store, workers=2)) == want
     # another sequence length is another profile

@@ -25,11 +25,12 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -349,23 +350,22 @@ def _experts_modules(model: nn.Module) -> frozenset[str]:
         return frozenset()
 
 
-def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
+def _hook(model: nn.Module, kind: str, live: LiveBytes) -> list:
     """Parameter gradients dropped as they arrive (the first one marked); block boundaries noted;
-    a non-first chunk's input made a leaf, a non-last chunk's forward stopped after its blocks."""
+    a non-first chunk's input made a leaf, a non-last chunk's forward stopped after its blocks.
+    Returns the hooks' handles (a built model serves several passes, each with its own hooks)."""
 
     def drop(p: nn.Parameter) -> None:
         live.mark()
         p.grad = None
 
-    for p in model.parameters():
-        if p.requires_grad:
-            p.register_post_accumulate_grad_hook(drop)
+    handles = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
     layers = fetch_unit_modules(model)
     for layer in layers:  # where the peaks fall: inside a block (its stage-3 parameters gathered) or not
-        layer.register_forward_pre_hook(lambda *_: setattr(live, "in_block", True))
-        layer.register_forward_hook(lambda *_: setattr(live, "in_block", False))
-        layer.register_full_backward_pre_hook(lambda *_: setattr(live, "in_block", True))
-        layer.register_full_backward_hook(lambda *_: setattr(live, "in_block", False))
+        handles += [layer.register_forward_pre_hook(lambda *_: setattr(live, "in_block", True)),
+                    layer.register_forward_hook(lambda *_: setattr(live, "in_block", False)),
+                    layer.register_full_backward_pre_hook(lambda *_: setattr(live, "in_block", True)),
+                    layer.register_full_backward_hook(lambda *_: setattr(live, "in_block", False))]
     if kind in ("middle", "last"):
         def detach_input(module: nn.Module, args: tuple, kwargs: dict):
             x = args[0] if args else kwargs["hidden_states"]
@@ -373,12 +373,32 @@ def _hook(model: nn.Module, kind: str, live: LiveBytes) -> None:
             live.received = leaf
             return ((leaf, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": leaf})
 
-        layers[0].register_forward_pre_hook(detach_input, with_kwargs=True, prepend=True)
+        handles.append(layers[0].register_forward_pre_hook(detach_input, with_kwargs=True, prepend=True))
     if kind in ("first", "middle"):
         def stop(module: nn.Module, args: tuple, output):
             raise _Stop(output[0] if isinstance(output, tuple) else output)
 
-        layers[-1].register_forward_hook(stop)
+        handles.append(layers[-1].register_forward_hook(stop))
+    return handles
+
+
+@contextlib.contextmanager
+def _profiling(tp: int) -> Iterator[dist.ProcessGroup | None]:
+    """What every pass runs inside: fake tensors, the fake tp group, the planner's random stream
+    kept (tp regions draw their seeds from it), the model's deprecation notices silenced (they
+    are about how the profile calls it, not the user's plan)."""
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), \
+            fake_tp_group(tp) as group:
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        yield group
+
+
+def _check(kind: str, attention: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"chunk kind {kind!r}; allowed: {', '.join(KINDS)}")
+    if attention not in ATTENTION:
+        raise ValueError(f"attention {attention!r}; allowed: {', '.join(ATTENTION)}")
 
 
 def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, dtype: torch.dtype, tp: int = 1,
@@ -396,21 +416,56 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
     same rows), as the engine leaves them under expert parallelism; all experts are there, so the
     experts' compute is the whole layer's for this rank's tokens, which expert parallelism only moves.
     """
+    _check(kind, attention)
+    with _profiling(tp) as group:
+        model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing, whole_experts)
+        return _run(model, config, kind, blocks, micro_batch, seq, dtype, tp, attention, split_backward)
+
+
+def model_key(key: tuple) -> tuple:
+    """What of a pass's key its built model depends on: (blocks, tp, sequence_parallel,
+    checkpointing, whole_experts)."""
+    return key[1], key[3], key[4], key[5], key[8]
+
+
+def profile_passes(config, keys: Iterable[tuple], *, seq: int,
+                   dtype: torch.dtype) -> dict[tuple, PassProfile | ProfileError]:
+    """:func:`profile_pass` of each key = (kind, blocks, micro_batch, tp, sequence_parallel,
+    checkpointing, attention, split_backward, whole_experts), or the ProfileError it raises; the
+    same figures.
+
+    The passes that share a :func:`model_key` run on one built model (building and sharding it
+    is a tenth of a pass's time): each pass adds its own hooks and removes them, and parameter
+    gradients are dropped as they arrive, so the model a pass starts from is the one a fresh
+    build gives. After a pass fails the model is built again.
+    """
+    groups: dict[tuple, list[tuple]] = {}
+    for key in keys:
+        _check(key[0], key[6])
+        groups.setdefault(model_key(key), []).append(key)
+    out: dict[tuple, PassProfile | ProfileError] = {}
+    for (blocks, tp, sp, ac, whole), group_keys in groups.items():
+        with _profiling(tp) as group:
+            model = None
+            for key in group_keys:
+                kind, micro_batch, attention, split = key[0], key[2], key[6], key[7]
+                try:
+                    if model is None:
+                        model = _build(config, blocks, dtype, group, sp, ac, whole)
+                    out[key] = _run(model, config, kind, blocks, micro_batch, seq, dtype, tp, attention, split)
+                except ProfileError as exc:
+                    out[key], model = exc, None
+    return out
+
+
+def _run(model: nn.Module, config, kind: str, blocks: int, micro_batch: int, seq: int, dtype: torch.dtype, tp: int,
+         attention: str, split_backward: bool) -> PassProfile:
+    """One pass of ``model`` (built by :func:`_build` inside :func:`_profiling`), counted."""
     from parallel3d.pipeline.executor import backward_input, backward_weight
 
-    if kind not in KINDS:
-        raise ValueError(f"chunk kind {kind!r}; allowed: {', '.join(KINDS)}")
-    if attention not in ATTENTION:
-        raise ValueError(f"attention {attention!r}; allowed: {', '.join(ATTENTION)}")
-    # the planner's process keeps its random stream (tp regions draw their seeds from it); the
-    # model's deprecation notices are about how the profile calls it, not the user's plan
-    with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), \
-            fake_tp_group(tp) as group:
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing, whole_experts)
-        live = LiveBytes()
-        _hook(model, kind, live)
+    live = LiveBytes()
+    handles = _hook(model, kind, live)
+    try:
         ids = torch.zeros(micro_batch, seq, dtype=torch.long)
         live.exclude([*model.parameters(), *model.buffers()])
         kernels = contextlib.nullcontext() if attention == "native" else _gpu_kernels(live, attention)
@@ -450,6 +505,10 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
                 raise ProfileError(f"the model's forward and backward fail on the profile's fake tensors ({kind} "
                                    f"chunk of {blocks} block(s): {type(exc).__name__}: "
                                    f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+    finally:
+        for handle in handles:
+            handle.remove()
+        live.received = None
     backward_peak = max(split.input_peak, split.weight_peak) if split_backward else live.peak
     return PassProfile(kind, blocks, at_rest, forward_peak, backward_peak, live.marked or 0, forward_in_block,
                        live.peak_in_block, tuple(live.ops[False]), tuple(live.ops[True]),

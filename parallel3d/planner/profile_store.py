@@ -83,26 +83,34 @@ class ProfileStore:
 _JOB: dict = {}  # what a forked worker profiles with (set before the fork)
 
 
-def _profile_one(key: ProfileKey) -> tuple[ProfileKey, Any]:
-    from parallel3d.planner.profile import ProfileError, profile_pass
+def _profile_group(keys: list[ProfileKey]) -> list[tuple[ProfileKey, Any]]:
+    from parallel3d.planner.profile import profile_passes
 
-    kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts = key
-    try:
-        return key, profile_pass(_JOB["config"], kind, blocks, micro_batch=micro_batch, seq=_JOB["seq"],
-                                 dtype=_JOB["dtype"], tp=tp, sequence_parallel=sp, checkpointing=ac,
-                                 attention=attention, split_backward=split, whole_experts=whole_experts)
-    except ProfileError as exc:
-        return key, exc
+    return list(profile_passes(_JOB["config"], keys, seq=_JOB["seq"], dtype=_JOB["dtype"]).items())
+
+
+def _cost(keys: list[ProfileKey]) -> int:
+    """A rough relative CPU cost of a group's passes, to start the longest first: proportional to
+    blocks, and a split backward with recomputation recomputes the forward once per weight group."""
+    return sum(key[1] * (4 if key[5] and key[7] and key[0] in ("middle", "last") else 1) for key in keys)
 
 
 def compute(config: Any, seq: int, dtype: Any, keys: Iterable[ProfileKey], workers: int) -> dict[ProfileKey, Any]:
-    """Each key's profile (or its ProfileError), on ``workers`` forked processes when more than one."""
-    keys = sorted(keys, key=repr)  # neighbours share most ops: the fake-tensor dispatch cache serves them
+    """Each key's profile (or its ProfileError), on ``workers`` forked processes when more than one.
+
+    The keys that share a built model (``profile.model_key``) go to one worker together
+    (``profile.profile_passes``), the costliest groups first."""
+    from parallel3d.planner.profile import model_key
+
+    groups: dict[tuple, list[ProfileKey]] = {}
+    for key in sorted(keys, key=repr):  # neighbours share most ops: the fake-tensor dispatch cache serves them
+        groups.setdefault(model_key(key), []).append(key)
+    work = sorted(groups.values(), key=_cost, reverse=True)
     _JOB.update(config=config, seq=seq, dtype=dtype)
     try:
-        if workers <= 1 or len(keys) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-            return dict(map(_profile_one, keys))
-        with multiprocessing.get_context("fork").Pool(min(workers, len(keys))) as pool:
-            return dict(pool.imap_unordered(_profile_one, keys, chunksize=max(1, len(keys) // (4 * workers))))
+        if workers <= 1 or len(work) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+            return {key: value for group in work for key, value in _profile_group(group)}
+        with multiprocessing.get_context("fork").Pool(min(workers, len(work))) as pool:
+            return {key: value for done in pool.imap_unordered(_profile_group, work) for key, value in done}
     finally:
         _JOB.clear()
