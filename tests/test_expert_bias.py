@@ -103,10 +103,20 @@ def test_router_biases_follow_the_global_loads(dist, layout):
 
 def test_router_biases_resume_from_a_checkpoint(dist, tmp_path):
     """Saved after step 1 on pp 2 x ep 2 (each stage holds its layers' routers), resumed at dp 2 without
-    expert parallelism from other weights (seed 5): step 2 ends with the one-process biases."""
+    expert parallelism from other weights (seed 5): step 2 ends with the one-process biases. The export of
+    that checkpoint loads with the biases and parameters the engine had."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from parallel3d.export.export import export_checkpoint
+
     want_losses, want_params, want_biases = _reference(2)
-    dist.run(4, _train, "pp2_ep2", (0, 1), save=str(tmp_path))
-    for losses, params, biases in dist.run(2, _train, "dp2", (1, STEPS), load=str(tmp_path), seed=5):
+    saved = dist.run(4, _train, "pp2_ep2", (0, 1), save=str(tmp_path / "ckpt"))
+    exported = DeepseekV3ForCausalLM.from_pretrained(export_checkpoint(tmp_path / "ckpt", tmp_path / "hf"))
+    trained = {name: bias for _, _, biases in saved for name, bias in biases.items()}
+    assert trained.keys() == want_biases.keys() and all(b.abs().sum() > 0 for b in trained.values())
+    assert all(torch.equal(exported.get_buffer(name), bias) for name, bias in trained.items())
+    assert all(torch.equal(exported.get_parameter(n), p) for _, params, _ in saved for n, p in params.items())
+    for losses, params, biases in dist.run(2, _train, "dp2", (1, STEPS), load=str(tmp_path / "ckpt"), seed=5):
         assert losses == pytest.approx(want_losses[1:], rel=RTOL)
         assert biases.keys() == want_biases.keys()
         assert all(torch.equal(bias, want_biases[name]) for name, bias in biases.items())

@@ -462,14 +462,13 @@ def _decoded(manifest: dict, path: Path) -> dict:
     """The manifest's stored values decoded (optimizer, scheduler, client state, RNG), or a
     ConfigError naming the field that does not decode; nothing is applied yet."""
     out = {}
-    for field in ("optimizer", "lr_scheduler", "client_state", "rng", ROUTER_BIASES):
+    for field in ("optimizer", "lr_scheduler", "client_state", "rng"):
         try:
-            out[field] = decode_value(manifest[field] if field != ROUTER_BIASES else manifest.get(field, {}))
-            if field == ROUTER_BIASES:
-                _check_router_biases(out[field])
+            out[field] = decode_value(manifest[field])
         except (KeyError, TypeError, ValueError, RuntimeError, binascii.Error) as exc:
             raise ConfigError(f"checkpoint {path}: manifest field {field!r} holds a value that does not decode "
                               f"({exc!r}); the checkpoint.json is damaged or was edited") from None
+    out[ROUTER_BIASES] = router_biases(manifest, path)
     for rank, state in enumerate(out["rng"]):
         try:
             _set_rng_state(state, trial=True)
@@ -479,11 +478,18 @@ def _decoded(manifest: dict, path: Path) -> dict:
     return out
 
 
-def _check_router_biases(value) -> None:
-    """TypeError unless the saved router biases are ``{name: floating-point tensor}``."""
-    if not isinstance(value, dict) or not all(isinstance(t, torch.Tensor) and t.is_floating_point()
-                                              for t in value.values()):
-        raise TypeError("not a dict of floating-point tensors")
+def router_biases(manifest: dict, path: Path) -> dict[str, torch.Tensor]:
+    """The routers' ``e_score_correction_bias`` a checkpoint holds by HF buffer name (``{}`` when saved without
+    ``load_balance_coeff``); ConfigError when the field is not ``{name: floating-point tensor}``."""
+    try:
+        value = decode_value(manifest.get(ROUTER_BIASES, {}))
+        if not isinstance(value, dict) or not all(isinstance(t, torch.Tensor) and t.is_floating_point()
+                                                  for t in value.values()):
+            raise TypeError("not a dict of floating-point tensors")
+    except (KeyError, TypeError, ValueError, RuntimeError, binascii.Error) as exc:
+        raise ConfigError(f"checkpoint {path}: manifest field {ROUTER_BIASES!r} holds a value that does not decode "
+                          f"({exc!r}); the checkpoint.json is damaged or was edited") from None
+    return value
 
 
 def _check_model(engine, metadata, path: Path) -> None:

@@ -13,7 +13,9 @@ A checkpoint of a PEFT model exports as an adapter directory (or merged into its
 
 What is exported: the fp32 master weights of every trainable parameter. Frozen parameters are
 not in a checkpoint (they have no master); they are reported and ``from_pretrained`` will
-initialize them. Tied weights (GPT-2's ``lm_head`` = ``wte``) are stored once, as in the
+initialize them. The routers' ``e_score_correction_bias`` buffers that ``load_balance_coeff`` trained
+(held in the checkpoint's manifest) are written in float32 under their HF names, as
+``save_pretrained`` writes them (``_keep_in_fp32_modules_strict``). Tied weights (GPT-2's ``lm_head`` = ``wte``) are stored once, as in the
 checkpoint, and ``from_pretrained`` re-ties them from the config.
 """
 
@@ -27,12 +29,12 @@ import shutil
 import struct
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint.checkpoint import MANIFEST, ROUTER_BIASES, check_tag, read_manifest
+from parallel3d.checkpoint.checkpoint import MANIFEST, check_tag, read_manifest, router_biases
 from parallel3d.checkpoint.manifest import PEFT
 from parallel3d.checkpoint.storage import read_chunk, read_metadata
 from parallel3d.errors import ConfigError
@@ -77,23 +79,32 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 @dataclass(frozen=True)
 class Entry:
-    """One parameter of the checkpoint: its HF name and full shape."""
+    """One tensor of the checkpoint: its HF name and full shape."""
 
     name: str
     shape: tuple[int, ...]
     key: str = ""  # the name written to the file, when not ``name`` (an adapter file's peft keys)
+    value: torch.Tensor | None = field(default=None, compare=False)
+    """A router bias from the manifest, written in float32 as it is; None: a parameter assembled from its chunks."""
 
     @property
     def numel(self) -> int:
         return int(torch.Size(self.shape).numel())
 
+    def dtype(self, chosen: str) -> tuple[torch.dtype, str]:
+        """The dtype and safetensors code written: ``chosen`` (``--dtype``), float32 for a router bias."""
+        return DTYPES["fp32" if self.value is not None else chosen]
 
-def plan_shards(entries: list[Entry], itemsize: int, max_shard_bytes: int) -> list[list[Entry]]:
-    """Split parameters (in order) into files of at most ``max_shard_bytes`` (one tensor may exceed it)."""
+    def nbytes(self, chosen: str) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype(chosen)[0]).element_size()
+
+
+def plan_shards(entries: list[Entry], dtype: str, max_shard_bytes: int) -> list[list[Entry]]:
+    """Split tensors (in order) into files of at most ``max_shard_bytes`` (one tensor may exceed it)."""
     shards: list[list[Entry]] = [[]]
     size = 0
     for e in entries:
-        nbytes = e.numel * itemsize
+        nbytes = e.nbytes(dtype)
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -118,20 +129,20 @@ def assemble(tag_dir: Path, metadata, entry: Entry) -> torch.Tensor:
 
 def write_safetensors(path: Path, entries: list[Entry], tag_dir: Path, metadata, dtype: str) -> int:
     """Write one safetensors file tensor by tensor; returns the bytes of tensor data."""
-    torch_dtype, code = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for e in entries:
-        header[e.key or e.name] = {"dtype": code, "shape": list(e.shape), "data_offsets": [offset, offset + e.numel * itemsize]}
-        offset += e.numel * itemsize
+        header[e.key or e.name] = {"dtype": e.dtype(dtype)[1], "shape": list(e.shape),
+                                   "data_offsets": [offset, offset + e.nbytes(dtype)]}
+        offset += e.nbytes(dtype)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for e in entries:
-            tensor = assemble(tag_dir, metadata, e).to(torch_dtype)
+            whole = assemble(tag_dir, metadata, e) if e.value is None else e.value.reshape(e.shape)
+            tensor = whole.to(e.dtype(dtype)[0]).contiguous()
             f.write(tensor.reshape(-1).view(torch.uint8).numpy().data)
             del tensor
     return offset
@@ -148,8 +159,9 @@ def _find_tokenizer(tag_dir: Path, explicit: str | None) -> Path | None:
     return None
 
 
-def _model_order(config, names: list[str], trust_remote_code: bool = False) -> list[str]:
-    """``names`` in the model's own parameter order; warns of parameters missing (frozen) or unknown."""
+def _model_order(config, names: list[str], trust_remote_code: bool = False, buffers: Sequence[str] = ()) -> list[str]:
+    """``names`` (parameters, then the ``buffers`` written too) in the model's own order; warns of parameters
+    missing (frozen) or of names unknown."""
     from transformers import AutoModelForCausalLM
 
     try:
@@ -162,15 +174,15 @@ def _model_order(config, names: list[str], trust_remote_code: bool = False) -> l
     if missing := [n for n in expected if n not in names]:
         logger.warning("%d parameters are not in the checkpoint (frozen params have no ZeRO master); "
                        "from_pretrained will initialize them: %s", len(missing), ", ".join(missing[:8]))
+    expected += [n for n, _ in model.named_buffers() if n in buffers]
     if extra := sorted(set(names) - set(expected)):
-        logger.warning("%d checkpoint parameters are unknown to %s: %s", len(extra), type(model).__name__, ", ".join(extra[:8]))
+        logger.warning("%d checkpoint tensors are unknown to %s: %s", len(extra), type(model).__name__, ", ".join(extra[:8]))
     return [n for n in expected if n in names] + extra
 
 
 def _write_model(tmp: Path, entries: list[Entry], tag_dir: Path, metadata, dtype: str, max_shard_size: int) -> int:
     """The model's safetensors files (an index when there are several); returns their tensor bytes."""
-    itemsize = torch.empty((), dtype=DTYPES[dtype][0]).element_size()
-    shards = plan_shards(entries, itemsize, max_shard_size)
+    shards = plan_shards(entries, dtype, max_shard_size)
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     total = 0
@@ -234,10 +246,11 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
         raise ConfigError(f"{tag_dir / 'config.json'} is not a valid Hugging Face config: {exc}") from exc
     manifest = read_manifest(tag_dir)
     adapters = manifest.get(PEFT)
-    if manifest.get(ROUTER_BIASES):
-        logger.warning("%s holds the routers' e_score_correction_bias trained by load_balance_coeff, which the "
-                       "export does not write yet: from_pretrained gives the exported model its initial biases",
-                       tag_dir)
+    biases = router_biases(manifest, tag_dir)
+    if biases and adapters is not None:
+        logger.warning("%s holds the routers' e_score_correction_bias trained by load_balance_coeff, which an "
+                       "adapter export does not write (a PEFT adapter holds no buffers): the model built from it has "
+                       "its base's biases", tag_dir)
     if merged and adapters is None:
         raise ConfigError(f"--merged merges PEFT adapters into their base, and {tag_dir} is a checkpoint of a model "
                           "without adapters (its export is the whole model already)")
@@ -259,7 +272,9 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
             total = sum(p.stat().st_size for p in tmp.rglob("*.safetensors"))
             entries = list(shapes)
         else:
-            entries = [Entry(n, shapes[n]) for n in _model_order(config, list(shapes), trust)]
+            tensors = {n: Entry(n, shapes[n]) for n in shapes}
+            tensors |= {n: Entry(n, tuple(b.shape), value=b) for n, b in biases.items()}
+            entries = [tensors[n] for n in _model_order(config, list(tensors), trust, list(biases))]
             total = _write_model(tmp, entries, tag_dir, metadata, dtype, max_shard_size)
             config.dtype = DTYPES[dtype][0]
             save_model_configs(config, tmp, tag_dir, tok, trust)  # config.json, generation_config.json
