@@ -25,6 +25,7 @@ from torch import nn
 
 from parallel3d.runtime.agreement import agree, describe
 from parallel3d.build.apply import apply_ep, apply_pipeline, apply_tp, apply_zero
+from parallel3d.build.parallel_model import ParallelModel
 from parallel3d.config.config import Zero3DConfig, load_config
 from parallel3d.compat.ds_arguments import (check_distributed_arguments, check_model, refuse_deepspeed_partitioned,
                                      resolve_config)
@@ -309,9 +310,9 @@ def initialize(
                 if cfg.compile.enabled else None)
     scheduler = _lr_scheduler(cfg, lr_scheduler, zero_opt)
     client = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-    engine = Engine(model, cfg, mesh, zero_opt, scheduler, tp_info=tp_info, pipe=pipe, client_optimizer=client,
-                    watchdog=Watchdog.for_default_group(timeout_s), sequence_split=sequence_split,
-                    compiled=compiled, ep_info=ep_info, expert_bias=expert_bias)
+    parallel = ParallelModel(model, mesh, zero_opt, tp=tp_info, pipe=pipe, ep=ep_info, sequence_split=sequence_split)
+    engine = Engine(parallel, cfg, scheduler, client_optimizer=client, watchdog=Watchdog.for_default_group(timeout_s),
+                    compiled=compiled, expert_bias=expert_bias)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler
 
 

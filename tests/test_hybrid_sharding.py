@@ -205,7 +205,7 @@ def _saved_chunks() -> tuple[int, int]:
 
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=_config(2, 4, 2))
     engine.train_batch(iter(rank_micro_batches(token_batches(1, GAS, 4), engine.mesh.local_rank("dp"))))
-    return engine.mesh.local_rank("dp_replicate"), len(_chunks_to_save(engine))
+    return engine.mesh.local_rank("dp_replicate"), len(_chunks_to_save(engine.parallel))
 
 
 def test_only_the_first_replica_writes_checkpoint_chunks(dist):

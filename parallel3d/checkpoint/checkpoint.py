@@ -33,6 +33,7 @@ import shutil
 import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -48,6 +49,10 @@ from parallel3d.checkpoint.storage import (DTYPES_BY_NAME, disk_full_text, plan_
 from parallel3d.errors import ConfigError
 from parallel3d.build.peft_model import adapter_configs
 from parallel3d.tensor_parallel.sharding import make_spec
+
+if TYPE_CHECKING:
+    from parallel3d.build.parallel_model import ParallelModel
+    from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +81,14 @@ class ParamEntry:
         return tuple(shape)
 
 
-def param_entries(engine) -> dict[nn.Parameter, ParamEntry]:
+def param_entries(parallel: ParallelModel) -> dict[nn.Parameter, ParamEntry]:
     """This rank's trainable parameters and their checkpoint names."""
-    specs = engine.tp_info.shard_specs if engine.tp_info is not None else {}
-    tp_rank, tp = engine.mesh.local_rank("tp"), engine.mesh.tp
-    ep = engine.ep_info
-    tied = {t.param: t for t in (engine.pipe.tied if engine.pipe is not None else ())}
+    specs = parallel.tp.shard_specs if parallel.tp is not None else {}
+    tp_rank, tp = parallel.mesh.local_rank("tp"), parallel.mesh.tp
+    ep = parallel.ep
+    tied = {t.param: t for t in (parallel.pipe.tied if parallel.pipe is not None else ())}
     out = {}
-    for name, p in engine.named_parameters():
+    for name, p in parallel.named_parameters():
         if not p.requires_grad:
             continue
         spec, save = specs.get(name), True
@@ -111,11 +116,11 @@ def _state_index(metadata, manifest: dict) -> dict[str, dict[str, tuple[str, tor
     return out
 
 
-def _pieces(engine):
+def _pieces(parallel: ParallelModel):
     """``(entry, master piece, chunks_of)`` per piece of this rank; ``chunks_of(name, flat)`` maps a
     1-D tensor laid out like the piece to its chunks of the global tensor ``name``."""
-    entries = param_entries(engine)
-    for param, first, master, shape in engine.optimizer.piece_params():
+    entries = param_entries(parallel)
+    for param, first, master, shape in parallel.zero.piece_params():
         e = entries[param]
 
         def chunks_of(name: str, flat: torch.Tensor, e=e, first=first, shape=shape) -> list[Chunk]:
@@ -124,32 +129,32 @@ def _pieces(engine):
         yield e, master, chunks_of
 
 
-def _chunks_to_save(engine) -> list[Chunk]:
+def _chunks_to_save(parallel: ParallelModel) -> list[Chunk]:
     """This rank's chunks of masters and optimizer states (each written by one holder: under hybrid
     sharding the first replica, the others holding the same shards)."""
     chunks: list[Chunk] = []
-    for (e, master, chunks_of), state in zip(_pieces(engine), engine.optimizer.piece_states(), strict=True):
+    for (e, master, chunks_of), state in zip(_pieces(parallel), parallel.zero.piece_states(), strict=True):
         if e.save:
             chunks += chunks_of(f"model/{e.name}", master.detach())
             for key, value in state.items():
                 chunks += _state_value_chunks(key, value, e, master, chunks_of)
     # made on every rank all the same: a state no checkpoint can hold is refused everywhere alike
-    return chunks if engine.mesh.local_rank("dp_replicate") == 0 else []
+    return chunks if parallel.mesh.local_rank("dp_replicate") == 0 else []
 
 
-def _chunks_to_load(engine, metadata, manifest: dict, optimizer_states: bool) -> tuple[list[Chunk], list[dict]]:
+def _chunks_to_load(parallel: ParallelModel, metadata, manifest: dict, optimizer_states: bool) -> tuple[list[Chunk], list[dict]]:
     """Chunks that load into the masters in place and into the optimizer states (returned per piece;
     none without ``optimizer_states``)."""
     saved_states = _state_index(metadata, manifest) if optimizer_states else {}
     chunks: list[Chunk] = []
     states = []
-    current = engine.optimizer.piece_states()
-    for (e, master, chunks_of), now in zip(_pieces(engine), current, strict=True):
+    current = parallel.zero.piece_states()
+    for (e, master, chunks_of), now in zip(_pieces(parallel), current, strict=True):
         chunks += chunks_of(f"model/{e.name}", master.data)
         state = {}
         for key, (fqn, dtype) in saved_states.get(e.name, {}).items():
             scalar = fqn.startswith("optim_scalar/")
-            shape, device = ((), _scalar_device(engine.optimizer, master)) if scalar else (master.shape, master.device)
+            shape, device = ((), _scalar_device(parallel.zero, master)) if scalar else (master.shape, master.device)
             value = now.get(key)  # a state of the same kind is overwritten in place (no new pages)
             if not (isinstance(value, torch.Tensor) and value.shape == shape and value.dtype == dtype
                     and value.device == device):
@@ -308,23 +313,24 @@ def save(engine, save_dir: str | os.PathLike, tag: str | None, client_state: dic
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     client = encode_value(client_state, "client_state")
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    mesh = engine.mesh
+    parallel = engine.parallel
+    mesh, zero = parallel.mesh, parallel.zero
     manifest = {
         "format": FORMAT,
         "global_steps": engine.global_steps,
         "global_samples": engine.global_samples,
-        "optimizer": encode_value(engine.optimizer.extra_state(), "optimizer"),
-        OPTIMIZER_TYPE: type(engine.optimizer.inner).__name__,
+        "optimizer": encode_value(zero.extra_state(), "optimizer"),
+        OPTIMIZER_TYPE: type(zero.inner).__name__,
         "lr_scheduler": encode_value(scheduler, "lr_scheduler.state_dict()"),
         "client_state": client,
         "written_by": {"pp": mesh.pp, "dp": mesh.dp, "tp": mesh.tp, "dp_shard": mesh.size("dp_shard"),
-                       "zero_stage": engine.optimizer.settings.stage,
+                       "zero_stage": zero.settings.stage,
                        "train_batch_size": engine.config.train_batch_size},
     }
-    if (adapters := adapter_configs(engine.module)) is not None:
+    if (adapters := adapter_configs(parallel.module)) is not None:
         manifest[PEFT] = adapters  # zero3d export writes a PEFT adapter directory from it
-    chunks = _chunks_to_save(engine)  # refuses unstorable optimizer state before any collective
-    hf_config = getattr(engine.module, "config", None)
+    chunks = _chunks_to_save(parallel)  # refuses unstorable optimizer state before any collective
+    hf_config = getattr(parallel.module, "config", None)
     config_json = hf_config.to_json_string() if hasattr(hf_config, "to_json_string") else None
     manifest["rng"] = _gather_to_rank0(_rng_state(), group)
     if getattr(engine, "expert_bias", None) is not None:  # every pipeline stage's routers, by name (load_balance_coeff)
@@ -492,10 +498,10 @@ def router_biases(manifest: dict, path: Path) -> dict[str, torch.Tensor]:
     return value
 
 
-def _check_model(engine, metadata, path: Path) -> None:
+def _check_model(parallel: ParallelModel, metadata, path: Path) -> None:
     """Every parameter of this rank is in the checkpoint with its shape (changes nothing)."""
-    entries = param_entries(engine)
-    for param, _, _, shape in engine.optimizer.piece_params():
+    entries = param_entries(parallel)
+    for param, _, _, shape in parallel.zero.piece_params():
         e = entries[param]
         md = metadata.state_dict_metadata.get(f"model/{e.name}")
         if md is None:
@@ -505,20 +511,20 @@ def _check_model(engine, metadata, path: Path) -> None:
                               f"{list(e.global_shape(shape))}: it was written for another model")
 
 
-def _check_optimizer(engine, manifest: dict, path: Path) -> None:
+def _check_optimizer(zero: ZeroOptimizer, manifest: dict, path: Path) -> None:
     """The checkpoint has as many optimizer param groups as this engine (they are matched by position)."""
     saved = len(manifest["optimizer"]["param_groups"])
-    mine = len(engine.optimizer.param_groups)
+    mine = len(zero.param_groups)
     if saved != mine:
         raise ConfigError(f"checkpoint {path} was written with {saved} optimizer param group(s), this engine has "
                           f"{mine}: give initialize() the param groups of the run that wrote it")
 
 
-def _check_names(engine, metadata, path) -> None:
+def _check_names(parallel: ParallelModel, metadata, path) -> None:
     """Every model tensor of the checkpoint is held by some rank of this engine (one all-reduce)."""
     saved = sorted(fqn[len("model/"):] for fqn in metadata.state_dict_metadata if fqn.startswith("model/"))
-    mine = {e.name for e in param_entries(engine).values()}
-    held = torch.tensor([name in mine for name in saved], dtype=torch.int32, device=engine.device)
+    mine = {e.name for e in param_entries(parallel).values()}
+    held = torch.tensor([name in mine for name in saved], dtype=torch.int32, device=parallel.mesh.device)
     if dist.is_initialized():
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
     if extra := [name for name, h in zip(saved, held.tolist()) if not h]:
@@ -539,6 +545,8 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
     changed. A second all-reduce checks that this model holds every saved tensor, and a third
     after the reads makes a failed read stop every rank too.
     """
+    parallel, scheduler = engine.parallel, engine.lr_scheduler
+    zero, device = parallel.zero, parallel.mesh.device
     error: ConfigError | None = None
     path = manifest = metadata = None
     try:
@@ -546,36 +554,35 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         manifest = read_manifest(path)
         metadata = read_metadata(path)
         check_pair(manifest, metadata.storage_meta.save_id if metadata.storage_meta is not None else None, path)
-        _check_model(engine, metadata, path)
-        _check_optimizer(engine, manifest, path)
+        _check_model(parallel, metadata, path)
+        _check_optimizer(zero, manifest, path)
         if optimizer_states:
-            check_for_engine(manifest, path, engine.optimizer.inner, engine.optimizer.loss_scaler.state_dict())
+            check_for_engine(manifest, path, zero.inner, zero.loss_scaler.state_dict())
         values = _decoded(manifest, path)
-        chunks, states = _chunks_to_load(engine, metadata, manifest, optimizer_states)
+        chunks, states = _chunks_to_load(parallel, metadata, manifest, optimizer_states)
         planned = plan_load(path, metadata, chunks)
     except ConfigError as exc:
         error = exc
-    raise_on_every_rank(error, engine.device)
-    _check_names(engine, metadata, path)
+    raise_on_every_rank(error, device)
+    _check_names(parallel, metadata, path)
     error = None
     with torch.no_grad():
         try:
             read_planned(planned)
         except ConfigError as exc:
             error = exc
-    raise_on_every_rank(error, engine.device)
-    zero = engine.optimizer
+    raise_on_every_rank(error, device)
     if optimizer_states:
         zero.set_piece_states(states)
         zero.load_extra_state(values["optimizer"])
     zero.publish_params()
     if getattr(engine, "expert_bias", None) is not None:
         engine.expert_bias.load_state_dict(values[ROUTER_BIASES])
-    if engine.lr_scheduler is not None and values["lr_scheduler"] is not None:
-        engine.lr_scheduler.load_state_dict(values["lr_scheduler"])
+    if scheduler is not None and values["lr_scheduler"] is not None:
+        scheduler.load_state_dict(values["lr_scheduler"])
     engine.load_train_state({"global_steps": manifest["global_steps"], "global_samples": manifest["global_samples"],
                              "micro_steps": int(manifest["global_steps"]) * engine.gradient_accumulation_steps})
-    rngs, mesh = values["rng"], engine.mesh
+    rngs, mesh = values["rng"], parallel.mesh
     written = manifest["written_by"]
     if [written["pp"], written["dp"], written["tp"]] == [mesh.pp, mesh.dp, mesh.tp] and len(rngs) == mesh.world_size:
         _set_rng_state(rngs[_rank()])

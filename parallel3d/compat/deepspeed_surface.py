@@ -56,7 +56,8 @@ class DeepSpeedSurface:
     # -- attribute forwarding ------------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
-        module = self.__dict__.get("module")
+        parallel = self.__dict__.get("parallel")  # absent while unpickling: no recursion through here
+        module = parallel.module if parallel is not None else None
         if module is not None and not name.startswith("__"):
             try:
                 return getattr(module, name)

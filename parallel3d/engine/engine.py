@@ -17,23 +17,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from parallel3d.checkpoint import checkpoint
-from parallel3d.context_parallel import SequenceSplit
 from parallel3d.runtime.agreement import raise_on_every_rank
 from parallel3d.build.compiled_blocks import CompiledBlocks
 from parallel3d.engine.batch_check import call_arguments, first_problem, positional_names, vocab_size_of
 from parallel3d.compat.deepspeed_surface import CallableInt, DeepSpeedSurface
 from parallel3d.checkpoint.partial_load import KeptState, checkpoint_arguments
 from parallel3d.errors import ConfigError, NoSyncStageError, UsageError
-from parallel3d.runtime.mesh import ParallelMesh
-from parallel3d.pipeline.stage import PipelineModel
+from parallel3d.build.parallel_model import ParallelModel
 from parallel3d.engine.step_loops import MicroBatchLoop, PipelineLoop
 from parallel3d.engine import token_mean
 from parallel3d.engine.train_state import TrainState
 from parallel3d.runtime.watchdog import Watchdog
-from zero import ZeroOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -63,38 +59,26 @@ class Engine(DeepSpeedSurface):
 
     def __init__(
         self,
-        module: nn.Module,
+        parallel: ParallelModel,
         config,
-        mesh: ParallelMesh,
-        optimizer: ZeroOptimizer,
         lr_scheduler=None,
-        tp_info=None,
-        pipe: PipelineModel | None = None,
         client_optimizer: torch.optim.Optimizer | None = None,
         watchdog: Watchdog | None = None,
-        sequence_split: SequenceSplit | None = None,
         compiled: CompiledBlocks | None = None,
-        ep_info=None,
         expert_bias=None,
     ) -> None:
-        self.module = module
+        self.parallel = parallel  # the model's parts on this rank, as initialize's apply steps made them
+        module, pipe = parallel.module, parallel.pipe
         self.client_optimizer = client_optimizer
         self.config = config
-        self.mesh = mesh
-        self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
-        self.tp_info = tp_info
-        self.ep_info = ep_info  # expert parallelism (parallel3d.expert_parallel.ExpertParallelInfo) or None
         self.expert_bias = expert_bias  # load_balance_coeff's router-bias updates (ExpertBiasBalancer) or None
         self.gradient_accumulation_steps = CallableInt(config.gradient_accumulation_steps)  # also DeepSpeed's getter
         self.train_state = TrainState()  # the counters: written here only (parallel3d/engine/train_state.py)
-        self.device = mesh.device
         self._backward_pending = False  # a backward ran for the current micro-batch, its step not yet
         self._in_no_sync = False  # inside no_sync(): backward accumulates, reduces nothing
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self.token_mean = config.loss_normalization == "tokens"  # parallel3d/engine/token_mean.py
-        self.pipe = pipe  # this rank's pipeline chunks (None without pipeline stages)
-        self.sequence_split = sequence_split  # cp > 1: each micro-batch is cut (parallel3d/context_parallel)
         self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
@@ -108,6 +92,16 @@ class Engine(DeepSpeedSurface):
         self.compiled = compiled  # the blocks compiled by config or engine.compile() (parallel3d/build/compiled_blocks.py)
         if watchdog is not None:
             weakref.finalize(self, watchdog.close)  # the heartbeat thread ends with the engine
+
+    # The parts, read from the record (DeepSpeed's `module` and `optimizer`; the others Zero3D's)
+    module = property(lambda self: self.parallel.module, doc="the model as the apply steps left it")
+    optimizer = property(lambda self: self.parallel.zero, doc="the ZeroOptimizer")
+    mesh = property(lambda self: self.parallel.mesh)
+    device = property(lambda self: self.parallel.mesh.device)
+    tp_info = property(lambda self: self.parallel.tp, doc="tensor parallelism's record, or None")
+    pipe = property(lambda self: self.parallel.pipe, doc="this rank's pipeline chunks, or None")
+    ep_info = property(lambda self: self.parallel.ep, doc="expert parallelism's record, or None")
+    sequence_split = property(lambda self: self.parallel.sequence_split, doc="cp > 1: each micro-batch's cut")
 
     # -- the DeepSpeed loop --------------------------------------------------------------
 
@@ -392,7 +386,7 @@ class Engine(DeepSpeedSurface):
 
     def named_parameters(self):
         """(HF name, parameter) of the parameters this rank trains."""
-        return self.loop.named_parameters()
+        return self.parallel.named_parameters()
 
     def write_timeline(self, path: str | Path) -> Path | None:
         """Write the last step's per-rank pipeline action timeline as a Chrome trace (collective over pp).

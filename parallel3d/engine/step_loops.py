@@ -93,9 +93,6 @@ class MicroBatchLoop:
                 losses.append(loss_of(output).detach().float())
         return _window_loss(losses, self.engine.token_mean)
 
-    def named_parameters(self):
-        return self.engine.module.named_parameters()
-
 
 class PipelineLoop:
     """A whole window through this pp rank's pipeline schedule (see the module docstring)."""
@@ -168,9 +165,6 @@ class PipelineLoop:
             loss = self.executor.evaluate(batches)
         zero.end_window()
         return loss
-
-    def named_parameters(self):
-        return self.pipe.hf_named_parameters()
 
     def write_timeline(self, path: str | Path) -> Path | None:
         if not self.engine.config.pipeline.record_timeline:
