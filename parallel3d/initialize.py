@@ -276,7 +276,10 @@ def initialize(
     if dist.is_initialized() and "comm" in cfg.model_fields_set:
         set_timeout([dist.group.WORLD], timeout_s)  # the caller's own group: only when the config says so
     ensure_process_group(device, timeout_s)
-    agree(None, describe(cfg.model_dump(mode="json"), {"world size": world}, model))
+    node_shard_ranks = _node_shard_ranks(cfg)  # from each rank's LOCAL_WORLD_SIZE: all must agree, or the groups hang
+    agree(None, describe(cfg.model_dump(mode="json"),
+                         {"world size": world, "ZeRO shard ranks per node (qgZ; LOCAL_WORLD_SIZE / tp)": node_shard_ranks},
+                         model))
     source = None  # where a meta model's parameters come from
     if on_meta(model):
         replay = take_source(model)  # before anything changes the model
@@ -288,7 +291,7 @@ def initialize(
     mesh = build_mesh(cfg.tensor_parallel.size, cfg.pipeline.stages, device, timeout_s, cp=cfg.context_parallel.size,
                       dp_replicate=dp // cfg.zero_optimization.shard_size(dp),
                       hpz=cfg.zero_optimization.zero_hpz_partition_size, ep=cfg.expert_parallel.size,
-                      node_shard_ranks=_node_shard_ranks(cfg))
+                      node_shard_ranks=node_shard_ranks)
     install_exit_guard()  # the mesh's gloo groups must not outlive the interpreter's teardown
     if source is None:
         model.to(device)

@@ -7,6 +7,8 @@ the values by rank, instead of training silently wrong or aborting in gloo.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch.distributed as dist
 
@@ -16,7 +18,7 @@ from tests.tiny import ds_config, make_model
 
 
 def _initialize_per_rank(case: str) -> str:
-    rank = dist.get_rank()
+    rank, local_world = dist.get_rank(), os.environ.get("LOCAL_WORLD_SIZE")
     config, model = ds_config(2, 1, 2), make_model("llama")
     if case == "stage":
         config = ds_config(2 + rank, 1, 2)
@@ -24,12 +26,17 @@ def _initialize_per_rank(case: str) -> str:
         config = ds_config(2, 1 + rank, 2)
     elif case == "model shape":
         model = make_model("llama", intermediate_size=64 * (1 + rank))
+    elif case == "node size":  # qgZ's two hops build their groups from each rank's LOCAL_WORLD_SIZE
+        config = ds_config(3, 1, 2, zero_quantized_gradients=True)
+        os.environ["LOCAL_WORLD_SIZE"] = str(1 + rank)
     elif case == "bad input on one rank":
         config = ds_config(2, 1, 2) if rank == 0 else {**ds_config(2, 1, 2), "gradient_clipping": -1}
     try:
         parallel3d.initialize(model=model, config=config)
     except ConfigError as exc:
         return str(exc)
+    finally:  # the pool's processes serve later tests
+        os.environ.update({} if local_world is None else {"LOCAL_WORLD_SIZE": local_world})
     return "no error"
 
 
@@ -38,6 +45,7 @@ def _initialize_per_rank(case: str) -> str:
     ("accumulation", "config key gradient_accumulation_steps: 1 on rank 0, 2 on rank 1"),
     ("model shape", 'model parameter model.layers.0.mlp.gate_proj.weight: "[64, 32] float32" on rank 0, '
                     '"[128, 32] float32" on rank 1'),
+    ("node size", "mesh ZeRO shard ranks per node (qgZ; LOCAL_WORLD_SIZE / tp): 1 on rank 0, 2 on rank 1"),
 ])
 def test_ranks_that_disagree_stop_with_the_difference(dist, case, expected):
     messages = dist.run(2, _initialize_per_rank, case, timeout=120)

@@ -197,7 +197,9 @@ def test_unhandled_region_param_is_refused(dist):
 
 def test_bad_sequence_length(dist):
     for msg in dist.run(2, bad_sequence_length):
-        assert msg == "sequence parallelism: sequence length 7 must be divisible by tensor_parallel.size=2", msg
+        assert msg == ("sequence parallelism: sequence length 7 must be divisible by tensor_parallel.size=2 (under "
+                       "context parallelism this is a rank's part of the sequence: the length given must then be "
+                       "divisible by context_parallel.size x tensor_parallel.size)"), msg
 
 
 def unsupported(name: str, config: dict, plan: dict | None = None) -> str:

@@ -76,7 +76,9 @@ def sequence_segment_hooks(first: nn.Module, last: nn.Module, group: ProcessGrou
     def scatter(x: torch.Tensor) -> torch.Tensor:
         if x.shape[1] % world:
             raise ConfigError(f"sequence parallelism: sequence length {x.shape[1]} must be divisible by "
-                              f"tensor_parallel.size={world}")
+                              f"tensor_parallel.size={world} (under context parallelism this is a rank's part of "
+                              "the sequence: the length given must then be divisible by context_parallel.size x "
+                              "tensor_parallel.size)")
         return split_to_tp(x, group, 1)
 
     # prepended: the blocks' own pre-hooks (``token_input_hook``) see the hidden states already cut
