@@ -67,6 +67,18 @@ def test_torch_compile_argument(tmp_path):
         make(tmp_path, torch_compile=True, torch_compile_backend="eager")
 
 
+def test_torch_empty_cache_steps_is_honoured(tmp_path, monkeypatch):
+    """The engine's training step replaces the Trainer's, which is where the argument is read."""
+    import parallel3d.hf.trainer as module
+
+    steps = []
+    monkeypatch.setattr(module, "clear_device_cache", lambda: steps.append(trainer.state.global_step))
+    trainer = make(tmp_path, {"zero_optimization": {"stage": 1}}, torch_empty_cache_steps=2, max_steps=4,
+                   gradient_accumulation_steps=1)
+    trainer.train()
+    assert steps == [0, 2], steps  # read before the step counter moves, as the Trainer's own step does
+
+
 def test_missing_config_and_model_init(tmp_path):
     from parallel3d.hf import Trainer
 

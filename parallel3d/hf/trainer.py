@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import transformers
+from accelerate.utils.memory import clear_device_cache
 
 import parallel3d
 from parallel3d.errors import ConfigError, UsageError
@@ -245,6 +246,7 @@ class Zero3DTrainerMixin:
         reported = engine.backward(loss, scale_wrt_gas=False)  # times dp under loss_normalization "tokens"
         self._note_step_lr()
         engine.step()  # at the window's end: reduce, clip, optimizer and LR schedule
+        self._empty_cache_when_due()
         return reported.detach()
 
     def _pipeline_step(self, inputs) -> torch.Tensor:
@@ -259,7 +261,15 @@ class Zero3DTrainerMixin:
                              f"gradient_accumulation_steps {int(self.engine.gradient_accumulation_steps)}")
         self.engine.train()
         self._note_step_lr()
-        return torch.tensor(self.engine.train_batch(iter(window)), device=self.args.device)
+        loss = torch.tensor(self.engine.train_batch(iter(window)), device=self.args.device)
+        self._empty_cache_when_due()
+        return loss
+
+    def _empty_cache_when_due(self) -> None:
+        """``TrainingArguments.torch_empty_cache_steps``, as the Trainer's own training step honours it."""
+        every = self.args.torch_empty_cache_steps
+        if every is not None and self.state.global_step % every == 0:
+            clear_device_cache()
 
     def _note_step_lr(self) -> None:
         if self.accelerator.sync_gradients:
