@@ -186,7 +186,7 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
     check_context_parallel(model, cfg)
     check_expert_parallel(model, cfg.expert_parallel.size)
     if cfg.expert_parallel.load_balance_coeff is not None:
-        check_bias_balance(model, cfg.tensor_parallel.sequence_parallel, cfg.compile.enabled)
+        check_bias_balance(model, cfg.compile.enabled)
     if cfg.loss_normalization == "tokens" and (problem := token_mean.model_problem(model)) is not None:
         raise ConfigError(problem)
     groups = _param_groups(model, model_parameters)
@@ -303,7 +303,8 @@ def initialize(
     expert_bias = None
     if routers is not None:  # the routers of the layers this pipeline stage kept
         expert_bias = ExpertBiasBalancer.attach(routers, pipe.chunks if pipe is not None else [model],
-                                                cfg.expert_parallel.load_balance_coeff, mesh.groups.gradient_mean)
+                                                cfg.expert_parallel.load_balance_coeff, mesh.groups.gradient_mean,
+                                                tp_info)
         del routers
     zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source, ep_info)
     if (notice := persistence_notice(zero_opt)) is not None and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -4,11 +4,13 @@ The reference is one process training a tiny DeepSeek V3 over the same global ba
 after each step, moving every router's ``e_score_correction_bias`` by ``coeff * sign(mean_load - load)``
 with the loads read from the routers' own outputs over all micro-batches of every data-parallel rank.
 The engine must give the same biases (bit for bit: sums of +-coeff), losses and parameters, without
-expert parallelism, with it at ZeRO 3, and with pipeline stages.
+expert parallelism, with it at ZeRO 3, with pipeline stages, and with sequence parallelism (experts whole
+on each tp rank or split over tp).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -26,6 +28,11 @@ LAYOUTS = {  # world, config extras, data-parallel ranks, expert-parallel size, 
     "dp2": (2, {}, 2, 1, 2),
     "ep2": (4, {}, 4, 2, 3),
     "pp2_ep2": (4, {"pipeline": {"stages": 2}}, 2, 2, 1),
+    # sequence parallelism: experts whole, each tp rank counts its part of the sequence (summed over tp too) ...
+    "sp_ep2": (4, {"tensor_parallel": {"size": 2, "sequence_parallel": True}}, 2, 2, 1),
+    # ... or split over tp, the tp ranks' tokens gathered before they are counted (summed over dp only)
+    "sp_etp2": (4, {"tensor_parallel": {"size": 2, "sequence_parallel": True},
+                    "expert_parallel": {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 2}}, 2, 2, 2),
 }
 
 
@@ -70,7 +77,8 @@ def _train(layout: str, steps: tuple[int, int] = (0, STEPS), save: str | None = 
     import parallel3d
 
     _, extra, dp, ep, stage = LAYOUTS[layout]
-    config = {**ep_config(stage, GAS, dp, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000), **extra}
+    config = {**ep_config(stage, GAS, dp, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000),
+              **copy.deepcopy(extra)}
     config.setdefault("expert_parallel", {})["load_balance_coeff"] = COEFF
     engine = parallel3d.initialize(model=make_deepseek_v3(seed), config=config)[0]
     if load is not None:

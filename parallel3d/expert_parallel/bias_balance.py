@@ -16,6 +16,12 @@ summed over ``dp_cp`` (every data-parallel and context-parallel rank of this pip
 tp rank, which hold the same routers and see disjoint tokens; tensor-parallel ranks see the same
 tokens and each count them alone), so every rank applies the update one process would make from
 the whole global batch. Expert parallelism does not enter: the routers run where the tokens are.
+
+Under sequence parallelism each tp rank routes its own part of the sequence. An experts module
+split over tp (expert tensor parallelism) gathers the tp ranks' tokens on entry, in a pre-hook
+registered before the counting one, so every tp rank counts every token: the ``dp_cp`` sum stays
+right. An experts module whole on every tp rank (``expert_tensor_parallel_size`` 1) sees this
+rank's part only: its counts are summed over tp as well.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch import nn
 
 from parallel3d.errors import ConfigError
 from parallel3d.expert_parallel.plan import resolve_experts
+from parallel3d.tensor_parallel.apply import TensorParallelInfo
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +88,11 @@ def balanced_routers(model: nn.Module) -> list[BalancedRouter]:
     return found
 
 
-def check_bias_balance(model: nn.Module, sequence_parallel: bool, compiled: bool) -> None:
+def check_bias_balance(model: nn.Module, compiled: bool) -> None:
     """ConfigError, before any collective, when ``load_balance_coeff`` cannot apply to ``model``."""
     if compiled:
         raise ConfigError(f"{KEY} with compile.enabled is not supported: the loads are counted by a hook on each "
                           "experts module, outside what torch.compile traces; turn one of them off")
-    if sequence_parallel:
-        raise ConfigError(f"{KEY} with tensor_parallel.sequence_parallel is not supported: each tensor-parallel rank "
-                          "would route part of the sequence and the loads are summed over data-parallel ranks only; "
-                          "turn sequence_parallel off")
     balanced_routers(model)
 
 
@@ -100,18 +103,25 @@ def _parent(name: str) -> str:
 class ExpertBiasBalancer:
     """Counts each balanced router's expert loads over a window and updates its bias at the window's end."""
 
-    def __init__(self, routers: list[BalancedRouter], rate: float, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, routers: list[BalancedRouter], rate: float, group: dist.ProcessGroup | None,
+                 tp_parts: list[int] = (), tp_group: dist.ProcessGroup | None = None) -> None:
         self.routers, self.rate, self.group = routers, rate, group
+        self.tp_parts, self.tp_group = list(tp_parts), tp_group  # routers counting this tp rank's tokens only
         self.loads = [torch.zeros(r.num_experts, dtype=torch.int64) for r in routers]
         self._hooks = [r.experts.register_forward_pre_hook(self._counter(i), with_kwargs=True)
                        for i, r in enumerate(routers)]
 
     @classmethod
     def attach(cls, routers: list[BalancedRouter], kept: Iterable[nn.Module], rate: float,
-               group: dist.ProcessGroup | None) -> ExpertBiasBalancer:
-        """A balancer for the ``routers`` whose modules this rank kept (a pipeline stage keeps its layers)."""
+               group: dist.ProcessGroup | None, tp_info: TensorParallelInfo | None = None) -> ExpertBiasBalancer:
+        """A balancer for the ``routers`` whose modules this rank kept (a pipeline stage keeps its layers);
+        ``tp_info`` after tensor parallelism split the model (its gathering hooks are registered first)."""
         live = {id(m) for root in kept for m in root.modules()}
-        return cls([r for r in routers if id(r.owner) in live and id(r.experts) in live], rate, group)
+        routers = [r for r in routers if id(r.owner) in live and id(r.experts) in live]
+        if tp_info is None or not tp_info.sequence_parallel:
+            return cls(routers, rate, group)
+        parts = [i for i, r in enumerate(routers) if not any(p in tp_info.sharded_params for p in r.experts.parameters())]
+        return cls(routers, rate, group, parts, tp_info.group)
 
     def _counter(self, index: int):
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -126,12 +136,17 @@ class ExpertBiasBalancer:
         return count
 
     def update(self) -> None:
-        """The window ended: sum the loads over ``dp_cp`` and move every bias by ``rate * sign(mean - load)``."""
+        """The window ended: sum the loads over ``dp_cp`` (and over tp, those counting this tp rank's part of
+        the sequence) and move every bias by ``rate * sign(mean - load)``."""
         if not self.routers:
             return
         loads = torch.stack(self.loads)
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(loads, group=self.group)
+        if self.tp_parts:
+            parts = loads[self.tp_parts]
+            dist.all_reduce(parts, group=self.tp_group)
+            loads[self.tp_parts] = parts
         with torch.no_grad():
             for router, load in zip(self.routers, loads):
                 bias = router.owner.get_buffer(BIAS)
