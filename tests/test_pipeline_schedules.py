@@ -12,6 +12,7 @@ import pytest
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline import Action, Costs, Kind, ScheduleError, compute_only, schedule_table, simulate
 from parallel3d.pipeline.draw import ascii_grid, draw_png, read_chrome_trace, to_chrome_trace, write_chrome_trace
+from parallel3d.pipeline.schedules import SCHEDULES, has_weight_pass
 
 
 def _cases() -> list[tuple[str, int, int, int]]:
@@ -280,3 +281,12 @@ def test_draw_png_without_matplotlib(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ConfigError, match="needs matplotlib: pip install 'zero3d\\[plot\\]'"):
         draw_png(schedule_table("gpipe", 2, 2), tmp_path / "x.png")
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_a_schedule_says_whether_it_has_a_weight_pass(name):
+    """Callers ask the schedule, not its name (issue 28): the answer read off a small table is
+    that of a full one, and only the zero-bubble schedule has W passes."""
+    virtual = 2 if name == "interleaved_1f1b" else 1
+    full = schedule_table(name, 4, 8, virtual, communication=False)
+    assert has_weight_pass(name) == any(a.kind == Kind.W for prog in full for a in prog) == (name == "zb_h1")

@@ -23,6 +23,7 @@ from parallel3d.config.sections import PipelineConfig, TensorParallelConfig, Zer
 from parallel3d.expert_parallel import ExpertParallelInfo, apply_expert_parallel
 from parallel3d.runtime.mesh import ParallelMesh
 from parallel3d.build.meta_init import value_provider
+from parallel3d.pipeline.schedules import has_weight_pass
 from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
 from parallel3d.tensor_parallel.sequence import sequence_segment_hooks
@@ -173,11 +174,11 @@ def apply_zero(
 def _heads_released_early(heads: list[nn.Module], pipe: PipelineModel | None, schedule: str) -> list[nn.Module]:
     """The stage-3 heads whose backward frees the gathered weight before its gradient (``zero.head``):
     not a tied copy on the last pipeline stage (its gradient is summed across stages at the end of
-    the step) and not under ``zb_h1``, whose input-gradient pass cannot tell the head that the
-    weight's gradient comes in a later pass."""
+    the step) and not under a schedule with a W pass (``zb_h1``), whose input-gradient pass cannot
+    tell the head that the weight's gradient comes in a later pass."""
     if pipe is None:
         return heads
-    if schedule == "zb_h1":
+    if has_weight_pass(schedule):
         return []
     tied = {id(t.param) for t in pipe.tied}
     return [h for h in heads if not any(id(p) in tied for p in h.parameters())]

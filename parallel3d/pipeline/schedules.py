@@ -19,6 +19,7 @@ no communication action.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from parallel3d.errors import ConfigError
@@ -26,7 +27,7 @@ from parallel3d.pipeline.actions import Action, Kind
 from parallel3d.pipeline.simulate import Costs, simulate
 
 __all__ = [
-    "SCHEDULES", "add_communication", "compute_only", "schedule_table",
+    "SCHEDULES", "add_communication", "compute_only", "has_weight_pass", "schedule_table",
     "validate_schedule_args",
 ]
 
@@ -150,6 +151,15 @@ _BUILDERS: dict[str, Callable[[int, int, int, int], list[Action]]] = {
     "interleaved_1f1b": _interleaved,
     "zb_h1": lambda p, m, r, v: _one_f_one_b(p, m, r, split=True),
 }
+
+
+@functools.cache
+def has_weight_pass(name: str) -> bool:
+    """Whether the schedule splits each backward into an input-gradient pass (``B``) and a later
+    weight-gradient pass (``W``), as the zero-bubble schedules do: read off its own table (first
+    rank, 2 stages, 2 micro-batches, 2 chunks where it interleaves), so that callers ask the
+    schedule rather than compare its name."""
+    return any(a.kind == Kind.W for a in _BUILDERS[name](2, 2, 0, 2))
 
 
 def add_communication(compute: list[list[Action]], costs: Costs = Costs()) -> list[list[Action]]:

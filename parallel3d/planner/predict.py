@@ -29,7 +29,7 @@ from torch import nn
 from models.family import text_config
 from parallel3d.errors import ConfigError
 from parallel3d.expert_parallel.plan import resolve_experts
-from parallel3d.pipeline.schedules import validate_schedule_args
+from parallel3d.pipeline.schedules import has_weight_pass, validate_schedule_args
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.inventory import ModelShapes, RankParams
 from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
@@ -271,7 +271,7 @@ class Planner:
     def _chunk_keys(self, layout: Layout, kind: str, hw: Hardware) -> list[tuple]:
         # under expert parallelism tensor parallelism leaves the experts whole on every tp rank
         whole_experts = layout.ep > 1 and layout.tp > 1
-        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, layout.schedule == "zb_h1",
+        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, has_weight_pass(layout.schedule),
                whole_experts)
         return [(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2)]
 

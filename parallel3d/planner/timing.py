@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from parallel3d.pipeline.schedules import schedule_table
+from parallel3d.pipeline.schedules import has_weight_pass, schedule_table
 from parallel3d.pipeline.simulate import Costs, simulate
 from parallel3d.planner.hardware import Hardware, Link
 from parallel3d.planner.inventory import RankParams
@@ -80,7 +80,7 @@ def closed_form_makespan(schedule: str, pp: int, m: int, virtual: int, costs: Co
     f, b, w, lat = costs.f, costs.b, costs.w, costs.latency
     if schedule == "interleaved_1f1b":
         return (m + (pp - 1) / virtual) * (f + b + w) + 2 * (pp - 1) * lat
-    if schedule == "zb_h1":
+    if has_weight_pass(schedule):
         return (m + pp - 1) * (f + b + w) - (pp - 1) * w + 2 * (pp - 1) * lat
     return (m + pp - 1) * (f + b + w) + 2 * (pp - 1) * lat
 
@@ -105,7 +105,7 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
     if layout.pp == 1:
         pipeline = m * (fwd + bwd)
     else:
-        split = layout.schedule == "zb_h1"
+        split = has_weight_pass(layout.schedule)
         step_costs = Costs(fwd, bwd / 2 if split else bwd, bwd / 2 if split else 0.0,
                            pp_link.seconds("send", hidden_bytes, 2))
         pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
