@@ -46,6 +46,17 @@ def job_processes(mark: str) -> dict[int, tuple[str, dict[str, str]]]:
     return found
 
 
+def wait_for_agent(mark: str, launcher: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Wait until the launcher of the job marked ``mark`` has started torchrun's agent: its checks are
+    done and the tokenizer and packed data are in the cache, so another job may start beside it
+    without both building them at once."""
+    deadline = time.monotonic() + timeout
+    while not any("parallel3d.launch.agent" in cmd for cmd, _ in job_processes(mark).values()):
+        assert launcher.poll() is None, f"the job ended before its agent started (exit code {launcher.returncode})"
+        assert time.monotonic() < deadline, f"no agent within {timeout} s"
+        time.sleep(0.2)
+
+
 class Job:
     """A `zero3d train` of the tiny job on two local processes, started in the background.
 
