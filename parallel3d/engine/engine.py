@@ -79,7 +79,7 @@ class Engine(DeepSpeedSurface):
         self._in_no_sync = False  # inside no_sync(): backward accumulates, reduces nothing
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self.token_mean = config.loss_normalization == "tokens"  # parallel3d/engine/token_mean.py
-        self.loop = PipelineLoop(self, pipe) if pipe is not None else MicroBatchLoop(self)
+        self.loop = PipelineLoop(parallel, config, self.token_mean) if pipe is not None else MicroBatchLoop(self)
         self._pending_save: checkpoint.BackgroundSave | None = None
         self._save_group: dist.ProcessGroup | None = None  # async saves' own collectives
         self._staging: checkpoint.StagingBuffer | None = None  # async saves' CPU copy, reused

@@ -36,10 +36,12 @@ import torch
 from parallel3d.context_parallel.stages import StageCut
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.executor import BackwardPass, PipelineExecutor
-from parallel3d.pipeline.stage import PipelineModel, sum_tied_grads
+from parallel3d.pipeline.stage import sum_tied_grads
 from parallel3d.engine.train_state import WindowOutcome
 
 if TYPE_CHECKING:
+    from parallel3d.build.parallel_model import ParallelModel
+    from parallel3d.config.config import Zero3DConfig
     from parallel3d.engine.engine import Engine
 
 
@@ -99,12 +101,15 @@ class PipelineLoop:
 
     per_micro_batch_calls = False
 
-    def __init__(self, engine: Engine, pipe: PipelineModel) -> None:
-        self.engine = engine
-        self.pipe = pipe
-        config, mesh = engine.config, engine.mesh
+    def __init__(self, parallel: ParallelModel, config: Zero3DConfig, token_mean: bool) -> None:
+        """``parallel`` holds the stages (``parallel.pipe``), the mesh and the ZeroOptimizer the
+        schedule's passes call; ``token_mean``: each micro-batch's loss is already divided by the
+        global batch's label tokens."""
+        pipe, mesh, self.zero = parallel.pipe, parallel.mesh, parallel.zero
+        self.pipe, self.config, self.token_mean = pipe, config, token_mean
+        self.gradient_sum_ranks = mesh.size("dp_cp") if token_mean else 1  # the gradient mean becomes a sum
         # cp > 1: every micro-batch is cut before the stages run it (parallel3d/context_parallel/stages.py)
-        split = engine.sequence_split
+        split = parallel.sequence_split
         self.stage_cut = StageCut(split, [c.block_indices for c in pipe.chunks]) if split is not None else None
         self.executor = PipelineExecutor(
             pipe,
@@ -113,28 +118,28 @@ class PipelineLoop:
             device=mesh.device,
             before_backward=self._begin_pass,
             after_backward=self._end_pass,
-            before_weight_group=engine.optimizer.gather_blocks_of,
+            before_weight_group=self.zero.gather_blocks_of,
             around_compute=self.stage_cut.around if self.stage_cut is not None else None,
             sum_tied_grads=False,  # done in train(), on what ZeRO holds
-            scale_by_microbatches=not engine.token_mean,  # token-mean losses are divided by the global count
+            scale_by_microbatches=not token_mean,  # token-mean losses are divided by the global count
             record=config.pipeline.record_timeline,
         )
-        reap = engine.optimizer.reap_reductions
+        reap = self.zero.reap_reductions
         for chunk in pipe.chunks:  # the hooks live as long as the model's blocks
             for block in chunk.layers:
                 block.register_forward_pre_hook(lambda *_: reap())
 
     def _begin_pass(self, pass_: BackwardPass) -> None:
         if pass_.accumulates_weights:
-            self.engine.optimizer.begin_pass(pass_.chunk, last=pass_.is_last)
+            self.zero.begin_pass(pass_.chunk, last=pass_.is_last)
         else:
-            self.engine.optimizer.begin_input_pass(pass_.chunk)
+            self.zero.begin_input_pass(pass_.chunk)
 
     def _end_pass(self, pass_: BackwardPass) -> None:
         if pass_.accumulates_weights:
-            self.engine.optimizer.end_pass()
+            self.zero.end_pass()
         else:  # an input-gradient pass (zb_h1): its weight pass gathers the blocks again
-            self.engine.optimizer.release_blocks(pass_.chunk)
+            self.zero.release_blocks(pass_.chunk)
 
     def _dicts(self, batches: list) -> list[dict]:
         """The micro-batches as the stages take them: dicts, cut for this cp rank under context parallelism."""
@@ -145,11 +150,10 @@ class PipelineLoop:
     def train(self, batches: list) -> WindowOutcome:
         """One optimizer step over the window's micro-batches: the mean loss (same on every pp
         rank) and whether the step was applied; the engine counts the window."""
-        zero = self.engine.optimizer
+        zero = self.zero
         batches = self._dicts(batches)
         zero.begin_window()
-        dp = self.engine.mesh.size("dp_cp") if self.engine.token_mean else 1  # the gradient mean becomes a sum
-        loss = self.executor.run(batches, loss_scale=zero.loss_scale * dp)
+        loss = self.executor.run(batches, loss_scale=zero.loss_scale * self.gradient_sum_ranks)
         sum_tied_grads(self.pipe, self.executor.group, grads=zero.tied_gradients([t.param for t in self.pipe.tied]))
         zero.finish_window()
         stepped = zero.step()
@@ -158,7 +162,7 @@ class PipelineLoop:
 
     def evaluate(self, batches: list) -> torch.Tensor:
         """Forward only through the stages (GPipe order); the mean loss on every pp rank."""
-        zero = self.engine.optimizer
+        zero = self.zero
         batches = self._dicts(batches)
         zero.begin_window()
         with torch.no_grad():
@@ -167,6 +171,6 @@ class PipelineLoop:
         return loss
 
     def write_timeline(self, path: str | Path) -> Path | None:
-        if not self.engine.config.pipeline.record_timeline:
+        if not self.config.pipeline.record_timeline:
             raise ConfigError("engine.write_timeline needs pipeline.record_timeline: true in the config")
         return self.executor.write_chrome_trace(path)
