@@ -68,16 +68,18 @@ def test_pins_and_hostfile(capsys, model_dir, tmp_path):
 
 
 def test_context_parallel_prices_both_methods(capsys, model_dir):
+    """``--context-parallel 2``: the layouts at cp 2 (either method), and the #1's cp bytes per layer."""
     code, out, err = _plan(capsys, model_dir, "--gpus", 8, "--gpu-memory", "2GB", "--seq-len", 64,
                            "--global-batch", 16, "--tp", 1, "--context-parallel", 2)
     assert code == 0, err
+    assert '"context_parallel": {' in out and " cp2-" in out
     table = out[out.index("context parallelism 2 (per rank"):].splitlines()
     assert [line.split()[0] for line in table[2:4]] == ["ulysses", "ring"]
 
 
 @pytest.mark.parametrize("args,message", [
     ([], "--gpus N or as --hostfile"),
-    (["--gpus", 4, "--context-parallel", 0], "--context-parallel must be >= 1"),
+    (["--gpus", 4, "--context-parallel", 0], '--context-parallel must be a positive integer or "auto", got \'0\''),
     (["--gpus", 0], "--gpus must be >= 1"),
     (["--gpus", 4, "--gpu-memory", "lots"], "--gpu-memory 'lots'"),
     (["--gpus", 4, "--efficiency", 2], "--efficiency must be in (0, 1]"),

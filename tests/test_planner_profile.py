@@ -31,12 +31,16 @@ LLAMA = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_h
                     num_key_value_heads=2)
 
 
-def _real_pass(config, micro_batch: int, seq: int) -> tuple[int, int, int, int]:
-    """(kept after forward, forward peak, backward peak, FLOPs) of a real CPU run, counted like the profile."""
+def _real_pass(config, micro_batch: int, seq: int, prepare=None) -> tuple[int, int, int, int]:
+    """(kept after forward, forward peak, backward peak, FLOPs) of a real CPU run, counted like the
+    profile; ``prepare(model)``, if given, runs on the model first (tests/test_planner_cp.py: the
+    cp attention installed)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config)
     model.train()
+    if prepare is not None:
+        prepare(model)
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
     live = LiveBytes()

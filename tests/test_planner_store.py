@@ -58,7 +58,7 @@ def _keys(store: ProfileStore, directory) -> list[tuple]:
 
 def test_an_unreadable_stored_profile_is_computed_again(tmp_path):
     store = ProfileStore(tmp_path, CONFIG, WORKLOAD.seq, WORKLOAD.dtype)
-    key = ("only", 1, 1, 2, False, False, "flash", False, False)
+    key = ("only", 1, 1, 2, False, False, "flash", False, False, 1, "ulysses")
     planner = Planner(_model(), WORKLOAD, store=store)
     profile = planner._profile(*key)
     store._path(key).write_bytes(b"not a pickle")

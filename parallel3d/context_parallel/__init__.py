@@ -36,7 +36,7 @@ def apply_context_parallel(model: nn.Module, config, mesh: ParallelMesh) -> Sequ
     if mesh.cp == 1:
         return None
     model = _hf_model(model)
-    attention = install_attention(model, mesh, config.context_parallel.method)
+    attention = install_attention(model, mesh.groups.cp, config.context_parallel.method)
     layers = model.config.get_text_config().num_hidden_layers
     return SequenceSplit(attention, mesh.local_rank("cp"), config.loss_normalization == "tokens", layers,
                          windowed_layers(model))

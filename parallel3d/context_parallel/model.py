@@ -20,12 +20,12 @@ import inspect
 import itertools
 import weakref
 
+import torch.distributed as dist
 from torch import nn
 
 from parallel3d.context_parallel.ring import RingAttention
 from parallel3d.context_parallel.ulysses import UlyssesAttention
 from parallel3d.errors import ConfigError
-from parallel3d.runtime.mesh import ParallelMesh
 
 _KERNELS = ("sdpa", "eager")
 _names = itertools.count()
@@ -126,14 +126,14 @@ def _unregister(name: str) -> None:
     AttentionInterface._global_mapping.pop(name, None)
 
 
-def install_attention(model: nn.Module, mesh: ParallelMesh, method: str) -> UlyssesAttention | RingAttention:
-    """Register this model's cp attention (``method`` "ulysses" or "ring") with transformers and
-    switch the model to it."""
+def install_attention(model: nn.Module, group: dist.ProcessGroup, method: str) -> UlyssesAttention | RingAttention:
+    """Register this model's cp attention over the cp ``group`` (``method`` "ulysses" or "ring") with
+    transformers and switch the model to it."""
     from transformers import AttentionInterface
 
     kind = getattr(model.config, "model_type", type(model).__name__)
-    attention = (RingAttention(mesh.groups.cp, kind, model.config._attn_implementation) if method == "ring"
-                 else UlyssesAttention(mesh.groups.cp, model.config._attn_implementation, kind))
+    attention = (RingAttention(group, kind, model.config._attn_implementation) if method == "ring"
+                 else UlyssesAttention(group, model.config._attn_implementation, kind))
     name = f"zero3d_{method}_{next(_names)}"
     AttentionInterface.register(name, attention)
     # transformers' registry is process-wide and the attention holds the cp group: the entry goes

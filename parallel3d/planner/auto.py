@@ -1,7 +1,9 @@
 """"auto" in a config: ``initialize`` asks the planner for the values it may choose.
 
-Four keys accept ``"auto"``: ``tensor_parallel.size``, ``pipeline.stages``,
-``zero_optimization.stage`` and ``train_micro_batch_size_per_gpu``. The planner needs what a
+Five keys accept ``"auto"``: ``tensor_parallel.size``, ``pipeline.stages``,
+``zero_optimization.stage``, ``train_micro_batch_size_per_gpu`` and ``context_parallel.size``
+(with it the planner also picks ``context_parallel.method`` unless the config gives one; a
+given size is priced as it is, with its method). The planner needs what a
 config does not otherwise say, in a ``planner`` section that only this step reads:
 
     "planner": {"seq_length": 2048, "device_memory": "80GB", "device": "a100"}
@@ -33,7 +35,7 @@ from parallel3d.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 AUTO_KEYS = (("tensor_parallel", "size"), ("pipeline", "stages"), ("zero_optimization", "stage"),
-             (None, "train_micro_batch_size_per_gpu"))
+             (None, "train_micro_batch_size_per_gpu"), ("context_parallel", "size"))
 PLANNER_KEYS = ("seq_length", "device_memory", "device")
 
 
@@ -103,12 +105,11 @@ def _workload(cfg, seq: int):
 
 
 def _refuse_unpriced(cfg, model: nn.Module, autos: list) -> None:
-    """The planner prices flat ZeRO over every data-parallel rank, every parameter trained and no
-    context parallelism: a choice for anything else would be priced wrong, so it is refused."""
+    """The planner prices flat ZeRO over every data-parallel rank and every parameter trained: a
+    choice for anything else would be priced wrong, so it is refused."""
     z = cfg.zero_optimization
     unpriced = [text for text, present in (
         (f"zero_optimization.mics_shard_size {z.mics_shard_size}", z.mics_shard_size != -1),
-        (f"context_parallel.size {cfg.context_parallel.size}", cfg.context_parallel.size > 1),
         ("frozen parameters (requires_grad=False, e.g. a PEFT model's base)",
          any(not p.requires_grad for p in model.parameters())),
     ) if present]
@@ -158,17 +159,18 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
     _refuse_unpriced(cfg, model, autos)
     if cfg.train_batch_size is None:
         raise ConfigError("\"auto\" needs train_batch_size (the global batch the layouts are priced for)")
-    chosen_by_planner = {k for _, k in autos}
     pipeline = raw.get("pipeline") or {}
-    choice = Choice(tp=None if "size" in chosen_by_planner else cfg.tensor_parallel.size,
-                    pp=None if "stages" in chosen_by_planner else cfg.pipeline.stages,
-                    zero_stage=None if "stage" in chosen_by_planner else cfg.zero_optimization.stage,
+    cp_auto = ("context_parallel", "size") in autos
+    choice = Choice(tp=None if ("tensor_parallel", "size") in autos else cfg.tensor_parallel.size,
+                    pp=None if ("pipeline", "stages") in autos else cfg.pipeline.stages,
+                    zero_stage=None if ("zero_optimization", "stage") in autos else cfg.zero_optimization.stage,
                     micro_batch=None if micro_auto else cfg.train_micro_batch_size_per_gpu,
                     schedule=pipeline.get("schedule"), virtual_stages=pipeline.get("virtual_stages"),
                     checkpointing=pipeline.get("activation_checkpointing"),
                     sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                     hybrid_sharding=False, zeropp=False,  # "auto" sets the four keys above, not ZeRO++'s
-                    ep=cfg.expert_parallel.size)
+                    ep=cfg.expert_parallel.size, cp=None if cp_auto else cfg.context_parallel.size,
+                    cp_method=_get(raw, "context_parallel", "method") if cp_auto else cfg.context_parallel.method)
     hw = _hardware(hints, world, device)
     with torch.device("meta"):
         shape_model = type(model)(copy.deepcopy(model.config))
@@ -180,10 +182,13 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
                           f"{hw.memory / 2**30:.1f} GiB at sequence length {hints['seq_length']} and global batch "
                           f"{cfg.train_batch_size}{why}; `zero3d plan` shows what does with other settings")
     layout = best.layout
-    chosen = {"size": layout.tp, "stages": layout.pp, "stage": layout.zero_stage,
-              "train_micro_batch_size_per_gpu": layout.micro_batch}
+    chosen = {("tensor_parallel", "size"): layout.tp, ("pipeline", "stages"): layout.pp,
+              ("zero_optimization", "stage"): layout.zero_stage,
+              (None, "train_micro_batch_size_per_gpu"): layout.micro_batch, ("context_parallel", "size"): layout.cp}
     for s, k in autos:
-        _set(raw, s, k, chosen[k])
+        _set(raw, s, k, chosen[s, k])
+    if cp_auto:
+        _set(raw, "context_parallel", "method", layout.cp_method)
     if layout.pp > 1:
         raw.setdefault("pipeline", {}).update(schedule=layout.schedule, virtual_stages=layout.virtual_stages,
                                               activation_checkpointing=layout.checkpointing)

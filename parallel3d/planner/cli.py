@@ -75,9 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--ep", type=int, metavar="E",
                      help="expert parallelism's size (expert_parallel.autoep_size; 1: off); default: the planner "
                           "tries 1 and, for a model with experts, the sizes its experts and ZeRO ranks allow")
-    pin.add_argument("--context-parallel", type=int, metavar="N",
-                     help="also price context parallelism over N ranks per attention layer (Ulysses and ring), "
-                          "for the best layout's tp and micro-batch; the layouts themselves do not include cp")
+    pin.add_argument("--context-parallel", metavar="N|auto",
+                     help="context parallelism (context_parallel.size): layouts with N ranks per sequence, or "
+                          "\"auto\": every size dividing the ranks left over tp x pp (default: 1, off); each with "
+                          "Ulysses and ring unless --cp-method pins one; prints the cp attention's bytes per layer")
+    pin.add_argument("--cp-method", choices=("ulysses", "ring"), help="context_parallel.method (default: both)")
     out = p.add_argument_group("output")
     out.add_argument("--top", type=int, default=10, help="rows to print (default 10)")
     out.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -155,7 +157,18 @@ def _choice(args: argparse.Namespace):
     return Choice(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
                   schedule=args.schedule, virtual_stages=args.virtual_stages,
                   checkpointing=onoff[args.checkpointing], sequence_parallel=onoff[args.sequence_parallel],
-                  ep=args.ep)
+                  ep=args.ep, cp=_context_size(args.context_parallel), cp_method=args.cp_method)
+
+
+def _context_size(value: str | None) -> int | None:
+    """``--context-parallel``: None (not given) -> 1; "auto" -> None (searched); N -> N."""
+    if value is None:
+        return 1
+    if value == "auto":
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"--context-parallel must be a positive integer or \"auto\", got {value!r}")
+    return int(value)
 
 
 def row(prediction, hw, tokens: int) -> dict:
@@ -222,7 +235,7 @@ def quiet_transformers() -> None:
 def _context_lines(args: argparse.Namespace, model, layout, hw) -> str:
     from parallel3d.planner.context import context_table
 
-    cp = args.context_parallel
+    cp = layout.cp
     element_bytes = 4 if args.precision == "fp32" else 2
     return context_table(model.config.get_text_config(), cp, args.seq_len, layout.micro_batch, layout.tp,
                          element_bytes, hw.link(layout.tp, cp))
@@ -242,8 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code or 0)
     quiet_transformers()  # its deprecation and use_cache notices are about the profile's model, not the plan
     try:
-        for value, flag in ((args.seq_len, "--seq-len"), (args.global_batch, "--global-batch"),
-                            (args.context_parallel, "--context-parallel")):
+        for value, flag in ((args.seq_len, "--seq-len"), (args.global_batch, "--global-batch")):
             _positive(value, flag)
         hw = hardware_from_args(args)
         choice = _choice(args)
@@ -273,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n\n".join([header(hw, args.precision, args.seq_len, args.global_batch),
                             format_table(rows, hw, considered), LEGEND,
                             snippet(best[0].layout, args.global_batch, args.precision)]))
-        if args.context_parallel:
+        if best[0].layout.cp > 1:
             print("\n" + _context_lines(args, model, best[0].layout, hw))
     if args.png:
         draw(best, hw, args.png)

@@ -16,8 +16,11 @@ dtype: float32 for half-precision activations).
   layer's output and log-sum-exp at ``w`` (q, k, v are the projections' own); in flight, the k/v
   pair held and the one arriving, and in the backward the travelling dk/dv too.
 
-The planner's layout search does not include cp yet (``"auto"`` refuses it); ``zero3d plan
---context-parallel N`` prints these figures next to its table.
+The planner's layout search prices cp from the profile of a cp rank's pass, which runs the
+engine's cp attention on a fake cp group (``profile.profile_pass``): its exchanges are counted
+there. These closed forms are what ``zero3d plan --context-parallel`` prints next to its table
+for the chosen layout (checked against the bytes the attention functions send,
+tests/test_ring_attention.py).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def context_table(config, cp: int, seq: int, micro_batch: int, tp: int, element_
     shape = AttentionShape.of(config, tp)
     layers = config.num_hidden_layers
     lines = [f"context parallelism {cp} (per rank, per attention layer and micro-batch of {micro_batch} x {seq} "
-             f"tokens; {layers} layers; the layout table above does not include cp):",
+             f"tokens; {layers} layers; for the #1 layout's tp and micro-batch, either method):",
              f"{'method':9}{'sent fwd MB':>12}{'sent bwd MB':>12}{'wire fwd ms':>12}{'wire bwd ms':>12}"
              f"{'held MB':>9}{'buffers MB':>11}"]
     for method in ("ulysses", "ring"):

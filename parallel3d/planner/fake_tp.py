@@ -48,3 +48,16 @@ def fake_tp_group(world: int) -> Iterator[dist.ProcessGroup | None]:
     finally:
         dist.destroy_process_group()
 
+
+@contextlib.contextmanager
+def fake_tp_cp_groups(tp: int, cp: int) -> Iterator[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]:
+    """A fake default group of ``tp x cp`` ranks, as :func:`fake_tp_group`, and this rank's tp group
+    (ranks 0..tp-1) and cp group (every tp-th rank: the mesh's cp axis sits outside tp); None for a
+    size of 1. The planner runs the engine's cp attention on the cp group (its all-to-alls and
+    point-to-point sends return at once on fake tensors)."""
+    with fake_tp_group(tp * cp) as world:
+        if cp == 1 or tp == 1:
+            yield (world if tp > 1 else None), (world if cp > 1 else None)
+            return
+        yield dist.new_group(list(range(tp))), dist.new_group(list(range(0, tp * cp, tp)))
+

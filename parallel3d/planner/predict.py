@@ -66,15 +66,25 @@ class Layout:
     ep: int = 1
     """Expert parallelism (``expert_parallel.autoep_size``): each MoE layer's routed experts split
     over groups of this many of the ranks ZeRO shards over; 1: off."""
+    cp: int = 1
+    """Context parallelism (``context_parallel.size``): each sequence split over this many ranks,
+    which share their micro-batches (``dp`` counts the replicas without them); 1: off."""
+    cp_method: str = "ulysses"
+    """``context_parallel.method``: "ulysses" or "ring" (with ``cp`` 1, "ulysses")."""
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that hold the same weights: data-parallel times context-parallel."""
+        return self.dp * self.cp
 
     @property
     def zero_shard(self) -> int:
-        """The ranks ZeRO shards over."""
-        return self.shard or self.dp
+        """The ranks ZeRO shards over (the engine shards over dp_shard x cp)."""
+        return self.shard or self.dp_cp
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.tp * self.cp
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.micro_batch)
@@ -85,7 +95,8 @@ class Layout:
         hybrid = f" hs{self.shard}" if self.shard else ""
         zeropp = "++" if self.zeropp else ""
         ep = f" ep{self.ep}" if self.ep > 1 else ""
-        return (f"pp{self.pp} dp{self.dp} tp{self.tp}{ep} z{self.zero_stage}{zeropp}{hybrid} mb{self.micro_batch}"
+        cp = f" cp{self.cp}-{self.cp_method}" if self.cp > 1 else ""
+        return (f"pp{self.pp} dp{self.dp}{cp} tp{self.tp}{ep} z{self.zero_stage}{zeropp}{hybrid} mb{self.micro_batch}"
                 f"{sched}{extras}")
 
 
@@ -191,19 +202,25 @@ class Chunk:
     def backward_peak_in_block(self) -> bool:
         return self.runs[3].backward_peak_in_block
 
-    def seconds(self, hw: Hardware, tp: int, backward: bool) -> float:
-        return self._grow(tuple(_pass_seconds(r, hw, tp, backward) for r in self.runs))
+    def seconds(self, hw: Hardware, tp: int, backward: bool, cp: int = 1) -> float:
+        return self._grow(tuple(_pass_seconds(r, hw, tp, backward, cp) for r in self.runs))
 
     def flops(self) -> float:
         return self._grow(tuple(float(sum(r.flops)) for r in self.runs))
 
 
 @lru_cache(maxsize=4096)
-def _pass_seconds(profile: PassProfile, hw: Hardware, tp: int, backward: bool) -> float:
-    """Roofline time of a profiled pass's ops plus its tensor-parallel collectives."""
+def _pass_seconds(profile: PassProfile, hw: Hardware, tp: int, backward: bool, cp: int = 1) -> float:
+    """Roofline time of a profiled pass's ops plus its tensor-parallel collectives and its
+    context-parallel exchanges on the cp group's link (cp ranks tp apart). The ring's sends are
+    counted whole, though the engine overlaps each with a block's compute: an upper bound."""
     ops = profile.backward_ops if backward else profile.forward_ops
     link = hw.link(1, tp)
     comm = sum(link.seconds(op, size, tp) for op, size, back in profile.comm if back == backward)
+    if cp > 1:
+        cp_link = hw.link(tp, cp)
+        comm += sum(cp_link.seconds(op, size, cp) for op, size, back in profile.cp_comm
+                    if back == backward and op != "recv")
     return sum(hw.op_seconds(f, b) for f, b in ops) + comm
 
 
@@ -223,6 +240,7 @@ class Planner:
         self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
         self._chunks: dict[tuple, Chunk] = {}
         self._expert_refusals: dict[int, str | None] = {}
+        self._context_refusals: dict[tuple, str | None] = {}
 
     def shapes(self, tp: int, ep: int = 1) -> ModelShapes:
         if (tp, ep) not in self._shapes:
@@ -230,8 +248,8 @@ class Planner:
         return self._shapes[tp, ep]
 
     def _profile(self, *key) -> PassProfile:
-        """The profile of ``key`` = (kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts),
-        computed once."""
+        """The profile of ``key`` = (kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts,
+        cp, cp_method), computed once."""
         if key not in self._profiles and key not in self._failed:
             self._fill([key], workers=1)
         if key in self._failed:
@@ -255,9 +273,10 @@ class Planner:
         w = self.workload
         for key, value in compute(self.config, w.seq, w.dtype, missing, workers).items():
             if isinstance(value, ProfileError):
-                kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts = key
+                kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts, cp, method = key
                 value = (f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}"
-                         f"{', experts whole' if whole_experts else ''}: {value}")
+                         f"{', experts whole' if whole_experts else ''}{f', cp {cp} {method}' if cp > 1 else ''}: "
+                         f"{value}")
             self._record(key, value)
             if self.store is not None:
                 self.store.put(key, value)
@@ -272,7 +291,7 @@ class Planner:
         # under expert parallelism tensor parallelism leaves the experts whole on every tp rank
         whole_experts = layout.ep > 1 and layout.tp > 1
         key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, has_weight_pass(layout.schedule),
-               whole_experts)
+               whole_experts, layout.cp, layout.cp_method if layout.cp > 1 else "ulysses")
         return [(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2)]
 
     def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
@@ -325,11 +344,35 @@ class Planner:
             if self.top_k is None:
                 raise ConfigError(f"expert_parallel: {type(self.config).__name__} gives no num_experts_per_tok, the "
                                   "experts each token is routed to")
-        if layout.sequence_parallel and w.seq % layout.tp:
-            raise ConfigError("sequence parallelism needs a sequence length divisible by tp")
+        if layout.cp > 1:
+            self._check_context(layout)
+        if layout.sequence_parallel and w.seq // layout.cp % layout.tp:
+            raise ConfigError("sequence parallelism needs a sequence length (per cp rank) divisible by tp")
         if layout.pp > 1:
             validate_schedule_args(layout.schedule, layout.pp, layout.microbatches(w.global_batch),
                                    layout.virtual_stages)
+
+    def _check_context(self, layout: Layout) -> None:
+        """The engine's refusals of context parallelism for this model and layout (``check_model``,
+        once per (cp, tp, method)), and the sequence length's divisibility."""
+        from parallel3d.context_parallel.model import check_model
+
+        pieces = 2 * layout.cp if layout.cp_method == "ring" else layout.cp
+        if self.workload.seq % pieces:
+            raise ConfigError(f"context_parallel {layout.cp_method} at size {layout.cp} needs a sequence length "
+                              f"divisible by {pieces}; {self.workload.seq} is not")
+        if layout.ep > 1 or layout.shard or layout.zeropp:
+            raise ConfigError("the planner prices context_parallel without expert parallelism, hybrid sharding and "
+                              "ZeRO++")
+        key = (layout.cp, layout.tp, layout.cp_method)
+        if key not in self._context_refusals:
+            try:
+                check_model(self.model, *key)
+                self._context_refusals[key] = None
+            except ConfigError as exc:
+                self._context_refusals[key] = str(exc)
+        if self._context_refusals[key] is not None:
+            raise ConfigError(self._context_refusals[key])
 
     @cached_property
     def experts(self) -> int:
@@ -412,14 +455,14 @@ class Planner:
         for rank in ranks:
             params, chunks = self.rank_chunks(layout, rank, hw)
             moe = self._all_to_all_seconds(layout, params, hw)
-            fwd = sum(c.seconds(hw, layout.tp, False) for c in chunks) + moe
-            bwd = sum(c.seconds(hw, layout.tp, True) for c in chunks) + moe
+            fwd = sum(c.seconds(hw, layout.tp, False, layout.cp) for c in chunks) + moe
+            bwd = sum(c.seconds(hw, layout.tp, True, layout.cp) for c in chunks) + moe
             costs.append(RankCost(fwd, bwd, params))
             flops += m * sum(c.flops() for c in chunks)
         tied = self.shapes(layout.tp, layout.ep).tied_numel if layout.pp > 1 else 0
         parts = step_parts(layout, zero, costs, hw, m=m, hidden_bytes=self._hidden_bytes(layout), overlap=overlap,
                            tied_numel=tied, exact=exact)
-        return parts, flops * layout.tp * layout.dp * layout.pp / len(costs)
+        return parts, flops * layout.world / len(costs)
 
     def _all_to_all_seconds(self, layout: Layout, params: RankParams, hw: Hardware) -> float:
         """One pass's expert-parallel all-to-alls on a rank, per micro-batch (`timing.all_to_all_seconds`)."""
@@ -430,9 +473,9 @@ class Planner:
         return all_to_all_seconds(moe_layers(params), self.top_k * self._hidden_bytes(layout), layout.ep, link)
 
     def _hidden_bytes(self, layout: Layout) -> int:
-        """One ``[micro_batch, seq, hidden]`` activation (what a pipeline stage sends)."""
+        """One ``[micro_batch, seq / cp, hidden]`` activation (what a pipeline stage sends)."""
         w = self.workload
-        return layout.micro_batch * w.seq * self.config.hidden_size * w.work_bytes
+        return layout.micro_batch * (w.seq // layout.cp) * self.config.hidden_size * w.work_bytes
 
     def predict(self, layout: Layout, hw: Hardware, *, exact: bool = True) -> Prediction:
         """Peak memory of the pipeline ranks and the step time on ``hw``.

@@ -42,7 +42,7 @@ from models.layer_configs import with_layers
 from parallel3d.runtime.comm_counter import count_collectives
 from parallel3d.errors import ConfigError
 from parallel3d.expert_parallel.plan import resolve_experts
-from parallel3d.planner.fake_tp import fake_tp_group
+from parallel3d.planner.fake_tp import fake_tp_cp_groups
 from parallel3d.tensor_parallel.apply import apply_tensor_parallel
 
 logger = logging.getLogger(__name__)
@@ -281,7 +281,8 @@ class PassProfile:
     in-flight micro-batch); ``forward_peak`` / ``backward_peak``: the most alive during each pass,
     counted from before the forward (so ``backward_peak`` includes ``at_rest``); ``ops``: (FLOPs,
     bytes) of every op of the forward and of the backward (recomputation included);
-    ``comm``: tensor-parallel collectives (op, payload bytes, in backward?).
+    ``comm``: tensor-parallel collectives (op, payload bytes, in backward?); ``cp_comm``: the
+    context-parallel attention's (all-to-alls, the ring's sends and receives), the same way.
     """
 
     kind: str
@@ -296,6 +297,7 @@ class PassProfile:
     backward_ops: tuple[tuple[int, int], ...]
     comm: tuple[tuple[str, int, bool], ...] = field(default=())
     split: SplitBackward = field(default_factory=SplitBackward)
+    cp_comm: tuple[tuple[str, int, bool], ...] = field(default=())
 
     @cached_property
     def flops(self) -> tuple[int, int]:
@@ -318,9 +320,12 @@ def _text(config):
 
 
 def _build(config, blocks: int, dtype: torch.dtype, group, sequence_parallel: bool, checkpointing: bool,
-           whole_experts: bool = False) -> nn.Module:
+           whole_experts: bool = False, cp_group=None, cp_method: str = "ulysses") -> nn.Module:
     """The model with ``blocks`` blocks on fake tensors, as tp rank 0 of ``group`` (None: no tp) holds it;
-    ``whole_experts``: its experts modules left out of tensor parallelism, as expert parallelism has them."""
+    ``whole_experts``: its experts modules left out of tensor parallelism, as expert parallelism has them;
+    its attention the engine's cp attention over ``cp_group`` (None: no context parallelism)."""
+    from parallel3d.context_parallel.model import install_attention
+
     from transformers import AutoModelForCausalLM
 
     try:
@@ -337,6 +342,8 @@ def _build(config, blocks: int, dtype: torch.dtype, group, sequence_parallel: bo
     if group is not None:
         whole = _experts_modules(model) if whole_experts else frozenset()
         apply_tensor_parallel(model, group, sequence_parallel=sequence_parallel, whole=whole)
+    if cp_group is not None:
+        install_attention(model, cp_group, cp_method)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -383,15 +390,15 @@ def _hook(model: nn.Module, kind: str, live: LiveBytes) -> list:
 
 
 @contextlib.contextmanager
-def _profiling(tp: int) -> Iterator[dist.ProcessGroup | None]:
-    """What every pass runs inside: fake tensors, the fake tp group, the planner's random stream
+def _profiling(tp: int, cp: int = 1) -> Iterator[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]:
+    """What every pass runs inside: fake tensors, the fake tp and cp groups, the planner's random stream
     kept (tp regions draw their seeds from it), the model's deprecation notices silenced (they
     are about how the profile calls it, not the user's plan)."""
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), \
-            fake_tp_group(tp) as group:
+            fake_tp_cp_groups(tp, cp) as groups:
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
-        yield group
+        yield groups
 
 
 def _check(kind: str, attention: str) -> None:
@@ -403,7 +410,8 @@ def _check(kind: str, attention: str) -> None:
 
 def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, dtype: torch.dtype, tp: int = 1,
                  sequence_parallel: bool = False, checkpointing: bool = False, attention: str = "native",
-                 split_backward: bool = False, whole_experts: bool = False) -> PassProfile:
+                 split_backward: bool = False, whole_experts: bool = False, cp: int = 1,
+                 cp_method: str = "ulysses") -> PassProfile:
     """Profile ``kind`` (one of :data:`KINDS`) with ``blocks`` blocks of the model ``config`` describes.
 
     ``attention``: how ``scaled_dot_product_attention`` runs: ``native`` as this CPU dispatches
@@ -415,23 +423,29 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
     ``whole_experts``: under tp, the experts modules stay whole (every tp rank computes them on the
     same rows), as the engine leaves them under expert parallelism; all experts are there, so the
     experts' compute is the whole layer's for this rank's tokens, which expert parallelism only moves.
+    ``cp``: context parallelism, ``cp_method`` "ulysses" or "ring": the pass of cp rank 0, which
+    holds ``seq / cp`` tokens and runs the engine's cp attention over a fake cp group (its
+    exchanges' buffers, what it keeps for backward and its FLOPs over the whole sequence's keys
+    are the real ones; which tokens the rank holds does not change them).
     """
     _check(kind, attention)
-    with _profiling(tp) as group:
-        model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing, whole_experts)
-        return _run(model, config, kind, blocks, micro_batch, seq, dtype, tp, attention, split_backward)
+    with _profiling(tp, cp) as (group, cp_group):
+        model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing, whole_experts, cp_group,
+                       cp_method)
+        return _run(model, config, kind, blocks, micro_batch, seq // cp, dtype, tp, attention, split_backward,
+                    cp_group)
 
 
 def model_key(key: tuple) -> tuple:
     """What of a pass's key its built model depends on: (blocks, tp, sequence_parallel,
-    checkpointing, whole_experts)."""
-    return key[1], key[3], key[4], key[5], key[8]
+    checkpointing, whole_experts, cp, cp_method)."""
+    return key[1], key[3], key[4], key[5], key[8], key[9], key[10]
 
 
 def profile_passes(config, keys: Iterable[tuple], *, seq: int,
                    dtype: torch.dtype) -> dict[tuple, PassProfile | ProfileError]:
     """:func:`profile_pass` of each key = (kind, blocks, micro_batch, tp, sequence_parallel,
-    checkpointing, attention, split_backward, whole_experts), or the ProfileError it raises; the
+    checkpointing, attention, split_backward, whole_experts, cp, cp_method), or the ProfileError it raises; the
     same figures.
 
     The passes that share a :func:`model_key` run on one built model (building and sharding it
@@ -444,23 +458,25 @@ def profile_passes(config, keys: Iterable[tuple], *, seq: int,
         _check(key[0], key[6])
         groups.setdefault(model_key(key), []).append(key)
     out: dict[tuple, PassProfile | ProfileError] = {}
-    for (blocks, tp, sp, ac, whole), group_keys in groups.items():
-        with _profiling(tp) as group:
+    for (blocks, tp, sp, ac, whole, cp, method), group_keys in groups.items():
+        with _profiling(tp, cp) as (group, cp_group):
             model = None
             for key in group_keys:
                 kind, micro_batch, attention, split = key[0], key[2], key[6], key[7]
                 try:
                     if model is None:
-                        model = _build(config, blocks, dtype, group, sp, ac, whole)
-                    out[key] = _run(model, config, kind, blocks, micro_batch, seq, dtype, tp, attention, split)
+                        model = _build(config, blocks, dtype, group, sp, ac, whole, cp_group, method)
+                    out[key] = _run(model, config, kind, blocks, micro_batch, seq // cp, dtype, tp, attention, split,
+                                    cp_group)
                 except ProfileError as exc:
                     out[key], model = exc, None
     return out
 
 
 def _run(model: nn.Module, config, kind: str, blocks: int, micro_batch: int, seq: int, dtype: torch.dtype, tp: int,
-         attention: str, split_backward: bool) -> PassProfile:
-    """One pass of ``model`` (built by :func:`_build` inside :func:`_profiling`), counted."""
+         attention: str, split_backward: bool, cp_group=None) -> PassProfile:
+    """One pass of ``model`` (built by :func:`_build` inside :func:`_profiling`) over ``seq`` tokens, counted
+    (the cp group's exchanges apart)."""
     from parallel3d.pipeline.executor import backward_input, backward_weight
 
     live = LiveBytes()
@@ -470,7 +486,7 @@ def _run(model: nn.Module, config, kind: str, blocks: int, micro_batch: int, seq
         live.exclude([*model.parameters(), *model.buffers()])
         kernels = contextlib.nullcontext() if attention == "native" else _gpu_kernels(live, attention)
         split = SplitBackward()
-        with live, kernels, count_collectives() as comm:
+        with live, kernels, count_collectives(names={"cp": cp_group} if cp_group is not None else None) as comm:
             try:
                 inputs: dict = {"input_ids": ids}
                 if kind in ("middle", "last"):  # no embedding lookup: the received activations stand in
@@ -512,4 +528,5 @@ def _run(model: nn.Module, config, kind: str, blocks: int, micro_batch: int, seq
     backward_peak = max(split.input_peak, split.weight_peak) if split_backward else live.peak
     return PassProfile(kind, blocks, at_rest, forward_peak, backward_peak, live.marked or 0, forward_in_block,
                        live.peak_in_block, tuple(live.ops[False]), tuple(live.ops[True]),
-                       tuple((c.op, c.nbytes, c.tag == "backward") for c in comm.calls), split)
+                       tuple((c.op, c.nbytes, c.tag == "backward") for c in comm.calls if c.group != "cp"), split,
+                       tuple((c.op, c.nbytes, c.tag == "backward") for c in comm.calls if c.group == "cp"))

@@ -27,7 +27,8 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-ProfileKey = tuple  # (kind, blocks, micro_batch, tp, sequence_parallel, checkpointing, attention, split, whole_experts)
+ProfileKey = tuple  # (kind, blocks, micro_batch, tp, sequence_parallel, checkpointing, attention, split, whole_experts,
+#                      cp, cp_method)
 _SOURCES = ("parallel3d", "models", "zero")
 
 

@@ -49,6 +49,8 @@ def layout_config(layout, global_batch: int, precision: str) -> dict:
             config["zero_optimization"]["zero_hpz_partition_size"] = layout.zeropp
     if getattr(layout, "ep", 1) > 1:
         config["expert_parallel"] = {"enabled": True, "autoep_size": layout.ep}
+    if getattr(layout, "cp", 1) > 1:
+        config["context_parallel"] = {"size": layout.cp, "method": layout.cp_method}
     if layout.tp > 1:
         config["tensor_parallel"] = {"size": layout.tp}
         if layout.sequence_parallel:

@@ -7,7 +7,9 @@ schedule the micro-batch count allows (interleaved with 2 and 4 chunks per rank 
 blocks divide); activation checkpointing on and off; sequence parallelism with tp > 1 and one
 pipeline stage (what ``initialize`` accepts today); for a model with experts
 (``base_model_ep_plan``) every expert-parallel size dividing both the ZeRO shard ranks and the
-expert count. ``Choice`` pins any of them.
+expert count; context-parallel sizes (``Choice.cp``) dividing the ranks left over tp x pp, each
+with Ulysses and ring (``Planner.check`` applies the engine's refusals: the heads for Ulysses,
+the sequence dividing by cp or 2 x cp). ``Choice`` pins any of them.
 
 The search prices model states first (no profile needed: ``states.model_state_bytes``) and drops
 what cannot fit before it profiles activations, so a large space stays cheap.
@@ -52,6 +54,12 @@ class Choice:
     ep: int | None = None
     """Expert parallelism's size (``expert_parallel.autoep_size``); None: 1 and, for a model with
     experts, every divisor of the ZeRO shard ranks that divides each MoE layer's expert count."""
+    cp: int | None = 1
+    """Context parallelism's size (``context_parallel.size``); None: every size dividing the ranks
+    left over tp x pp (the cp ranks come out of the data-parallel ones). 1 (the default): off,
+    since cp is worth its exchanges only where a sequence's activations do not fit otherwise."""
+    cp_method: str | None = None
+    """``context_parallel.method`` ("ulysses" or "ring"); None: both."""
 
 
 def _divisors(n: int) -> list[int]:
@@ -71,7 +79,6 @@ def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice(),
     def refuse(reason: str) -> None:
         refused[reason] = refused.get(reason, 0) + 1
 
-    w = planner.workload
     blocks = len(planner.shapes(1).block_params)
     for tp in _pick(choice.tp, [d for d in _divisors(hw.gpus_per_node) if hw.gpus % d == 0]):
         try:
@@ -86,31 +93,51 @@ def candidates(planner: Planner, hw: Hardware, choice: Choice = Choice(),
             if pp > 1 and shapes.pipeline_refusal:
                 refuse(f"pp > 1: {shapes.pipeline_refusal}")
                 continue
-            dp = hw.gpus // (tp * pp)
-            if w.global_batch % dp:
-                refuse(f"the global batch {w.global_batch} does not divide among dp {dp} (tp {tp} x pp {pp})")
+            if (hw.gpus // (tp * pp)) % (choice.cp or 1):
+                refuse(f"context_parallel.size {choice.cp} does not divide the {hw.gpus // (tp * pp)} ranks left over "
+                       f"tp {tp} x pp {pp}")
                 continue
-            per_replica = w.global_batch // dp
-            micro = [b for b in _divisors(per_replica) if b <= choice.max_micro_batch and b & (b - 1) == 0]
-            for mb in _pick(choice.micro_batch, micro):
-                if per_replica % mb:
-                    refuse(f"micro-batch {mb} does not divide the {per_replica} samples per replica (dp {dp})")
-                    continue
-                for sched, virtual in _schedules(pp, per_replica // mb, blocks, choice):
-                    for stage in _pick(choice.zero_stage, (0, 1, 2, 3)):
-                        for ac in _pick(choice.checkpointing, (False, True)):
-                            for sp in _pick(choice.sequence_parallel, (False, True) if tp > 1 else (False,)):
-                                for shard in _shard_sizes(stage, dp, tp, hw) if choice.hybrid_sharding else [None]:
-                                    for zeropp in _zeropp(stage, shard or dp, tp, hw) if choice.zeropp else [0]:
-                                        for ep in _ep_sizes(planner, shard or dp, choice):
-                                            layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard,
-                                                            zeropp, ep)
-                                            try:
-                                                planner.check(layout)
-                                            except ConfigError as exc:
-                                                refuse(str(exc))
-                                                continue
-                                            yield layout
+            for cp, method in _context_sizes(hw.gpus // (tp * pp), choice):
+                yield from _replica_layouts(planner, hw, choice, refuse, tp, pp, cp, method, blocks)
+
+
+def _context_sizes(ranks: int, choice: Choice) -> list[tuple[int, str]]:
+    """(cp, method) pairs: cp 1, and each cp > 1 dividing ``ranks`` with each method."""
+    return [(cp, method) for cp in _pick(choice.cp, _divisors(ranks))
+            for method in (("ulysses",) if cp == 1 else _pick(choice.cp_method, ("ulysses", "ring")))]
+
+
+def _replica_layouts(planner: Planner, hw: Hardware, choice: Choice, refuse, tp: int, pp: int, cp: int, method: str,
+                     blocks: int) -> Iterator[Layout]:
+    """The layouts of one (tp, pp, cp): dp = devices / (tp x pp x cp), and every other axis."""
+    w = planner.workload
+    dp = hw.gpus // (tp * pp * cp)
+    if w.global_batch % dp:
+        refuse(f"the global batch {w.global_batch} does not divide among dp {dp} (tp {tp} x pp {pp} x cp {cp})")
+        return
+    per_replica = w.global_batch // dp
+    micro = [b for b in _divisors(per_replica) if b <= choice.max_micro_batch and b & (b - 1) == 0]
+    for mb in _pick(choice.micro_batch, micro):
+        if per_replica % mb:
+            refuse(f"micro-batch {mb} does not divide the {per_replica} samples per replica (dp {dp})")
+            continue
+        for sched, virtual in _schedules(pp, per_replica // mb, blocks, choice):
+            for stage in _pick(choice.zero_stage, (0, 1, 2, 3)):
+                for ac in _pick(choice.checkpointing, (False, True)):
+                    for sp in _pick(choice.sequence_parallel, (False, True) if tp > 1 else (False,)):
+                        shards = _shard_sizes(stage, dp, tp, hw) if choice.hybrid_sharding and cp == 1 else [None]
+                        for shard in shards:
+                            zeropps = _zeropp(stage, shard or dp, tp, hw) if choice.zeropp and cp == 1 else [0]
+                            for zeropp in zeropps:
+                                for ep in _ep_sizes(planner, shard or dp, choice) if cp == 1 else [1]:
+                                    layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard, zeropp,
+                                                    ep, cp, method)
+                                    try:
+                                        planner.check(layout)
+                                    except ConfigError as exc:
+                                        refuse(str(exc))
+                                        continue
+                                    yield layout
 
 
 def _shard_sizes(stage: int, dp: int, tp: int, hw: Hardware) -> list[int | None]:

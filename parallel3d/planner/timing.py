@@ -101,7 +101,7 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
                overlap: bool, tied_numel: int, exact: bool) -> dict[str, float]:
     """Seconds of one optimizer step by cause (see the module docstring)."""
     fwd, bwd = max(c.forward for c in costs), max(c.backward for c in costs)
-    pp_link = hw.link(layout.tp * layout.dp, layout.pp)
+    pp_link = hw.link(layout.tp * layout.dp * layout.cp, layout.pp)
     if layout.pp == 1:
         pipeline = m * (fwd + bwd)
     else:
@@ -111,7 +111,7 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
         pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
     exposed = max(dp_seconds(c.params, zero, hw, layout.tp, m, pipelined=layout.pp > 1, overlap=overlap,
                              compute=(c.forward, c.backward)) for c in costs)
-    replicas = layout.dp // layout.zero_shard
+    replicas = layout.dp * layout.cp // layout.zero_shard
     if replicas > 1:  # hybrid sharding: each reduced gradient shard averaged across the replicas, once per step
         replica_link = hw.link(layout.tp * layout.zero_shard, replicas)
         exposed += max(replica_link.seconds("all_reduce", _shard_numel(c.params, zero) * zero.work_bytes, replicas)
