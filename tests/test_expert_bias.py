@@ -26,6 +26,7 @@ BIAS = "e_score_correction_bias"
 
 LAYOUTS = {  # world, config extras, data-parallel ranks, expert-parallel size, ZeRO stage
     "dp2": (2, {}, 2, 1, 2),
+    "dp2_checkpointing": (2, {}, 2, 1, 1),  # HF's reentrant gradient checkpointing: counted in the recomputation
     "ep2": (4, {}, 4, 2, 3),
     "pp2_ep2": (4, {"pipeline": {"stages": 2}}, 2, 2, 1),
     # sequence parallelism: experts whole, each tp rank counts its part of the sequence (summed over tp too) ...
@@ -80,7 +81,10 @@ def _train(layout: str, steps: tuple[int, int] = (0, STEPS), save: str | None = 
     config = {**ep_config(stage, GAS, dp, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000),
               **copy.deepcopy(extra)}
     config.setdefault("expert_parallel", {})["load_balance_coeff"] = COEFF
-    engine = parallel3d.initialize(model=make_deepseek_v3(seed), config=config)[0]
+    model = make_deepseek_v3(seed)
+    if layout.endswith("_checkpointing"):  # the first forward runs under no_grad
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    engine = parallel3d.initialize(model=model, config=config)[0]
     if load is not None:
         engine.load_checkpoint(load)
     batches = rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp"))

@@ -10,8 +10,11 @@ over the layer's experts: an overloaded expert's bias goes down, an idle one's u
 ``expert_parallel.load_balance_coeff`` (DeepSpeed AutoEP's key, torchtitan's name; Megatron's
 ``moe_router_bias_update_rate``) turns it on. Each experts module's calls are counted (a forward
 pre-hook reads ``top_k_index``, the global expert ids, before any dispatch): every micro-batch of
-the window, forward passes with gradients only (not evaluation under ``no_grad``, not the
-recomputation of activation checkpointing inside backward). At the window's end the counts are
+the window, once, when the backward pass reaches that call's routing weights (a gradient hook on
+them). So evaluation (no backward) counts nothing, and under activation checkpointing only the
+forward whose graph the backward runs through counts: the first forward without reentrant
+checkpointing, the recomputation inside backward with it (its first forward runs under
+``no_grad``). At the window's end the counts are
 summed over ``dp_cp`` (every data-parallel and context-parallel rank of this pipeline stage and
 tp rank, which hold the same routers and see disjoint tokens; tensor-parallel ranks see the same
 tokens and each count them alone), so every rank applies the update one process would make from
@@ -125,15 +128,23 @@ class ExpertBiasBalancer:
 
     def _counter(self, index: int):
         def count(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-                return  # evaluation, or activation checkpointing's forward re-run inside backward
+            if not torch.is_grad_enabled():
+                return  # evaluation, or reentrant checkpointing's first forward (counted when recomputed)
+            carrier = next((t for t in (args[2] if len(args) > 2 else kwargs.get("top_k_weights"),
+                                        args[0] if args else kwargs.get("hidden_states"))
+                            if isinstance(t, torch.Tensor) and t.requires_grad), None)
+            if carrier is None:
+                return  # nothing here will see a backward pass
             choices = args[1] if len(args) > 1 else kwargs["top_k_index"]
             experts = self.routers[index].num_experts
             flat = choices.detach().reshape(-1)
             counted = torch.bincount(flat[flat < experts], minlength=experts)  # ids >= E: no expert chosen
-            self.loads[index] = self.loads[index].to(counted.device) + counted
+            carrier.register_hook(lambda _grad: self._add(index, counted))
 
         return count
+
+    def _add(self, index: int, counted: torch.Tensor) -> None:
+        self.loads[index] = self.loads[index].to(counted.device) + counted
 
     def update(self) -> None:
         """The window ended: sum the loads over ``dp_cp`` (and over tp, those counting this tp rank's part of
