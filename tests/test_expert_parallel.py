@@ -83,7 +83,7 @@ def test_float64_all_to_all_matches_single_process(dist, kind, ep, skewed):
             assert torch.allclose(grad, expected, rtol=1e-10, atol=1e-13), f"rank {rank} {name}"
 
 
-def _train(kind: str, stage: int, ep: int) -> tuple[list[float], dict, dict]:
+def _train(kind: str, stage: int, ep: int) -> tuple[list[float], list[float], dict, dict]:
     import parallel3d
 
     config = ep_config(stage, GAS, DP, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000)
@@ -97,18 +97,21 @@ def _train(kind: str, stage: int, ep: int) -> tuple[list[float], dict, dict]:
 
 
 @functools.cache
-def _oracle(kind: str):
-    return oracle_run(kind, token_batches(STEPS, GAS, DP), model=make_moe(kind))
+def _oracle(kind: str) -> tuple[list[float], list[float], dict]:
+    norms: list[float] = []
+    losses, params = oracle_run(kind, token_batches(STEPS, GAS, DP), model=make_moe(kind), grad_norms=norms)
+    return losses, norms, params
 
 
 @pytest.mark.parametrize("kind,stage,ep", [(k, s, e) for k in KINDS for e in (2, 4) for s in (0, 1, 2, 3)])
 def test_training_matches_single_process(dist, kind, stage, ep):
-    want_losses, want_params = _oracle(kind)
+    want_losses, want_norms, want_params = _oracle(kind)
     start = dict(make_moe(kind).named_parameters())
     experts = [p for n, p in start.items() if ".experts." in n]
     expert_bytes = 4 * sum(p.numel() for p in experts) // ep  # fp32, 1/E of them
-    for losses, params, memory in dist.run(DP, _train, kind, stage, ep):
+    for losses, norms, params, memory in dist.run(DP, _train, kind, stage, ep):
         assert losses == pytest.approx(want_losses, rel=RTOL)
+        assert norms == pytest.approx(want_norms, rel=RTOL)  # the clipping norm counts each expert once
         if stage == 0:  # unsharded: a rank's experts whole, with a gradient, two Adam moments and a step count each
             assert memory == {"params": expert_bytes, "gradients": expert_bytes, "master_params": 0,
                               "optimizer_states": 2 * expert_bytes + 4 * len(experts), "frozen_params": 0}
