@@ -14,7 +14,8 @@ columns: peak GiB = predicted peak memory of the fullest rank; states = its mode
   step; fwd+bwd s = the forward and backward passes of all micro-batches, pipeline bubble included;
   dp comm = data-parallel gradient/parameter traffic not hidden behind compute; tokens/s = global batch
   x seq len / step s; TFLOP/s = FLOPs counted per device and second (recomputation included).
-layout: pp pipeline stages, dp data-parallel replicas, tp tensor-parallel size, epE expert parallelism (each MoE
+layout: pp pipeline stages, dp data-parallel replicas, cpN-method context parallelism (each sequence split over N
+  ranks, Ulysses or ring; context_parallel), tp tensor-parallel size, epE expert parallelism (each MoE
   layer's experts split over E of the ranks ZeRO shards over; expert_parallel.autoep_size), z ZeRO stage (z3++: ZeRO++,
   int8 parameter gathers and gradient reductions and hpZ over a node; its rounding is in docs/deepspeed.md), hsS hybrid
   sharding (ZeRO inside groups of S data-parallel ranks, a node's or a few nodes'; mics_shard_size), mb micro-batch
