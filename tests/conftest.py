@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -16,6 +20,10 @@ from tests.dist_harness import DistRunner  # noqa: E402
 from tests.float64_loss import install as _install_float64_loss  # noqa: E402
 
 _install_float64_loss()
+
+if "ZERO3D_CACHE" not in os.environ:  # the suite neither reads nor fills the user's cache: it starts cold, as on CI
+    os.environ["ZERO3D_CACHE"] = tempfile.mkdtemp(prefix="zero3d-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["ZERO3D_CACHE"], True)
 
 
 @pytest.fixture(scope="session")
