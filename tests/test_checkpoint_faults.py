@@ -25,7 +25,7 @@ def _snapshot(root: Path) -> dict[str, str]:
 
 def save_without_space(root: str, simulate: bool) -> dict:
     import parallel3d
-    from parallel3d.checkpoint.checkpoint import storage
+    from parallel3d.checkpoint import storage as checkpoint_storage
 
     rank = torch.distributed.get_rank()
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=ds_config(2, 1, 2))
