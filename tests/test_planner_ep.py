@@ -90,9 +90,9 @@ def test_search_prices_tp_with_whole_experts(dist):
         first = next(r[i] for r in measured if r[i]["ranks"] == {"tp": 0, "dp": 0})
         assert planner.predict(Layout(1, dp, tp, stage, 2, ep=ep), a100(1, 4)).ranks[0].states == first["report"]
     keys = planner.profile_keys(Layout(1, dp, tp, 1, 2, ep=ep), a100(1, 4), False)
-    assert keys and all(key[-1] for key in keys)  # experts whole
+    assert keys and all(key[8] for key in keys)  # experts whole (key: ..., split, whole_experts, cp, cp_method)
     key = ("only", 1, 1, tp, False, False, a100(1, 4).attention, False)
-    whole, split = planner._profile(*key, True), planner._profile(*key, False)
+    whole, split = planner._profile(*key, True, 1, "ulysses"), planner._profile(*key, False, 1, "ulysses")
     # one block, 16 tokens x top 2 rows through gate_up (h -> 2i) and down (i -> h): split over tp, or whole
     rows, hidden, inter = 16 * 2, planner.model.config.hidden_size, planner.model.config.moe_intermediate_size
     assert whole.flops[0] - split.flops[0] == (1 - 1 / tp) * 2 * rows * 3 * hidden * inter

@@ -84,19 +84,21 @@ def _fields(profile) -> tuple:
 def test_passes_on_one_built_model_equal_fresh_builds(config, keys):
     """profile_passes runs the passes of one (blocks, tp, sp, checkpointing, experts) on one built model:
     every figure equals the pass on a model of its own (profile_pass), whatever ran before it."""
+    keys = [(*key, 1, "ulysses") for key in keys]  # cp 1 (its method then unused)
     shared = profile_passes(config, keys, seq=16, dtype=torch.bfloat16)
     assert set(shared) == set(keys)
-    for kind, blocks, mb, tp, sp, ac, attention, split, whole in keys:
+    for key in keys:
+        kind, blocks, mb, tp, sp, ac, attention, split, whole, cp, method = key
         alone = profile_pass(config, kind, blocks, micro_batch=mb, seq=16, dtype=torch.bfloat16, tp=tp,
                              sequence_parallel=sp, checkpointing=ac, attention=attention, split_backward=split,
-                             whole_experts=whole)
-        assert _fields(shared[kind, blocks, mb, tp, sp, ac, attention, split, whole]) == _fields(alone)
+                             whole_experts=whole, cp=cp, cp_method=method)
+        assert _fields(shared[key]) == _fields(alone)
 
 
 def test_a_pass_that_cannot_build_is_reported_per_key():
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, hidden_act="no-such-activation")
-    keys = [("only", 1, mb, 1, False, False, "flash", False, False) for mb in (1, 2)]
+    keys = [("only", 1, mb, 1, False, False, "flash", False, False, 1, "ulysses") for mb in (1, 2)]
     got = profile_passes(config, keys, seq=16, dtype=torch.bfloat16)
     assert all(isinstance(got[key], ProfileError) for key in keys)
 
