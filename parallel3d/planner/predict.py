@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
@@ -42,6 +42,19 @@ from zero.sizing import OptimizerStateShape
 logger = logging.getLogger(__name__)
 
 WORK_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+
+
+def _refuse_once(refusals: dict[tuple, str | None], key: tuple, check: Callable[[], object]) -> None:
+    """Run ``check`` (an engine check that raises ConfigError) once per ``key``; raise its refusal,
+    remembered, on every call with that key."""
+    if key not in refusals:
+        try:
+            check()
+            refusals[key] = None
+        except ConfigError as exc:
+            refusals[key] = str(exc)
+    if refusals[key] is not None:
+        raise ConfigError(refusals[key])
 
 
 @dataclass(frozen=True)
@@ -239,8 +252,7 @@ class Planner:
         self._profiles: dict[tuple, PassProfile] = {}
         self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
         self._chunks: dict[tuple, Chunk] = {}
-        self._expert_refusals: dict[int, str | None] = {}
-        self._context_refusals: dict[tuple, str | None] = {}
+        self._refusals: dict[tuple, str | None] = {}  # the engine's checks, by what they were asked (_refuse_once)
 
     def shapes(self, tp: int, ep: int = 1) -> ModelShapes:
         if (tp, ep) not in self._shapes:
@@ -365,14 +377,7 @@ class Planner:
             raise ConfigError("the planner prices context_parallel without expert parallelism, hybrid sharding and "
                               "ZeRO++")
         key = (layout.cp, layout.tp, layout.cp_method)
-        if key not in self._context_refusals:
-            try:
-                check_model(self.model, *key)
-                self._context_refusals[key] = None
-            except ConfigError as exc:
-                self._context_refusals[key] = str(exc)
-        if self._context_refusals[key] is not None:
-            raise ConfigError(self._context_refusals[key])
+        _refuse_once(self._refusals, ("context", key), lambda: check_model(self.model, *key))
 
     @cached_property
     def experts(self) -> int:
@@ -387,14 +392,7 @@ class Planner:
 
     def _check_experts(self, ep: int) -> None:
         """``resolve_experts``' refusal of a split over ``ep`` ranks (no experts, ``ep`` not dividing them), once per ep."""
-        if ep not in self._expert_refusals:
-            try:
-                resolve_experts(self.model, ep)
-                self._expert_refusals[ep] = None
-            except ConfigError as exc:
-                self._expert_refusals[ep] = str(exc)
-        if self._expert_refusals[ep] is not None:
-            raise ConfigError(self._expert_refusals[ep])
+        _refuse_once(self._refusals, ("experts", ep), lambda: resolve_experts(self.model, ep))
 
     @cached_property
     def top_k(self) -> int | None:
