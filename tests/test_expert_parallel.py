@@ -83,17 +83,22 @@ def test_float64_all_to_all_matches_single_process(dist, kind, ep, skewed):
             assert torch.allclose(grad, expected, rtol=1e-10, atol=1e-13), f"rank {rank} {name}"
 
 
+def _steps(engine, data_iter) -> tuple[list[float], list[float]]:
+    """Each of the STEPS steps' loss and gradient norm (before clipping)."""
+    losses, norms = [], []
+    for _ in range(STEPS):
+        losses.append(engine.train_batch(data_iter))
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
 def _train(kind: str, stage: int, ep: int) -> tuple[list[float], list[float], dict, dict]:
     import parallel3d
 
     config = ep_config(stage, GAS, DP, ep, stage3_param_persistence_threshold=0, reduce_bucket_size=2000)
     engine, _, _, _ = parallel3d.initialize(model=make_moe(kind), config=config)
     data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, DP), torch.distributed.get_rank()))
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(engine.train_batch(data_iter))
-        norms.append(engine.get_global_grad_norm())
-    return losses, norms, engine.full_parameters(), engine.memory_report(experts=True)
+    return (*_steps(engine, data_iter), engine.full_parameters(), engine.memory_report(experts=True))
 
 
 @functools.cache
@@ -269,11 +274,7 @@ def _train_composed(kind: str, layout: str, stage: int) -> tuple[list[float], li
               **extra}
     engine = parallel3d.initialize(model=make_moe(kind, **overrides), config=config)[0]
     data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, dp), engine.mesh.local_rank("dp")))
-    losses, norms = [], []
-    for _ in range(STEPS):
-        losses.append(engine.train_batch(data_iter))
-        norms.append(engine.get_global_grad_norm())
-    return losses, norms, engine.full_parameters(), engine.memory_report(experts=True)
+    return (*_steps(engine, data_iter), engine.full_parameters(), engine.memory_report(experts=True))
 
 
 @pytest.mark.parametrize("kind,layout,stage", [("qwen3_moe", "tp2", 1), ("mixtral", "tp2", 3), ("mixtral", "pp2", 1),
