@@ -141,3 +141,25 @@ def test_load_balance_coeff_needs_a_router_bias():
     config["expert_parallel"] = {"load_balance_coeff": COEFF}
     with pytest.raises(ConfigError, match="has no e_score_correction_bias buffer"):
         parallel3d.initialize(model=make_moe("mixtral"), config=config)
+
+
+def test_router_biases_accumulate_in_float32_under_a_bf16_buffer_dtype():
+    """``buffer_dtype: bf16`` casts the biases, and bf16 cannot hold ``1 + 1e-3``: the balancer keeps them in
+    float32 and writes the rounded value to the buffer, so the steps add up instead of being dropped."""
+    import parallel3d
+
+    model = make_deepseek_v3()
+    for name, bias in model.named_buffers():
+        if name.endswith(BIAS):
+            bias.fill_(1.0)  # a trained bias; a step of 1e-3 is under half of bf16's spacing there (2 ** -7)
+    config = ds_config(1, 1, 1)
+    config["expert_parallel"] = {"load_balance_coeff": 1e-3}
+    config["data_types"] = {"buffer_dtype": "bf16"}
+    engine = parallel3d.initialize(model=model, config=config)[0]
+    data_iter = iter(rank_micro_batches(token_batches(4, 1, 1), 0))
+    for _ in range(4):
+        engine.train_batch(data_iter)
+    for router in engine.expert_bias.routers:
+        value = engine.expert_bias.state_dict()[router.name]
+        assert value.dtype == torch.float32 and (value - 1.0).abs().max() >= 2e-3, router.name  # moved, in steps
+        assert torch.equal(router.owner.get_buffer(BIAS), value.to(torch.bfloat16)), router.name

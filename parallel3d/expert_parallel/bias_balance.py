@@ -25,6 +25,11 @@ split over tp (expert tensor parallelism) gathers the tp ranks' tokens on entry,
 registered before the counting one, so every tp rank counts every token: the ``dp_cp`` sum stays
 right. An experts module whole on every tp rank (``expert_tensor_parallel_size`` 1) sees this
 rank's part only: its counts are summed over tp as well.
+
+The balancer keeps each bias in float32 and writes it to the buffer after every update: a buffer cast to
+bf16 (``data_types.buffer_dtype``, or a model cast whole) cannot hold ``bias + rate`` for any bias over
+``256 * rate`` in size (bf16 keeps 8 significant bits), so updating it in place would drop every step.
+Checkpoints hold the float32 values.
 """
 
 from __future__ import annotations
@@ -111,6 +116,8 @@ class ExpertBiasBalancer:
         self.routers, self.rate, self.group = routers, rate, group
         self.tp_parts, self.tp_group = list(tp_parts), tp_group  # routers counting this tp rank's tokens only
         self.loads = [torch.zeros(r.num_experts, dtype=torch.int64) for r in routers]
+        # float32 values of the biases, taken before buffer_dtype casts the buffers (see the module's docstring)
+        self.biases = [r.owner.get_buffer(BIAS).detach().to(torch.float32, copy=True) for r in routers]
         self._hooks = [r.experts.register_forward_pre_hook(self._counter(i), with_kwargs=True)
                        for i, r in enumerate(routers)]
 
@@ -159,16 +166,15 @@ class ExpertBiasBalancer:
             dist.all_reduce(parts, group=self.tp_group)
             loads[self.tp_parts] = parts
         with torch.no_grad():
-            for router, load in zip(self.routers, loads):
-                bias = router.owner.get_buffer(BIAS)
-                load = load.to(device=bias.device, dtype=torch.float32)
-                step = torch.sign(load.mean() - load) * self.rate
-                bias.add_(step.to(bias.dtype).view_as(bias))
+            for router, load, value in zip(self.routers, loads, self.biases):
+                load = load.to(device=value.device, dtype=torch.float32)
+                value.add_((torch.sign(load.mean() - load) * self.rate).view_as(value))
+                router.owner.get_buffer(BIAS).copy_(value)
         self.loads = [torch.zeros_like(load) for load in self.loads]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's router biases by name (a checkpoint holds every stage's)."""
-        return {r.name: r.owner.get_buffer(BIAS).detach().cpu().clone() for r in self.routers}
+        """This rank's router biases by name, in float32 (a checkpoint holds every stage's)."""
+        return {r.name: value.cpu().clone() for r, value in zip(self.routers, self.biases)}
 
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Set the biases a checkpoint holds (one saved without ``load_balance_coeff`` holds none: the
@@ -177,10 +183,10 @@ class ExpertBiasBalancer:
         if missing:
             logger.info("the checkpoint holds no router bias for %s: the model's own values stay", missing[:3])
         with torch.no_grad():
-            for router in self.routers:
+            for router, value in zip(self.routers, self.biases):
                 if router.name in values:
-                    bias = router.owner.get_buffer(BIAS)
-                    bias.copy_(values[router.name].view_as(bias))
+                    value.copy_(values[router.name].view_as(value))
+                    router.owner.get_buffer(BIAS).copy_(value)
 
     def detach(self) -> None:
         """Remove the counting hooks."""
