@@ -112,10 +112,17 @@ def extras(tmp: str) -> dict:
         pipe = split_model(copy.deepcopy(ref), 2, rank, virtual_stages=v,
                            activation_checkpointing=schedule == "zb_h1")
         calls: list = []
+        runs = [0] * sum(len(c.layers) for c in pipe.chunks)  # forward calls of each of this rank's blocks
+        blocks = [b for c in pipe.chunks for b in c.layers]
+        hooks = [b.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+                 for i, b in enumerate(blocks)]
         ex = PipelineExecutor(pipe, group, schedule, before_backward=lambda bp: calls.append(("pre", *bp)),
                               after_backward=lambda bp: calls.append(("post", *bp)), record=True)
         loss = ex.run(batches)
-        out[schedule] = {"loss": loss.item(), "calls": list(calls), "timeline": ex.gather_timeline()}
+        for h in hooks:
+            h.remove()
+        out[schedule] = {"loss": loss.item(), "calls": list(calls), "timeline": ex.gather_timeline(),
+                         "block_runs": runs}
         if schedule == "zb_h1":
             path = ex.write_chrome_trace(f"{tmp}/trace.json")
             out["trace"] = (path is not None, read_chrome_trace(path) if path else None)
@@ -194,6 +201,10 @@ def test_hooks_timeline_eval_and_local_handoff(dist, tmp_path):
                 mine = [iv for iv in tl if iv.rank == rk]
                 assert all(a.end <= b.start + 1e-9 for a, b in zip(mine, mine[1:]))
                 assert all(iv.end >= iv.start >= 0 for iv in mine)
+        # each checkpointed block runs in F and is recomputed once by B and once by W (one weight
+        # call per block, not one per parameter group); stage 0 has no B: its whole backward is W
+        assert r["zb_h1"]["block_runs"] == [M * (2 if rank == 0 else 3)] * 4, r["zb_h1"]["block_runs"]
+        assert r["interleaved_1f1b"]["block_runs"] == [M] * 4
         assert torch.equal(results[0]["zb_h1"]["tied_grad"][0], results[1]["zb_h1"]["tied_grad"][0])
         assert r["solo"]["loss"] == pytest.approx(want, rel=RTOL)
         assert r["solo"]["err"] < RTOL and r["solo"]["tied"] == 0

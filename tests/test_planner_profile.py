@@ -95,6 +95,20 @@ def test_passes_on_one_built_model_equal_fresh_builds(config, keys):
         assert _fields(shared[key]) == _fields(alone)
 
 
+def test_split_backward_recomputes_each_checkpointed_block_once_per_pass(monkeypatch):
+    """As the engine's ZB-H1 (tests/test_pipeline_runtime.py counts its blocks): under activation
+    checkpointing the profile runs each block's MLP in the forward, in the input-gradient pass's
+    recomputation and in the weight pass's one -- not once per parameter group of the block."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    runs = []
+    forward = LlamaMLP.forward
+    monkeypatch.setattr(LlamaMLP, "forward", lambda self, x: runs.append(1) or forward(self, x))
+    profile_pass(LLAMA, "middle", 2, micro_batch=1, seq=8, dtype=torch.float32, checkpointing=True,
+                 split_backward=True)
+    assert len(runs) == 2 * 3
+
+
 def test_a_pass_that_cannot_build_is_reported_per_key():
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, hidden_act="no-such-activation")

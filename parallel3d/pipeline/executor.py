@@ -21,8 +21,9 @@
   gradients flowing into them; ``W`` restarts backward from those nodes towards the
   parameters only (``torch.autograd.backward(..., inputs=params)``), so the input path is not
   recomputed and the weight gradients are accumulated by autograd into ``param.grad`` as in a
-  plain backward (``register_post_accumulate_grad_hook`` hooks fire). Stage 0 has no input
-  gradient; its whole backward runs at ``W``.
+  plain backward (``register_post_accumulate_grad_hook`` hooks fire). Under activation
+  checkpointing a chunk's blocks each get one ``W`` call (a call recomputes the block). Stage 0
+  has no input gradient; its whole backward runs at ``W``.
 * ``SEND_*``/``RECV_*``: a run of them is posted as one ``batch_isend_irecv`` batch
   (:mod:`parallel3d.pipeline.p2p`); a pass waits only for the receives it consumes.
 
@@ -107,9 +108,18 @@ class _WeightWork:
 
 
 def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: torch.Tensor | None,
-                   params: Sequence[torch.Tensor]) -> tuple[torch.Tensor | None, _WeightWork]:
+                   params: Sequence[torch.Tensor], together: Sequence[Sequence[torch.Tensor]] = ()
+                   ) -> tuple[torch.Tensor | None, _WeightWork]:
     """Gradient of ``output`` w.r.t. ``inp`` only; returns it and the state for
-    :func:`backward_weight`. Without an input that requires grad, everything is deferred."""
+    :func:`backward_weight`. Without an input that requires grad, everything is deferred.
+
+    ``together``: sets of parameters whose weight gradients :func:`backward_weight` computes in
+    one autograd call -- the blocks under activation checkpointing. Each autograd call that
+    needs a checkpointed block's activations re-runs the block's forward (non-reentrant
+    ``torch.utils.checkpoint`` recomputes once per backward call), so the weight pass takes one
+    call per block rather than one per parameter group (a Llama block has nine). The one call
+    also runs the part of the block's input-gradient path between its groups again, which costs
+    less than the eight recomputations it saves."""
     root = output.grad_fn
     if inp is None or not inp.requires_grad or root is None:
         return None, _WeightWork(full=(output, grad_output))
@@ -133,7 +143,8 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
             if par not in closure:
                 closure.add(par)
                 stack.append(par)
-    group_of: dict[Any, dict] = {}
+    block_of = {id(p): ("block", i) for i, block in enumerate(together) for p in block}
+    group_of: dict[Any, dict] = {}  # an intermediate node, or a ("block", i) of ``together``: its group
     groups: list[dict] = []
     for p in params:
         if not p.requires_grad:
@@ -149,18 +160,20 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp: 
                 elif par not in visited:
                     visited.add(par)
                     stack.append(par)
-        group = {"params": [p], "inter": set(inter)}
-        for other in {id(group_of[n]): group_of[n] for n in inter if n in group_of}.values():
+        keys = inter | ({block_of[id(p)]} if id(p) in block_of else set())
+        group = {"params": [p], "inter": set(inter), "keys": keys}
+        for other in {id(group_of[k]): group_of[k] for k in keys if k in group_of}.values():
             group["params"] = other["params"] + group["params"]
             group["inter"] |= other["inter"]
+            group["keys"] |= other["keys"]
             other["merged"] = True
-        for n in group["inter"]:
-            group_of[n] = group
+        for k in group["keys"]:
+            group_of[k] = group
         groups.append(group)
     groups = [g for g in groups if not g.get("merged")]
     captured: dict[Any, tuple] = {}
     handles = []
-    for node in group_of:
+    for node in {n for g in groups for n in g["inter"]}:
         def hook(grad_outputs: tuple, node: Any = node) -> None:
             captured[node] = grad_outputs
         handles.append(node.register_prehook(hook))
@@ -308,6 +321,9 @@ class PipelineExecutor:
         last_of_step = max(last_pass.values(), default=-1)
         divisor = m if self.scale_by_microbatches else 1
         chunk_params = [list(c.parameters()) for c in chunks]  # per run: the engine may swap parameters
+        # checkpointed blocks: one weight-gradient call each, so W recomputes a block once (backward_input)
+        chunk_blocks = [[list(b.parameters()) for b in c.layers] if c.activation_checkpointing else []
+                        for c in chunks]
 
         inputs: dict[tuple[int, int], torch.Tensor] = {}
         outputs: dict[tuple[int, int], torch.Tensor] = {}
@@ -375,7 +391,7 @@ class PipelineExecutor:
             def run() -> None:
                 if split:
                     dx, weight_work[key] = backward_input(out, grad, None if chunk.is_first else x,
-                                                          chunk_params[a.chunk])
+                                                          chunk_params[a.chunk], chunk_blocks[a.chunk])
                 else:
                     torch.autograd.backward(out, grad_tensors=grad)
                     dx = None if chunk.is_first else x.grad

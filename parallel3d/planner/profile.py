@@ -504,7 +504,10 @@ def _run(model: nn.Module, config, kind: str, blocks: int, micro_batch: int, seq
                 with comm.tag("backward"):
                     if split_backward:
                         params = [p for p in model.parameters() if p.requires_grad]
-                        _, work = backward_input(out, grad, live.received, params)
+                        # as the executor: one weight-gradient call per checkpointed block
+                        together = [list(b.parameters()) for b in fetch_unit_modules(model)] \
+                            if model.is_gradient_checkpointing else []
+                        _, work = backward_input(out, grad, live.received, params, together)
                         del out, grad
                         split = SplitBackward(live.peak, live.live)
                         live.reset_peak()
