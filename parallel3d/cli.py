@@ -7,6 +7,8 @@
     zero3d plan ...     (parallel3d.planner.cli)
     zero3d simulate ... (parallel3d.simulate.cli)
 
+Each of those modules runs as ``python -m MODULE ...`` too, as its ``zero3d`` command does.
+
 ``zero3d train`` validates the whole job and prepares its tokenizer and packed data in this
 process, so bad input stops here with one message, then starts N local workers through
 torchrun (`parallel3d.launch.launcher.run_local`) running ``parallel3d.job.run``. With N = 1 it

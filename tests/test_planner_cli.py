@@ -36,6 +36,27 @@ def _plan(capsys, *args) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+@pytest.mark.parametrize("command", ["plan", "launch", "export", "plot", "simulate"])
+def test_python_m_runs_the_module_as_zero3d_does(capsys, monkeypatch, command):
+    """``python -m parallel3d.planner.cli ARGS`` is ``zero3d plan ARGS`` (and so for every module
+    ``zero3d`` dispatches to): run as ``__main__`` it exits with what ``zero3d`` returns, printing
+    the same. runpy runs the module as ``python -m`` does."""
+    import runpy
+    import warnings
+
+    from parallel3d.cli import _DISPATCH
+
+    want_code = zero3d([command, "--help"])
+    want = capsys.readouterr().out
+    module = _DISPATCH[command][0]
+    monkeypatch.setattr("sys.argv", [module, "--help"])
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as done:
+        warnings.simplefilter("ignore", RuntimeWarning)  # the module is imported already (by zero3d)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    assert (done.value.code, capsys.readouterr().out) == (want_code, want)
+    assert want_code == 0 and want.startswith(f"usage: zero3d {command}")
+
+
 @pytest.mark.parametrize("text,value", [("80GB", 80e9), ("80 GiB", 80 * 2**30), ("81920MB", 81920e6), ("1.5tb", 1.5e12)])
 def test_sizes(text, value):
     assert parse_size(text) == value

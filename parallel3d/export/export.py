@@ -333,3 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(describe_export(out, resolve_checkpoint(args.ckpt), args.dtype))
     return 0
+
+
+if __name__ == "__main__":  # python -m parallel3d.export.export ARGS runs as zero3d does
+    sys.exit(main())

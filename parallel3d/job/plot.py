@@ -195,3 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(out)
     return 0
+
+
+if __name__ == "__main__":  # python -m parallel3d.job.plot ARGS runs as zero3d does
+    sys.exit(main())

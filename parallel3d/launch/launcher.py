@@ -445,3 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     node = plan.nodes[plan.own]
     logger.info("node %s (rank %d of %d): %s", node.host, node.node_rank, len(plan.nodes), shlex.join(node.argv))
     return run_supervised(node.argv, worker_env(nproc, env) | node.env)
+
+
+if __name__ == "__main__":  # python -m parallel3d.launch.launcher ARGS runs as zero3d does
+    sys.exit(main())

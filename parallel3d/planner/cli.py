@@ -291,3 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         draw(best, hw, args.png)
         print(f"wrote {args.png}")
     return 0
+
+
+if __name__ == "__main__":  # python -m parallel3d.planner.cli ARGS runs as zero3d does
+    sys.exit(main())

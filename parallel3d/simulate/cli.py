@@ -265,3 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"layout {layout.describe()}, {precision}, seq {args.seq_len}, {args.grad_accum} micro-batches per step, "
               f"{args.steps} steps. Not seen by a simulated rank:\n" + "\n".join(f"  - {n}" for n in not_seen))
     return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":  # python -m parallel3d.simulate.cli ARGS runs as zero3d does
+    sys.exit(main())
