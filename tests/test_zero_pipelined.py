@@ -1,4 +1,4 @@
-"""ZeRO driven pass by pass (the pipeline protocol: begin_window, begin_pass/end_pass, finish_window).
+"""ZeRO driven pass by pass (the windowed protocol a pipeline uses: begin_window, begin_pass/end_pass, finish_window).
 
 Each micro-batch's backward is a pass over one chunk (the whole model), the last one marked:
 stages 2-3 reduce-scatter after every pass (or, with keep_full_gradients, once after the last),
@@ -16,15 +16,17 @@ from tests.tiny import make_model, max_rel_param_error, rank_micro_batches, toke
 
 def pipelined_ranks(stage: int, keep_full: bool) -> tuple[list[float], dict]:
     from models import fetch_unit_modules
+    from parallel3d.runtime.mesh import ProcessGroups
     from zero import ZeroOptimizer, ZeroSettings
+    from zero.inputs import FetchModules
 
     model = make_model("llama")
     settings = ZeroSettings(stage=stage, reduce_bucket_size=3000, param_persistence_threshold=0,
-                            gradient_clipping=0.5, pipelined=True, keep_full_gradients=keep_full)
+                            gradient_clipping=0.5, windowed=True, keep_full_gradients=keep_full)
     zero = ZeroOptimizer(
         [{"params": list(model.parameters())}],
         lambda groups: torch.optim.AdamW(groups, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8),
-        None, settings, fetch_modules=fetch_unit_modules(model) if stage == 3 else (),
+        ProcessGroups(), settings, fetch=FetchModules(fetch_unit_modules(model) if stage == 3 else ()),
     )
     batches = rank_micro_batches(token_batches(STEPS, GAS, 2), torch.distributed.get_rank())
     losses = []

@@ -1,8 +1,8 @@
 """The ZeRO optimizer: sharded fp32 master weights and optimizer states over one dp group.
 
-It knows nothing of tensor or pipeline parallelism beyond two things handed to it: the
-data-parallel group its shards live on, and the extra groups over which the squared
-gradient norm must also be summed (model-parallel ranks hold disjoint pieces).
+It knows nothing of tensor or pipeline parallelism: what it needs of the rest of the job comes
+in the records of ``zero.inputs`` (the process groups by use, from the mesh's collection; which
+params the norm counts how; the caller's gradient-sync sets; stage 3's fetch modules).
 
 The inner ``torch.optim`` optimizer sees one tensor per (parameter, shard) intersection, a
 *piece*: a view into the flat fp32 master shard. Its states are still shard-sized, but a
@@ -27,6 +27,7 @@ from zero.dp_groups import DataParallelGroups
 from zero.quantized_comm import gather_shards_int8, reduce_to_shard_int8
 from zero.flat import FlatUnit, shard_group_of
 from zero.grads import GradientReducer, UnusedParametersError
+from zero.inputs import FetchModules, GradSyncSets, NormShares, ZeroGroups
 from zero.loss_scaler import LossScaler
 from zero.offload import Offloader, OffloadSettings
 from zero.partition import UnitLayout, bucketed_layout, fetch_unit_layout
@@ -51,16 +52,16 @@ class ZeroSettings:
     param_persistence_threshold: int = 100_000
     max_live_parameters: int = 1_000_000_000
     gradient_clipping: float = 0.0
-    pipelined: bool = False
-    """A pipeline schedule drives the backward passes: the caller brackets a step with
-    :meth:`ZeroOptimizer.begin_window` / :meth:`~ZeroOptimizer.finish_window` and each backward
-    pass of a chunk with :meth:`~ZeroOptimizer.begin_pass` / :meth:`~ZeroOptimizer.end_pass`
-    instead of ``start_backward`` / ``finish_backward``. Stage 3 gathers each block around
-    each use, as without pipelines, and holds the root units (embedding, norm, head) for the
-    step."""
+    windowed: bool = False
+    """The caller drives the backward passes of a step (a pipeline schedule does): it brackets
+    the step with :meth:`ZeroOptimizer.begin_window` / :meth:`~ZeroOptimizer.finish_window` and
+    each backward pass over one gradient-sync set (``zero.inputs.GradSyncSets``) with
+    :meth:`~ZeroOptimizer.begin_pass` / :meth:`~ZeroOptimizer.end_pass` instead of
+    ``start_backward`` / ``finish_backward``. Stage 3 gathers each block around each use, as
+    otherwise, and holds the root units (embedding, norm, head) for the step."""
     keep_full_gradients: bool = False
-    """Under ``pipelined``, stages 2-3: accumulate full gradients through the step and reduce
-    each chunk's once, after its last pass (one reduction per step instead of one per pass, at
+    """Under ``windowed``, stages 2-3: accumulate full gradients through the step and reduce
+    each sync set's once, after its last pass (one reduction per step instead of one per pass, at
     a full gradient buffer's memory). Stages 0-1 always do. Stage 3 then also holds all its
     params gathered for the step (one gather per step)."""
     check_overflow: bool = True
@@ -132,60 +133,38 @@ class ZeroOptimizer:
             ``params`` and per-group options such as ``lr`` or ``weight_decay``).
         optimizer_factory: builds the inner ``torch.optim`` optimizer from groups of master
             shards; its states are shard-sized by construction.
-        group: the data-parallel process group (None: the default group).
+        groups: the process groups, by use (``zero.inputs.ZeroGroups``: the mesh's collection).
         settings: stage, buckets, clipping.
         dtype: working precision of the params (fp32, bf16 or fp16); masters are fp32.
         loss_scaler: the fp16 loss scaler (a static scale of 1 otherwise).
-        fetch_modules: stage 3's fetch units (the model's repeated blocks, its stand-alone
-            embedding tables and head: ``zero.partition.stage3_fetch_modules``).
-        held_to_backward: those of ``fetch_modules`` whose backward follows their forward at
-            once (the head): kept gathered from one to the other instead of gathered twice.
-        release_early: those of ``held_to_backward`` whose backward may free the gathered
-            weight before making its gradient (``zero.head``: an untied ``nn.Linear`` head).
-        model_parallel_params: params split across a model-parallel (tensor) group: each
-            rank holds a different piece, so their squared grad norms are also summed over
-            ``model_parallel_group``; all other params are replicated there and counted once.
-        model_parallel_group: the tensor-parallel group of ``model_parallel_params``.
-        norm_duplicate_params: params whose gradient another rank of ``norm_groups`` or of
-            ``model_parallel_group`` also holds and counts (a tied embedding's copy on the last
-            pipeline stage, a model-parallel piece held by several ranks): left out of the norm.
-        norm_groups: groups over which the whole squared norm is also summed (pipeline
-            stages hold disjoint params).
+        fetch: stage 3's fetch units (``zero.inputs.FetchModules``).
+        norm: the params split over ``groups.tp`` or counted by another rank
+            (``zero.inputs.NormShares``); units never mix params the norm treats differently.
+        sync: the caller's gradient-sync sets and the params it sums with tied copies elsewhere
+            (``zero.inputs.GradSyncSets``); a unit never spans two sets, so each set's units can be
+            reduced around its own backward passes (``settings.windowed``).
         param_order: the model's parameters in registration order (default: as grouped);
             it decides the order in which units are reduced.
-chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds each
-            param; a unit never mixes chunks, so each chunk's units can be reduced after its
-            own backward passes (``settings.pipelined``).
-        isolated_params: params that get a unit of their own (a tied copy: its gradient is
-            summed across pipeline stages, shard by shard, so both copies need one layout).
-                initial_values: for params that have no values yet (built on the meta device): a
+        initial_values: for params that have no values yet (built on the meta device): a
             callable given ``{param: (start, stop, flat)}`` that writes elements [start, stop)
             of each param (its flat layout) into ``flat``, a view of this rank's buffers, with
             values that are the same on every rank (computed or read identically everywhere,
             so nothing is broadcast). A rank then never holds more than its share. Default:
             the params' current values, broadcast from dp rank 0.
+        param_names: each param's name, for messages.
         frozen_params: parameters that are not trained (``requires_grad=False``: a PEFT model's
             base): laid out like the trainable ones, in the working precision, and at stage 3
             sharded, gathered with their fetch module and released after its use, but with no
             gradient, no fp32 master and no optimizer state (``frozen_units``). Their initial
             values come as the trainable ones' do.
-        replica_group: hybrid sharding (MiCS, HSDP): ``group`` is one replica's shard group and
-            this is the group of the ranks that hold the same shard in the other replicas; the
-            reduced gradient shards are averaged over it before each step (``zero.dp_groups``).
-        secondary_group: stage 3, ZeRO++'s hpZ: the ranks of ``group`` over which each block's
-            parameters are kept partitioned from its forward to its backward, whose gather then
-            stays inside it (``zero.stage3.ParamFetcher``).
-        node_groups: ``quantized_gradients`` on a ``group`` that spans nodes: (its members on this
-            rank's node, their peers on the other nodes), over which gradients take qgZ's two
-            hops (``zero.quantized_comm``); None: one all-to-all over ``group``.
-        expert_params: expert parallelism: params of which each rank of ``expert_parallel_group``
-            holds different experts. Their units are sharded over ``expert_shard_group`` (the ranks
-            of ``group`` holding the same experts) and reduced there; each of their gradients already
-            sums every rank's tokens of the expert-parallel group (the all-to-all's backward), so the
-            average over ``expert_shard_group`` is divided by the expert-parallel size to give the
-            mean over all of ``group``, as for the other params. Frozen ones (also in ``frozen_params``)
-            are laid out over ``expert_shard_group`` too, and get their values from its rank 0.
-            Expert params may also be ``model_parallel_params`` (expert tensor parallelism: each
+        expert_params: expert parallelism: params of which each rank of ``groups.ep`` holds
+            different experts. Their units are sharded over ``groups.expert_shard`` (the ranks of
+            the shard group holding the same experts) and reduced there; each of their gradients
+            already sums every rank's tokens of the expert-parallel group (the all-to-all's
+            backward), so the average over ``expert_shard`` is divided by the expert-parallel size
+            to give the mean over the whole shard group, as for the other params. Frozen ones (also
+            in ``frozen_params``) are laid out over ``expert_shard`` too, and get their values from
+            its rank 0. Expert params may also be ``norm.split`` (expert tensor parallelism: each
             expert split over the tensor-parallel group), all of them or none.
     """
 
@@ -193,54 +172,43 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         self,
         param_groups: Sequence[dict],
         optimizer_factory: OptimizerFactory,
-        group: dist.ProcessGroup | None,
+        groups: ZeroGroups,
         settings: ZeroSettings,
         dtype: torch.dtype = torch.float32,
         loss_scaler: LossScaler | None = None,
-        fetch_modules: Iterable[nn.Module] = (),
-        held_to_backward: Iterable[nn.Module] = (),
-        release_early: Iterable[nn.Module] = (),
-        model_parallel_params: Iterable[nn.Parameter] = (),
-        model_parallel_group: dist.ProcessGroup | None = None,
-        norm_groups: Sequence[dist.ProcessGroup] = (),
-        norm_duplicate_params: Iterable[nn.Parameter] = (),
+        fetch: FetchModules = FetchModules(),
+        norm: NormShares = NormShares(),
+        sync: GradSyncSets = GradSyncSets(),
         param_order: Sequence[nn.Parameter] | None = None,
         initial_values: ValueProvider | None = None,
-        chunk_of: Mapping[nn.Parameter, int] | None = None,
-        isolated_params: Iterable[nn.Parameter] = (),
         param_names: Mapping[nn.Parameter, str] | None = None,
         frozen_params: Iterable[nn.Parameter] = (),
-        replica_group: dist.ProcessGroup | None = None,
-        secondary_group: dist.ProcessGroup | None = None,
-        node_groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
         expert_params: Iterable[nn.Parameter] = (),
-        expert_shard_group: dist.ProcessGroup | None = None,
-        expert_parallel_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.settings = settings
         self.param_names = dict(param_names or {})  # for messages
-        self.dp = DataParallelGroups(group, replica_group)
+        replica = _more_than_one(groups.zero_replicate)
+        self.dp = DataParallelGroups(groups.zero_shard, replica)
         expert = {id(p) for p in expert_params}
-        self.expert_dp = DataParallelGroups(expert_shard_group, replica_group) if expert else None
-        self.expert_parallel_group = expert_parallel_group if expert else None
-        self._expert_parallel_size = dist.get_world_size(expert_parallel_group) if expert else 1
+        self.expert_dp = DataParallelGroups(groups.expert_shard, replica) if expert else None
+        self.expert_parallel_group = groups.ep if expert else None
+        self._expert_parallel_size = dist.get_world_size(groups.ep) if expert else 1
         self.dtype = dtype
         self.loss_scaler = loss_scaler or LossScaler()
-        self.norm_groups = list(norm_groups)
-        self.model_parallel_group = model_parallel_group
+        self.norm_groups = list(groups.norm)
+        self.model_parallel_group = _more_than_one(groups.tp)
         # Units never mix params the norm treats differently, so it can weigh whole units.
-        # Nor params of different pipeline chunks (each chunk's are reduced after its own
-        # backward passes), nor an isolated param (a tied copy, summed across stages) with others.
-        split = {id(p) for p in model_parallel_params}
-        duplicate = {id(p) for p in norm_duplicate_params}
-        chunk_of = dict(chunk_of or {})
-        isolated_params = list(isolated_params)
-        isolated = {id(p) for p in isolated_params}
+        # Nor params of different sync sets (each set's are reduced around its own backward
+        # passes), nor a param tied to a copy elsewhere (its gradient is summed with the copy's) with others.
+        split = {id(p) for p in norm.split}
+        duplicate = {id(p) for p in norm.counted_elsewhere}
+        set_of = dict(sync.set_of)
+        tied = {id(p) for p in sync.tied_elsewhere}
         params, origin = [], []
         for gi, g in enumerate(param_groups):
             for kind in ((False, False), (True, False), (False, True), (True, True)):
                 ps = [p for p in g["params"] if (id(p) in split, id(p) in duplicate) == kind]
-                for part in _partition(ps, lambda p: (chunk_of.get(p, 0), id(p) if id(p) in isolated else None,
+                for part in _partition(ps, lambda p: (set_of.get(p, 0), id(p) if id(p) in tied else None,
                                                       id(p) in expert)):
                     params.append(part)
                     origin.append((gi, *kind))
@@ -257,16 +225,16 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                              "(parallel3d.build.meta_init.detach_from_meta) and their values through initial_values")
         device = params[0][0].device
         self._comm_device = device  # where collectives run (offloaded shards are on the host)
-        self.layout = self._expert_layout(params, list(fetch_modules), device) if expert else \
-            self._layout(params, list(fetch_modules), device)
+        self.layout = self._expert_layout(params, list(fetch.modules), device) if expert else \
+            self._layout(params, list(fetch.modules), device)
         trained = len(origin)
         self.units = [u for u in self.layout.units if u.group_index < trained]
         self.frozen_units = [u for u in self.layout.units if u.group_index >= trained]
         for unit in self.frozen_units:
             unit.frozen = True
-        self._chunk_units: dict[int, list[int]] = {}  # pipeline chunk -> its units
+        self._set_units: dict[Hashable, list[int]] = {}  # gradient-sync set -> its units
         for ui, unit in enumerate(self.units):
-            self._chunk_units.setdefault(chunk_of.get(params[unit.group_index][0], 0), []).append(ui)
+            self._set_units.setdefault(set_of.get(params[unit.group_index][0], 0), []).append(ui)
             unit.group_index, unit.model_parallel, duplicated = origin[unit.group_index]
             unit.count_in_norm = not duplicated
         split_experts = {u.model_parallel for u in self.units if u.expert}
@@ -286,40 +254,41 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self._install_given(initial_values)
         self.offloader = Offloader(self.units, settings.offload) if settings.offload.enabled else None
         self.fetcher: ParamFetcher | None = None
-        # pipelines: stage 3 holds every param gathered for the step, or only the root units
-        self._hold_all = settings.pipelined and settings.keep_full_gradients
+        # windowed: stage 3 holds every param gathered for the step, or only the root units
+        self._hold_all = settings.windowed and settings.keep_full_gradients
         if settings.stage == 3:
             self.fetcher = ParamFetcher(
                 self.layout.module_units,
                 self.layout.root_units,
-                group,
+                self.dp.shard,
                 prefetch_numel=settings.prefetch_bucket_size,
                 max_live_numel=settings.max_live_parameters,
                 module_hooks=not self._hold_all,
-                module_keys=[chunk_of.get(units[0].params[0], 0) for _, units in self.layout.module_units],
-                held_to_backward=held_to_backward,
-                release_early=list(release_early),
+                module_keys=[set_of.get(units[0].params[0], 0) for _, units in self.layout.module_units],
+                held_to_backward=fetch.held_to_backward,
+                release_early=list(fetch.release_early),
                 settle=lambda units: self.reducer.settle(units),  # the reducer is made below
                 gather=gather_shards_int8 if settings.quantized_weights else gather_shards,
-                secondary_group=secondary_group,
-                secondary_until_step_end=settings.pipelined,
+                secondary_group=groups.zero_secondary,
+                secondary_until_step_end=settings.windowed,
             )
         # one dp rank shards nothing: accumulating into full buffers then saves the staging copies
-        full = settings.stage <= 1 or self.dp.shard_world == 1 or (settings.pipelined and settings.keep_full_gradients)
+        full = settings.stage <= 1 or self.dp.shard_world == 1 or (settings.windowed and settings.keep_full_gradients)
         self.reducer = GradientReducer(
             self.units,
-            group,
+            self.dp.shard,
             settings.stage,
             overlap_comm=settings.overlap_comm,
             on_unit_reduced=self._release_after_reduce if self.fetcher and not self._hold_all else None,
             accumulate_full=full,
             launch_order=launch_order(self.units, param_order or [p for ps in params for p in ps]),
-            reduce=_gradient_reduce(settings.quantized_gradients, group, node_groups),
+            reduce=_gradient_reduce(settings.quantized_gradients, self.dp.shard,
+                                    (groups.zero_node, groups.zero_across_nodes) if groups.zero_node else None),
         )
-        # Full gradients of a tied copy are summed across stages before they are reduced, so
-        # their units wait for finish_window; reduced shards are summed after (same layout).
-        isolated_units = {self.reducer.unit_of(p) for p in isolated_params if self.reducer.has(p)}
-        self._held_units = sorted(isolated_units) if full else []
+        # Full gradients of a param tied elsewhere are summed with the copy's before they are
+        # reduced, so their units wait for finish_window; reduced shards are summed after (same layout).
+        tied_units = {self.reducer.unit_of(p) for p in sync.tied_elsewhere if self.reducer.has(p)}
+        self._held_units = sorted(tied_units) if full else []
         self.masters = [u.master for u in self.units]
         self.pieces = shard_pieces(self.units)
         self.master_pieces = [nn.Parameter(self.masters[pc.unit][pc.start : pc.stop]) for pc in self.pieces]
@@ -331,7 +300,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         self.inner = optimizer_factory(inner_groups)
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
-        self._pass_chunk = 0  # the pipeline chunk of the running backward pass
+        self._pass_set: Hashable = 0  # the gradient-sync set of the running backward pass
 
     def _expert_layout(self, params: list[list[nn.Parameter]], fetch_modules: list[nn.Module], device) -> UnitLayout:
         """Lay out the expert parts over the expert shard group and the others over ``group``, as one layout
@@ -403,7 +372,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
 
     def _release_after_reduce(self, unit: FlatUnit) -> None:
         """A unit whose gradients are complete is not needed again in this backward (unless held:
-        a pipeline's root units, a GatheredParameters context)."""
+        a window's root units, a GatheredParameters context)."""
         self.fetcher.release([unit])
 
     @property
@@ -463,19 +432,21 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
             self.fetcher.end_step_recording()
             self.fetcher.release_all()
 
-    # -- pipelines (``settings.pipelined``): the schedule's passes, in this order ----------
+    # -- windowed (``settings.windowed``): the caller's passes, in this order ---------------
     #   begin_window()                                   once per step (or per evaluation)
-    #   begin_pass(chunk, last) / end_pass()             around every weight-accumulating backward pass
+    #   begin_pass(set, last) / end_pass()               around every weight-accumulating backward pass
     #   reap_reductions()                                before each block's forward (frees finished reductions;
     #                                                    begin_pass does too)
-    #   begin_input_pass(chunk) / release_blocks(chunk)  around an input-gradient-only pass (zb_h1's B);
+    #   begin_input_pass(set) / release_blocks(set)      around an input-gradient-only pass (zb_h1's B);
     #   gather_blocks_of(params)                         in its W, before each group of weight gradients
-    #   tied_gradients(params) -> summed across stages    after the schedule's last pass
+    #   tied_gradients(params) -> summed with the copies after the last pass
     #   finish_window()                                  every reduction done; then step()
     #   end_window()                                     stage 3 releases its params
+    # (``set``: a gradient-sync set's id, ``GradSyncSets``; docs/design.md maps these to Megatron's
+    # no_sync / start_grad_sync / finish_grad_sync.)
 
     def begin_window(self) -> None:
-        """A pipelined step (or evaluation) begins: stage 3 gathers and holds the root units for
+        """A windowed step (or evaluation) begins: stage 3 gathers and holds the root units for
         it (every unit with ``keep_full_gradients``); blocks are gathered around each use."""
         if self.fetcher is None:
             return
@@ -487,15 +458,16 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         fetcher = self.fetcher
         return fetcher.root_units + ([u for _, us in fetcher.module_units for u in us] if self._hold_all else [])
 
-    def begin_pass(self, chunk: int, last: bool) -> None:
-        """A backward pass that accumulates gradients into ``chunk``'s params begins.
+    def begin_pass(self, sync_set: Hashable, last: bool) -> None:
+        """A backward pass that accumulates gradients into the params of gradient-sync set
+        ``sync_set`` begins (``GradSyncSets``).
 
-        Stages 2-3 reduce-scatter the chunk's units during and after every pass and keep the
-        shard; with full gradients (stages 0-1, ``keep_full_gradients``) the chunk's units are
+        Stages 2-3 reduce-scatter the set's units during and after every pass and keep the
+        shard; with full gradients (stages 0-1, ``keep_full_gradients``) the set's units are
         reduced during and after its ``last`` pass of the step only.
         """
-        units = [ui for ui in self._chunk_units.get(chunk, ()) if ui not in self._held_units]
-        self._pass_chunk = chunk
+        units = [ui for ui in self._set_units.get(sync_set, ()) if ui not in self._held_units]
+        self._pass_set = sync_set
         self.reducer.reap()
         self.reducer.start_backward(boundary=last, units=units)
 
@@ -506,22 +478,23 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         if self.fetcher is not None and not self._hold_all:
             self.fetcher.gather_modules_of(params)
 
-    def begin_input_pass(self, chunk: int) -> None:
-        """Stage 3: an input-gradient pass (``zb_h1``'s B) begins on ``chunk``."""
+    def begin_input_pass(self, sync_set: Hashable) -> None:
+        """Stage 3: a backward pass that makes input gradients only (``zb_h1``'s B) begins on the
+        blocks of gradient-sync set ``sync_set``."""
         if self.fetcher is not None and not self._hold_all:
-            self.fetcher.begin_input_pass(chunk)
+            self.fetcher.begin_input_pass(sync_set)
 
-    def release_blocks(self, chunk: int) -> None:
-        """Stage 3: release ``chunk``'s blocks after an input-gradient pass gathered them."""
+    def release_blocks(self, sync_set: Hashable) -> None:
+        """Stage 3: release ``sync_set``'s blocks after an input-gradient pass gathered them."""
         if self.fetcher is not None and not self._hold_all:
-            self.fetcher.release_key(chunk)
+            self.fetcher.release_key(sync_set)
 
     def end_pass(self) -> None:
-        """The pass has ended: launch the chunk's units that got no gradient (zeros), without waiting;
-        stage 3 releases the chunk's frozen units that the pass left gathered."""
+        """The pass has ended: launch the set's units that got no gradient (zeros), without waiting;
+        stage 3 releases the set's frozen units that the pass left gathered."""
         self.reducer.finish_backward(wait=False)
         if self.fetcher is not None and not self._hold_all:
-            self.fetcher.release_frozen(self._pass_chunk)
+            self.fetcher.release_frozen(self._pass_set)
 
     def reap_reductions(self) -> None:
         """Between passes (before each block's forward): free the buffers of the reductions that
@@ -531,9 +504,10 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         self.reducer.reap()
 
     def tied_gradients(self, params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
-        """What to sum across a tied param's stages: its full gradient while it is still held for
-        that sum (full gradients), else its reduced shard (its unit holds it alone, laid out the
-        same on both stages). An empty tensor for a param ZeRO does not train."""
+        """What to sum with the tied copies of ``GradSyncSets.tied_elsewhere`` params: the full
+        gradient while it is still held for that sum (full gradients), else the reduced shard (its
+        unit holds it alone, laid out the same on every holder). An empty tensor for a param ZeRO
+        does not train."""
         self.reducer.wait()
         self.reducer.ensure_buffers()  # zeros where this stage's copy got no gradient
         out = []
@@ -705,7 +679,7 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
         for w in works:
             w.wait()
         if self.fetcher is not None:
-            self.fetcher.release_all()  # held units (a GatheredParameters context, a pipeline window) stay
+            self.fetcher.release_all()  # held units (a GatheredParameters context, a window's) stay
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradient buffers and ``.grad`` views (the next backward makes them again,
@@ -828,6 +802,13 @@ chunk_of: under pipelines, the chunk (virtual stage) of this rank that holds eac
                 if isinstance(value, torch.Tensor):
                     report[states] += nbytes(value)
         return report
+
+
+def _more_than_one(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group`` where it has more than one rank, else None (a group of one needs no collective)."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return None
+    return group
 
 
 def _gradient_reduce(quantized: bool, group: dist.ProcessGroup | None,

@@ -46,7 +46,7 @@ of a mixture-of-experts layer) may run or not as they like: the block is gathere
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,8 +74,9 @@ class ParamFetcher:
         max_live_numel: never hold more gathered elements than this through prefetch.
         module_hooks: gather and release around each module's forward and backward; off
             when the caller holds everything gathered for a whole step.
-        module_keys: per fetch module, the sequence it belongs to (a pipeline chunk); each
-            key's order is recorded, checked and prefetched along on its own. Default: one.
+        module_keys: per fetch module, the sequence it belongs to (its gradient-sync set, a
+            pipeline chunk's say); each key's order is recorded, checked and prefetched along
+            on its own. Default: one.
         held_to_backward: fetch modules kept gathered from their forward until their gradients
             are reduced (the head, whose backward comes right after its forward).
         release_early: those of ``held_to_backward`` (an ``nn.Linear`` head without bias) whose
@@ -92,7 +93,7 @@ class ParamFetcher:
         prefetch_numel: int,
         max_live_numel: int,
         module_hooks: bool = True,
-        module_keys: Sequence[int] | None = None,
+        module_keys: Sequence[Hashable] | None = None,
         held_to_backward: Sequence[nn.Module] = (),
         settle: Callable[[Sequence[FlatUnit]], None] | None = None,
         release_early: Sequence[nn.Module] = (),
@@ -260,14 +261,14 @@ class ParamFetcher:
             self._settle(units)
         self.gather(units)
 
-    def begin_input_pass(self, key: int) -> None:
+    def begin_input_pass(self, key: Hashable) -> None:
         """A backward that computes input gradients only (``zb_h1``'s B) starts on ``key``'s
         blocks: a block is released as soon as the backward has moved past it (no weight
         gradient will be reduced in this pass, so no reduction releases it)."""
         self._input_pass = key
 
-    def release_key(self, key: int) -> None:
-        """Release every fetch module of ``key`` (a pipeline chunk); ends an input pass."""
+    def release_key(self, key: Hashable) -> None:
+        """Release every fetch module of ``key`` (a gradient-sync set); ends an input pass."""
         self._input_pass = None
         for mi, (_, units) in enumerate(self.module_units):
             if self._key[mi] == key:
@@ -419,8 +420,8 @@ class ParamFetcher:
             if frozen:
                 self.release(frozen)
 
-    def release_frozen(self, key: int) -> None:
-        """A backward pass over ``key``'s fetch modules (a pipeline chunk) has ended: release their
+    def release_frozen(self, key: Hashable) -> None:
+        """A backward pass over ``key``'s fetch modules (a gradient-sync set) has ended: release their
         frozen units still gathered (the earliest module's, which no later backward follows)."""
         for mi, (_, units) in enumerate(self.module_units):
             if self._key[mi] == key:

@@ -28,6 +28,7 @@ from parallel3d.pipeline.stage import PipelineModel, split_model
 from parallel3d.tensor_parallel import TensorParallelInfo, apply_tensor_parallel, causal_lm_loss
 from parallel3d.tensor_parallel.sequence import sequence_segment_hooks
 from zero import DynamicLossScaler, LossScaler, ZeroOptimizer, ZeroSettings
+from zero.inputs import FetchModules, GradSyncSets, NormShares
 from zero.offload import OffloadSettings
 from zero.partition import stage3_fetch_modules, standalone_head
 
@@ -130,7 +131,7 @@ def apply_zero(
         param_persistence_threshold=z.stage3_param_persistence_threshold,
         max_live_parameters=z.stage3_max_live_parameters,
         gradient_clipping=cfg.gradient_clipping,
-        pipelined=pipe is not None,
+        windowed=pipe is not None,
         keep_full_gradients=cfg.pipeline.keep_full_gradients,
         check_overflow=not (cfg.bf16.enabled and not cfg.bf16.check_grad_overflow),
         gradient_sum=cfg.gradient_allreduce_op == "sum",
@@ -142,33 +143,34 @@ def apply_zero(
     )
     blocks = fetch_unit_modules(model) if z.stage == 3 else []
     heads = standalone_head(model, blocks) if z.stage == 3 and blocks else []
+    fetch = FetchModules(modules=stage3_fetch_modules(model, blocks) if z.stage == 3 else (), held_to_backward=heads,
+                         release_early=_heads_released_early(heads, pipe, cfg.pipeline.schedule))
     return ZeroOptimizer(
         groups,
         optimizer_factory,
-        mesh.groups.zero_shard,
+        mesh.groups,
         settings,
         dtype=dtype,
         loss_scaler=_loss_scaler(cfg),
-        fetch_modules=stage3_fetch_modules(model, blocks) if z.stage == 3 else (),
-        held_to_backward=heads,
-        release_early=_heads_released_early(heads, pipe, cfg.pipeline.schedule),
-        model_parallel_params=tp_info.sharded_params if tp_info else (),
-        model_parallel_group=mesh.groups.tp if tp_info else None,
-        norm_groups=list(mesh.groups.norm),
-        norm_duplicate_params=_norm_duplicates(pipe, tp_info),
+        fetch=fetch,
+        norm=NormShares(split=tp_info.sharded_params if tp_info else (),
+                        counted_elsewhere=_norm_duplicates(pipe, tp_info)),
+        sync=_sync_sets(pipe),
         param_order=list(model.parameters()),
         initial_values=values,
-        chunk_of={p: ci for ci, chunk in enumerate(pipe.chunks) for p in chunk.parameters()} if pipe else None,
-        isolated_params=[t.param for t in pipe.tied] if pipe else (),
         param_names={p: n for n, p in (pipe.hf_named_parameters() if pipe else model.named_parameters())},
         frozen_params=frozen,
-        replica_group=mesh.groups.zero_replicate if mesh.size("dp_replicate") > 1 else None,
-        secondary_group=mesh.groups.zero_secondary,
-        node_groups=(mesh.groups.zero_node, mesh.groups.zero_across_nodes) if mesh.groups.zero_node else None,
         expert_params=list(ep_info.params.values()) if ep_info else (),
-        expert_shard_group=ep_info.shard_group if ep_info else None,
-        expert_parallel_group=ep_info.group if ep_info else None,
     )
+
+
+def _sync_sets(pipe: PipelineModel | None) -> GradSyncSets:
+    """ZeRO's gradient-sync sets: one per pipeline chunk of this rank, by the chunk's index (the
+    schedule's backward passes name it; ``PipelineLoop``), and the tied copies summed across stages."""
+    if pipe is None:
+        return GradSyncSets()
+    return GradSyncSets(set_of={p: ci for ci, chunk in enumerate(pipe.chunks) for p in chunk.parameters()},
+                        tied_elsewhere=[t.param for t in pipe.tied])
 
 
 def _heads_released_early(heads: list[nn.Module], pipe: PipelineModel | None, schedule: str) -> list[nn.Module]:

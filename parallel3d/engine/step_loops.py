@@ -8,12 +8,14 @@ and ``eval_batch`` hand the micro-batches of one window to a step loop chosen at
   the window's end. The engine's own per-micro-batch calls are available too.
 * ``PipelineLoop`` (pipeline.stages > 1): the window's micro-batches go through the
   schedule at once, so there is no per-micro-batch ``forward``/``backward``/``step``. One
-  step follows ZeRO's pipeline protocol (zero/optimizer.py, ``begin_window`` and after):
-  stage 3 gathers this stage's parameters for the step; the executor runs the schedule, and
+  step follows ZeRO's windowed protocol (zero/optimizer.py, ``begin_window`` and after), whose
+  gradient-sync sets are this rank's chunks by index (``build/apply.py``, ``_sync_sets``); the
+  executor knows only the hooks this loop binds to it (docs/design.md, "A pipeline step").
+  Stage 3 gathers this stage's parameters for the step; the executor runs the schedule, and
   around each backward pass that accumulates weight gradients (every ``B``, or ``W`` in
-  zero-bubble schedules) ZeRO is told which chunk it touches and whether it is the chunk's
-  last of the step: stages 2-3 reduce-scatter the chunk's gradients after every pass and keep
-  only the shard, stages 0-1 (and ``pipeline.keep_full_gradients``) accumulate full gradients
+  zero-bubble schedules) ZeRO is told which chunk's sync set it touches and whether it is the
+  chunk's last of the step: stages 2-3 reduce-scatter the chunk's gradients after every pass
+  and keep only the shard, stages 0-1 (and ``pipeline.keep_full_gradients``) accumulate full gradients
   and reduce the chunk's after its last pass, while the schedule goes on. The tied
   embedding/head gradients are then summed over the first and last stage (full gradients
   before their reduction, shards after it), ZeRO waits for every reduction, unscales, clips
@@ -130,6 +132,7 @@ class PipelineLoop:
                 block.register_forward_pre_hook(lambda *_: reap())
 
     def _begin_pass(self, pass_: BackwardPass) -> None:
+        # a chunk's index is its gradient-sync set's id in ZeRO (build/apply.py, _sync_sets)
         if pass_.accumulates_weights:
             self.zero.begin_pass(pass_.chunk, last=pass_.is_last)
         else:

@@ -96,7 +96,8 @@ class ProcessGroups:
     """The groups components use, named by what they are for (Megatron's ProcessGroupCollection).
 
     Each is None in a single process run without ``torch.distributed``. Handed out by the
-    mesh, so no component slices the mesh itself or keeps a group in a global.
+    mesh, so no component slices the mesh itself or keeps a group in a global. ZeRO takes the
+    collection whole and reads the groups it uses by name (``zero.inputs.ZeroGroups``).
     """
 
     tp: dist.ProcessGroup | None = None
