@@ -38,10 +38,20 @@ LAYOUTS = {  # world, config extras, data-parallel ranks, expert-parallel size, 
 
 
 @functools.cache
-def _reference(dp: int) -> tuple[list[float], dict, dict]:
-    """One process: losses, final parameters and final router biases."""
+def _reference(dp: int, coeff: float = COEFF, steps: int = STEPS, start: float | None = None,
+               buffer_dtype: torch.dtype | None = None) -> tuple[list[float], dict, dict]:
+    """One process: losses, final parameters and final router biases (float32). ``start``: every bias's
+    first value; ``buffer_dtype``: the model's floating-point buffers cast to it, as ``data_types.buffer_dtype``
+    casts them, while each bias moves in float32 and its buffer gets the rounded value after each step."""
     model = make_deepseek_v3()
     routers = {n.rpartition(".")[0]: m for n, m in model.named_modules() if hasattr(m, BIAS) for n in [n + "." + BIAS]}
+    if start is not None:
+        for router in routers.values():
+            getattr(router, BIAS).fill_(start)
+    masters = {name: getattr(router, BIAS).detach().to(torch.float32, copy=True) for name, router in routers.items()}
+    for buffer in model.buffers() if buffer_dtype is not None else ():
+        if buffer.is_floating_point():
+            buffer.data = buffer.data.to(buffer_dtype)
     loads = {}
 
     def count(name):
@@ -51,9 +61,9 @@ def _reference(dp: int) -> tuple[list[float], dict, dict]:
     for name, router in routers.items():
         router.register_forward_hook(count(name))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    data = token_batches(STEPS, GAS, dp)
+    data = token_batches(steps, GAS, dp)
     losses = []
-    for s in range(STEPS):
+    for s in range(steps):
         loads.update({name: torch.zeros(EXPERTS, dtype=torch.int64) for name in routers})
         total = 0.0
         for a in range(GAS):
@@ -66,9 +76,10 @@ def _reference(dp: int) -> tuple[list[float], dict, dict]:
         with torch.no_grad():
             for name, router in routers.items():
                 load = loads[name].float()
-                getattr(router, BIAS).add_(torch.sign(load.mean() - load) * COEFF)
+                masters[name].add_(torch.sign(load.mean() - load) * coeff)
+                getattr(router, BIAS).copy_(masters[name])
         losses.append(total / GAS)
-    biases = {f"{n}.{BIAS}": getattr(r, BIAS).clone() for n, r in routers.items()}
+    biases = {f"{n}.{BIAS}": masters[n].clone() for n in routers}
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, biases
 
 
@@ -144,22 +155,28 @@ def test_load_balance_coeff_needs_a_router_bias():
 
 
 def test_router_biases_accumulate_in_float32_under_a_bf16_buffer_dtype():
-    """``buffer_dtype: bf16`` casts the biases, and bf16 cannot hold ``1 + 1e-3``: the balancer keeps them in
-    float32 and writes the rounded value to the buffer, so the steps add up instead of being dropped."""
+    """``buffer_dtype: bf16`` casts the biases, and bf16 cannot hold ``1 + 1e-3`` (its spacing there is
+    2 ** -7): updated in place, every step rounded away and the biases stayed at 1.0. The balancer keeps them
+    in float32 and writes the rounded value to the buffer: against one process whose buffers are bf16 too and
+    whose biases move in float32, the same losses and the same biases, bit for bit."""
     import parallel3d
 
+    steps, coeff = 4, 1e-3
+    want_losses, _, want_biases = _reference(1, coeff, steps, start=1.0, buffer_dtype=torch.bfloat16)
+    assert all((b - 1.0).abs().max() >= 2e-3 for b in want_biases.values())  # moved by more than one step
     model = make_deepseek_v3()
     for name, bias in model.named_buffers():
         if name.endswith(BIAS):
-            bias.fill_(1.0)  # a trained bias; a step of 1e-3 is under half of bf16's spacing there (2 ** -7)
-    config = ds_config(1, 1, 1)
-    config["expert_parallel"] = {"load_balance_coeff": 1e-3}
+            bias.fill_(1.0)  # a trained bias
+    config = ds_config(1, GAS, 1)
+    config["expert_parallel"] = {"load_balance_coeff": coeff}
     config["data_types"] = {"buffer_dtype": "bf16"}
     engine = parallel3d.initialize(model=model, config=config)[0]
-    data_iter = iter(rank_micro_batches(token_batches(4, 1, 1), 0))
-    for _ in range(4):
-        engine.train_batch(data_iter)
+    data_iter = iter(rank_micro_batches(token_batches(steps, GAS, 1), 0))
+    assert [engine.train_batch(data_iter) for _ in range(steps)] == pytest.approx(want_losses, rel=RTOL)
+    values = engine.expert_bias.state_dict()
+    assert values.keys() == want_biases.keys()
     for router in engine.expert_bias.routers:
-        value = engine.expert_bias.state_dict()[router.name]
-        assert value.dtype == torch.float32 and (value - 1.0).abs().max() >= 2e-3, router.name  # moved, in steps
+        value = values[router.name]
+        assert value.dtype == torch.float32 and torch.equal(value, want_biases[router.name]), router.name
         assert torch.equal(router.owner.get_buffer(BIAS), value.to(torch.bfloat16)), router.name
