@@ -152,7 +152,7 @@ def test_prediction_equals_memory_report_with_offload(dist):
     from zero.sizing import CATEGORIES, HOST_CATEGORIES
 
     offloaded = dist.run(2, measure, "dp2", OFFLOAD_CASES, OFFLOAD)
-    plain = dist.run(2, measure, "dp2", OFFLOAD_CASES)
+    plain = zip(*(_case(dist, "dp2", stage, precision) for stage, precision in OFFLOAD_CASES))  # the same runs
     predict("dp2", OFFLOAD_CASES, offloaded, OFFLOAD)
     for rank, (with_offload, without) in enumerate(zip(offloaded, plain)):
         for (stage, precision), m, base in zip(OFFLOAD_CASES, with_offload, without):
