@@ -25,6 +25,12 @@ from tests.test_train_cli import ROOT, read_metrics, tiny_job
 
 MARK = "ZERO3D_TEST_JOB"
 GONE_S = 30.0  # a graceful stop ends the step, saves and tears torch down: seconds on a loaded 2-core box
+# A worker whose peer died names the missing rank after asking the others for two heartbeat
+# intervals (comm.timeout_s / 10 each, parallel3d/runtime/watchdog.py): 20 s at the default 300 s,
+# and the agent waits for it. The jobs that lose a worker use 60 s (a 12.5 s wait), far above any
+# wait of a healthy tiny job; the message is the same.
+PEER_LOSS_TIMEOUT_S = 60
+PEER_LOSS_TIMEOUT = f"engine.comm.timeout_s={PEER_LOSS_TIMEOUT_S}"
 
 
 def job_processes(mark: str) -> dict[int, tuple[str, dict[str, str]]]:
@@ -133,7 +139,8 @@ CASES = [("launcher", signal.SIGTERM, 143), ("launcher", signal.SIGINT, 130), ("
 
 @pytest.mark.parametrize("role,sig,code", CASES, ids=[f"{role}-{sig.name}" for role, sig, _ in CASES])
 def test_nothing_outlives_a_signal_and_latest_loads(tmp_path, cache_dir, role, sig, code):
-    job = Job(tmp_path, cache_dir, "train.save_on_signal=true")
+    loses_a_peer = (role, sig) == ("worker", signal.SIGKILL)
+    job = Job(tmp_path, cache_dir, "train.save_on_signal=true", *([PEER_LOSS_TIMEOUT] if loses_a_peer else []))
     try:
         job.wait_for_step(3)
         before = len(job.stderr())
