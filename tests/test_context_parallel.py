@@ -328,22 +328,29 @@ BAD_BATCHES = {
 }
 
 
-def _bad_batch(case: str, ids: torch.Tensor, method: str = "ulysses") -> str:
+def _bad_batch(case: str, ids: torch.Tensor, method: str = "ulysses", by_hand: bool = False) -> str:
+    """The message for ``case``'s micro-batch, handed to ``train_batch`` or (``by_hand``) to ``engine(...)``."""
     import parallel3d
     from parallel3d.errors import ConfigError
 
     config = ds_config(0, 1, 1)
     config["context_parallel"] = {"size": 2, "method": method}
     engine, _, _, _ = parallel3d.initialize(model=make_model("llama"), config=config)
+    batch = BAD_BATCHES[case][0]({"input_ids": ids, "labels": ids})
     with pytest.raises(ConfigError) as info:
-        engine.train_batch(iter([BAD_BATCHES[case][0]({"input_ids": ids, "labels": ids})]))
+        if by_hand:
+            engine.backward(engine(**batch).loss)
+        else:
+            engine.train_batch(iter([batch]))
     return str(info.value)
 
 
-@pytest.mark.parametrize("case", BAD_BATCHES)
-def test_bad_batches(dist, case):
+@pytest.mark.parametrize("case, by_hand", [(case, False) for case in BAD_BATCHES] + [("per rank", True),
+                                                                                   ("odd length", True)])
+def test_bad_batches(dist, case, by_hand):
+    """Refused on every rank, through train_batch and through the DeepSpeed-style engine(batch) call."""
     ids = _data(1, 1)[0, 0, 0]
-    for got in dist.run(2, _bad_batch, case, ids, "ring" if case.startswith("ring") else "ulysses"):
+    for got in dist.run(2, _bad_batch, case, ids, "ring" if case.startswith("ring") else "ulysses", by_hand):
         assert BAD_BATCHES[case][1] in got
 
 

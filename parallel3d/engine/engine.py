@@ -289,10 +289,14 @@ class Engine(DeepSpeedSurface):
         all-reduce of a flag): a rank raising alone would leave the others waiting in the forward's
         or backward's collectives until the timeout. A forward with no collective in it (no_grad at
         ZeRO 0-2 without tp or cp: an evaluation on rank 0 alone) checks locally instead. Under ``loss_normalization: "tokens"`` a call
-        with labels must carry ``num_items_in_batch`` (`token_mean.call_problem`)."""
+        with labels must carry ``num_items_in_batch`` (`token_mean.call_problem`). Under context parallelism
+        the cp ranks must have been handed the same micro-batch, as in ``train_batch``."""
         problem = first_problem([call], self._vocab_size, cache_on=self._cache_on)
         if problem is None and self.token_mean:
             problem = token_mean.call_problem(call)
+        if self.sequence_split is not None:  # as _check_batches: the cp group's agreement, on every rank
+            differing = self.sequence_split.differing([call], self.device)
+            problem = problem or self.sequence_split.problem(call) or differing
         error = ConfigError(f"engine(...){self._on_rank()}: {problem}") if problem is not None else None
         if not (torch.is_grad_enabled() or self.optimizer.settings.stage == 3 or self.mesh.tp > 1 or self.mesh.cp > 1):
             # a forward without collectives (evaluation under no_grad, ZeRO 0-2, no tp or cp) may run on
