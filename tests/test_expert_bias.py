@@ -37,13 +37,23 @@ LAYOUTS = {  # world, config extras, data-parallel ranks, expert-parallel size, 
 }
 
 
+def _freeze_below(model: torch.nn.Module) -> torch.nn.Module:
+    """Layer 0 frozen but its shared expert (a backward reaches the layer, and checkpointing recomputes it,
+    while its routed experts' inputs and routing weights need no gradient); layer 1 and the head train."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(not name.startswith(("model.embed_tokens.", "model.layers.0."))
+                             or name.startswith("model.layers.0.mlp.shared_experts."))
+    return model
+
+
 @functools.cache
 def _reference(dp: int, coeff: float = COEFF, steps: int = STEPS, start: float | None = None,
-               buffer_dtype: torch.dtype | None = None) -> tuple[list[float], dict, dict]:
+               buffer_dtype: torch.dtype | None = None, frozen: bool = False) -> tuple[list[float], dict, dict]:
     """One process: losses, final parameters and final router biases (float32). ``start``: every bias's
     first value; ``buffer_dtype``: the model's floating-point buffers cast to it, as ``data_types.buffer_dtype``
-    casts them, while each bias moves in float32 and its buffer gets the rounded value after each step."""
-    model = make_deepseek_v3()
+    casts them, while each bias moves in float32 and its buffer gets the rounded value after each step;
+    ``frozen``: ``_freeze_below``."""
+    model = _freeze_below(make_deepseek_v3()) if frozen else make_deepseek_v3()
     routers = {n.rpartition(".")[0]: m for n, m in model.named_modules() if hasattr(m, BIAS) for n in [n + "." + BIAS]}
     if start is not None:
         for router in routers.values():
@@ -180,3 +190,25 @@ def test_router_biases_accumulate_in_float32_under_a_bf16_buffer_dtype():
         value = values[router.name]
         assert value.dtype == torch.float32 and torch.equal(value, want_biases[router.name]), router.name
         assert torch.equal(router.owner.get_buffer(BIAS), value.to(torch.bfloat16)), router.name
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_frozen_layer_counts_its_loads_once(checkpointing):
+    """Layer 0 frozen below the trained layers (PEFT's layers_to_transform, frozen lower layers): no backward
+    reaches its routed experts' inputs, so its calls are counted when they run (they were not counted at
+    all); under non-reentrant checkpointing its recomputation inside backward is not counted again."""
+    import parallel3d
+
+    want_losses, _, want_biases = _reference(1, frozen=True)
+    model = _freeze_below(make_deepseek_v3())
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = ds_config(1, GAS, 1)
+    config["expert_parallel"] = {"load_balance_coeff": COEFF}
+    engine = parallel3d.initialize(model=model, config=config)[0]
+    data_iter = iter(rank_micro_batches(token_batches(STEPS, GAS, 1), 0))
+    assert [engine.train_batch(data_iter) for _ in range(STEPS)] == pytest.approx(want_losses, rel=RTOL)
+    got = engine.expert_bias.state_dict()
+    assert got.keys() == want_biases.keys() and want_biases["model.layers.0.mlp.gate." + BIAS].abs().sum() > 0
+    for name, bias in want_biases.items():
+        assert torch.equal(got[name], bias), name

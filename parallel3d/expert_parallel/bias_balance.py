@@ -11,7 +11,9 @@ over the layer's experts: an overloaded expert's bias goes down, an idle one's u
 ``moe_router_bias_update_rate``) turns it on. Each experts module's calls are counted (a forward
 pre-hook reads ``top_k_index``, the global expert ids, before any dispatch): every micro-batch of
 the window, once, when the backward pass reaches that call's routing weights (a gradient hook on
-them). So evaluation (no backward) counts nothing, and under activation checkpointing only the
+them); a call no backward pass will reach (its inputs and routing weights need no gradient: a frozen
+layer below every trained one, PEFT's ``layers_to_transform``) counts when it runs, unless it runs inside
+a backward pass (a recomputation). So evaluation (no backward) counts nothing, and under activation checkpointing only the
 forward whose graph the backward runs through counts: the first forward without reentrant
 checkpointing, the recomputation inside backward with it (its first forward runs under
 ``no_grad``). At the window's end the counts are
@@ -140,13 +142,16 @@ class ExpertBiasBalancer:
             carrier = next((t for t in (args[2] if len(args) > 2 else kwargs.get("top_k_weights"),
                                         args[0] if args else kwargs.get("hidden_states"))
                             if isinstance(t, torch.Tensor) and t.requires_grad), None)
-            if carrier is None:
-                return  # nothing here will see a backward pass
+            if carrier is None and torch._C._current_graph_task_id() != -1:
+                return  # a recomputation inside backward of a call counted when it first ran (below)
             choices = args[1] if len(args) > 1 else kwargs["top_k_index"]
             experts = self.routers[index].num_experts
             flat = choices.detach().reshape(-1)
             counted = torch.bincount(flat[flat < experts], minlength=experts)  # ids >= E: no expert chosen
-            carrier.register_hook(lambda _grad: self._add(index, counted))
+            if carrier is None:  # a frozen layer below every trained one: no backward reaches it, count it now
+                self._add(index, counted)
+            else:
+                carrier.register_hook(lambda _grad: self._add(index, counted))
 
         return count
 
