@@ -676,7 +676,8 @@ class ExpertParallelConfig(Section):
 
     expert_tensor_parallel_size: PositiveInt = 1
     """Tensor-parallel ranks each expert is split over: 1 (each tp rank holds its experts whole) or
-    ``tensor_parallel.size`` (each expert split like a dense MLP; checked with the world size)."""
+    ``tensor_parallel.size`` (each expert split like a dense MLP; checked with the world size). With
+    ``enabled`` false it has no effect: the tensor-parallel plan splits the experts as any MLP."""
 
     load_balance_coeff: Optional[PositiveFloat] = None
     """DeepSeek V3's auxiliary-loss-free balancing (Megatron's ``moe_router_bias_update_rate``): after
