@@ -212,3 +212,21 @@ def test_a_frozen_layer_counts_its_loads_once(checkpointing):
     assert got.keys() == want_biases.keys() and want_biases["model.layers.0.mlp.gate." + BIAS].abs().sum() > 0
     for name, bias in want_biases.items():
         assert torch.equal(got[name], bias), name
+
+
+def test_a_bias_written_after_initialize_is_the_one_that_moves():
+    """The float32 copy must not outlive a write to the buffer (the model's state loaded by the user after
+    initialize): the next update moves the written value, not the one the balancer took at initialize."""
+    import parallel3d
+
+    config = ds_config(1, 1, 1)
+    config["expert_parallel"] = {"load_balance_coeff": 1e-3}
+    config["data_types"] = {"buffer_dtype": "bf16"}
+    engine = parallel3d.initialize(model=make_deepseek_v3(), config=config)[0]
+    for router in engine.expert_bias.routers:
+        router.owner.get_buffer(BIAS).fill_(2.0)
+    assert all(torch.equal(v, torch.full_like(v, 2.0)) for v in engine.expert_bias.state_dict().values())
+    engine.train_batch(iter(rank_micro_batches(token_batches(1, 1, 1), 0)))
+    for value in engine.expert_bias.state_dict().values():
+        moved = (value - 2.0).abs()  # 2.0 moved by one step: +-coeff, or 0 for an expert at the mean load
+        assert bool(((moved < 1e-6) | ((moved - 1e-3).abs() < 1e-6)).all()) and moved.max() > 0, value

@@ -31,7 +31,8 @@ rank's part only: its counts are summed over tp as well.
 The balancer keeps each bias in float32 and writes it to the buffer after every update: a buffer cast to
 bf16 (``data_types.buffer_dtype``, or a model cast whole) cannot hold ``bias + rate`` for any bias over
 ``256 * rate`` in size (bf16 keeps 8 significant bits), so updating it in place would drop every step.
-Checkpoints hold the float32 values.
+Checkpoints hold the float32 values. A buffer written since (the model's state loaded by the user) is
+taken back into float32 before the next update or save, so the write is not undone.
 """
 
 from __future__ import annotations
@@ -171,15 +172,25 @@ class ExpertBiasBalancer:
             dist.all_reduce(parts, group=self.tp_group)
             loads[self.tp_parts] = parts
         with torch.no_grad():
-            for router, load, value in zip(self.routers, loads, self.biases):
+            for router, load, value in zip(self.routers, loads, self._synced()):
                 load = load.to(device=value.device, dtype=torch.float32)
                 value.add_((torch.sign(load.mean() - load) * self.rate).view_as(value))
                 router.owner.get_buffer(BIAS).copy_(value)
         self.loads = [torch.zeros_like(load) for load in self.loads]
 
+    def _synced(self) -> list[torch.Tensor]:
+        """The float32 biases, each taken from its buffer again where the buffer no longer holds its rounded
+        value: written since (the model's state loaded by the user), that value wins over the stale one."""
+        with torch.no_grad():
+            for router, value in zip(self.routers, self.biases):
+                buffer = router.owner.get_buffer(BIAS)
+                if not torch.equal(buffer, value.to(device=buffer.device, dtype=buffer.dtype)):
+                    value.copy_(buffer.view_as(value))
+        return self.biases
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's router biases by name, in float32 (a checkpoint holds every stage's)."""
-        return {r.name: value.cpu().clone() for r, value in zip(self.routers, self.biases)}
+        return {r.name: value.cpu().clone() for r, value in zip(self.routers, self._synced())}
 
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Set the biases a checkpoint holds (one saved without ``load_balance_coeff`` holds none: the
