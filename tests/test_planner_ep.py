@@ -2,9 +2,10 @@
 
 With ``expert_parallel.autoep_size`` E a rank holds 1/E of every MoE layer's routed experts,
 whose ZeRO units are sharded over the expert-shard group (dp / E ranks) rather than dp; the rest
-is as without it. Every layout is initialized for real on CPU/gloo and trained one step; the
+is as without it; with expert tensor parallelism (``expert_tensor_parallel_size`` = tp) each expert is
+also split over the tp ranks, 1/(E x tp) of it on a rank. Every layout is initialized for real on CPU/gloo and trained one step; the
 planner predicts each rank's report from the model and the layout alone
-(``ModelShapes(model, tp, ep=E)``, ``states.model_state_bytes``).
+(``ModelShapes(model, tp, ep=E, etp=T)``, ``states.model_state_bytes``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import pytest
 from tests.tiny import rank_micro_batches, token_batches
 from tests.tiny_moe import ep_config, make_moe
 
-LAYOUTS = {  # name: (model kind, tp, ep, dp, [(stage, precision)])
-    "dp4-ep2": ("mixtral", 1, 2, 4, [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16")]),
-    "dp4-ep4": ("qwen3_moe", 1, 4, 4, [(2, "fp32"), (3, "fp32")]),
-    "tp2-dp2-ep2": ("qwen3_moe", 2, 2, 2, [(1, "bf16"), (3, "bf16")]),
+LAYOUTS = {  # name: (model kind, tp, ep, dp, [(stage, precision)], expert_tensor_parallel_size)
+    "dp4-ep2": ("mixtral", 1, 2, 4, [(0, "bf16"), (1, "bf16"), (2, "bf16"), (3, "bf16")], 1),
+    "dp4-ep4": ("qwen3_moe", 1, 4, 4, [(2, "fp32"), (3, "fp32")], 1),
+    "tp2-dp2-ep2": ("qwen3_moe", 2, 2, 2, [(1, "bf16"), (3, "bf16")], 1),
+    "tp2-dp2-ep2-etp2": ("mixtral", 2, 2, 2, [(1, "bf16"), (3, "bf16")], 2),
 }
 CASES = [(name, stage, precision) for name, layout in LAYOUTS.items() for stage, precision in layout[4]]
 ZERO = {"reduce_bucket_size": 3000, "stage3_param_persistence_threshold": 50}
@@ -29,12 +31,13 @@ def measure(name: str) -> list[dict]:
     """On one rank, for each case of the layout: the reports after one step and where the rank sits."""
     import parallel3d
 
-    kind, tp, ep, dp, cases = LAYOUTS[name]
+    kind, tp, ep, dp, cases, etp = LAYOUTS[name]
     out = []
     for stage, precision in cases:
         config = ep_config(stage, 2, dp, ep, **ZERO)
         config["bf16"] = {"enabled": precision == "bf16"}
         config["tensor_parallel"] = {"size": tp}
+        config["expert_parallel"]["expert_tensor_parallel_size"] = etp
         engine = parallel3d.initialize(model=make_moe(kind), config=config)[0]
         data = iter(rank_micro_batches(token_batches(1, 2, dp), engine.mesh.local_rank("dp")))
         engine.train_batch(data)
@@ -51,15 +54,16 @@ def _results(dist, name: str) -> list[list[dict]]:
         from parallel3d.planner.inventory import ModelShapes
         from parallel3d.planner.states import ZeroSetup, model_state_bytes, shard_sets
 
-        kind, tp, ep, dp, cases = LAYOUTS[name]
+        kind, tp, ep, dp, cases, etp = LAYOUTS[name]
         measured = dist.run(tp * dp, measure, name)
-        shapes = ModelShapes(make_moe(kind), tp, ep=ep)
+        shapes = ModelShapes(make_moe(kind), tp, ep=ep, etp=etp)
         for i, (stage, precision) in enumerate(cases):
             setup = ZeroSetup(stage, dp, 2 if precision == "bf16" else 4, bucket_size=3000, persistence_threshold=50)
             for rank in measured:
                 m = rank[i]
                 params = shapes.rank_params(tp_rank=m["ranks"]["tp"], stage3=stage == 3)
                 m["predicted"] = model_state_bytes(params, setup, dp_rank=m["ranks"]["dp"])
+                m["predicted_expert_params"] = sum(p.numel for g in params.groups for p in g if p.expert) * 2
                 m["sets"] = len(shard_sets(params, setup))
         _cache[name] = measured
     return _cache[name]
@@ -73,6 +77,15 @@ def test_prediction_equals_memory_report_under_expert_parallelism(dist, name, st
         assert m["predicted"] == m["report"], (rank, m["predicted"], m["report"])
 
 
+def test_expert_tensor_parallel_holds_one_tp_th_of_each_expert(dist):
+    """At tp 2 x dp 2 x ep 2 with expert_tensor_parallel_size 2 (ZeRO 1, bf16) a rank's expert params in
+    ``memory_report(experts=True)`` are 1/(E x tp) of the model's experts, as the planner's inventory says."""
+    kind, tp, ep, dp, cases, etp = LAYOUTS["tp2-dp2-ep2-etp2"]
+    experts = sum(p.numel() for n, p in make_moe(kind).named_parameters() if ".mlp.experts." in n)
+    for m in (r[cases.index((1, "bf16"))] for r in _results(dist, "tp2-dp2-ep2-etp2")):
+        assert m["experts"]["params"] == 2 * experts // (ep * tp) == m["predicted_expert_params"]
+
+
 def test_search_prices_tp_with_whole_experts(dist):
     """At tp 2 x dp 2 x ep 2 the planner's own prediction (tp rank 0, dp rank 0) holds the engine's model
     states to the byte, and its profile keeps the experts whole on the tp rank, as the engine does."""
@@ -81,7 +94,7 @@ def test_search_prices_tp_with_whole_experts(dist):
     from parallel3d.planner.hardware import a100
     from parallel3d.planner.predict import Layout, Planner, Workload
 
-    kind, tp, ep, dp, cases = LAYOUTS["tp2-dp2-ep2"]
+    kind, tp, ep, dp, cases, _ = LAYOUTS["tp2-dp2-ep2"]
     measured = _results(dist, "tp2-dp2-ep2")
     for i, (stage, precision) in enumerate(cases):
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -96,6 +109,27 @@ def test_search_prices_tp_with_whole_experts(dist):
     # one block, 16 tokens x top 2 rows through gate_up (h -> 2i) and down (i -> h): split over tp, or whole
     rows, hidden, inter = 16 * 2, planner.model.config.hidden_size, planner.model.config.moe_intermediate_size
     assert whole.flops[0] - split.flops[0] == (1 - 1 / tp) * 2 * rows * 3 * hidden * inter
+
+
+def test_search_prices_expert_tensor_parallelism(dist):
+    """At tp 2 x dp 2 x ep 2 with expert_tensor_parallel_size 2 the planner's own prediction (tp rank 0,
+    dp rank 0) holds the engine's model states to the byte, and its profile is tp's own (experts split)."""
+    import torch
+
+    from parallel3d.planner.hardware import a100
+    from parallel3d.planner.predict import Layout, Planner, Workload
+
+    kind, tp, ep, dp, cases, etp = LAYOUTS["tp2-dp2-ep2-etp2"]
+    measured = _results(dist, "tp2-dp2-ep2-etp2")
+    planner = Planner(make_moe(kind), Workload(seq=16, global_batch=8, dtype=torch.bfloat16, bucket_size=3000,
+                                               persistence_threshold=50))
+    for i, (stage, _) in enumerate(cases):
+        first = next(r[i] for r in measured if r[i]["ranks"] == {"tp": 0, "dp": 0})
+        layout = Layout(1, dp, tp, stage, 2, ep=ep, etp=etp)
+        assert planner.predict(layout, a100(1, 4)).ranks[0].states == first["report"]
+    keys = planner.profile_keys(layout, a100(1, 4), False)
+    assert keys and not any(key[8] for key in keys)  # experts split over tp, as without expert parallelism
+    assert keys == planner.profile_keys(replace(layout, ep=1, etp=1), a100(1, 4), False)
 
 
 def test_inventory_holds_one_ep_th_of_the_experts():
@@ -187,3 +221,58 @@ def test_dense_model_gets_no_expert_parallel_sizes():
     refused: dict = {}
     assert not list(candidates(planner, a100(8, 8), Choice(**pinned, ep=2), refused))
     assert any("base_model_ep_plan" in reason for reason in refused)
+
+
+def _etp_rows(memory: float | None = None):
+    """The search's rows for a tiny Mixtral at pp 1 x dp 2 x tp 2 x ep 2, ZeRO 1, micro-batch 2, both
+    expert tensor parallel sizes, on 4 A100s (``memory`` bytes each, if given)."""
+    from parallel3d.planner.hardware import a100
+    from parallel3d.planner.search import Choice, search
+
+    planner, hw = _planner(), a100(4, 4)
+    if memory is not None:
+        hw = hw.with_devices(4, memory=memory)
+    choice = Choice(tp=2, pp=1, zero_stage=1, micro_batch=2, checkpointing=False, sequence_parallel=False, ep=2,
+                    hybrid_sharding=False, zeropp=False)
+    return planner, hw, search(planner, hw, choice).best
+
+
+def test_plan_splits_experts_over_tp_where_whole_ones_do_not_fit():
+    """With room for the experts split over tp and not for them whole, the plan is etp 2."""
+    planner, hw, rows = _etp_rows()
+    assert sorted(p.layout.etp for p in rows) == [1, 2]
+    peak = {p.layout.etp: p.peak for p in rows}
+    assert peak[2] < peak[1]
+    planner, hw, rows = _etp_rows((peak[1] + peak[2]) / 2)
+    assert [p.layout.etp for p in rows] == [2]
+
+
+def test_plan_keeps_experts_whole_where_tp_communication_dominates():
+    """Where both fit and the experts' compute is tiny, splitting them saves less than the all-reduce
+    it adds to every MoE layer's forward and backward: the plan is etp 1, etp 2 second."""
+    planner, hw, rows = _etp_rows()
+    assert [p.layout.etp for p in rows] == [1, 2]
+    # one block, one micro-batch: whole experts compute more and all-reduce less over tp
+    whole, split = (planner._profile(*planner._chunk_keys(p.layout, "only", hw)[0]) for p in rows)
+    assert sum(whole.flops) > sum(split.flops) and len(whole.comm) < len(split.comm)
+
+
+def test_search_tries_both_expert_tensor_parallel_sizes_and_the_snippet_names_them():
+    from parallel3d.planner.hardware import a100
+    from parallel3d.planner.report import layout_config
+    from parallel3d.planner.search import Choice, candidates
+
+    pinned = dict(pp=1, micro_batch=1, zero_stage=3, checkpointing=False, hybrid_sharding=False,
+                  sequence_parallel=False)
+    planner, hw = _planner(), a100(8, 8)
+    both = {(c.ep, c.etp) for c in candidates(planner, hw, Choice(tp=2, **pinned))}
+    assert both == {(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)}
+    assert {c.etp for c in candidates(planner, hw, Choice(tp=1, **pinned))} == {1}
+    refused: dict = {}
+    assert not list(candidates(planner, hw, Choice(tp=4, ep=2, etp=2, **pinned), refused))
+    assert any("expert_tensor_parallel_size 2 with tensor_parallel.size 4: allowed: 1 or 4" in r for r in refused)
+    layout = next(iter(candidates(planner, hw, Choice(tp=2, ep=2, etp=2, **pinned))))
+    assert layout.describe().split()[3:5] == ["ep2", "etp2"]
+    assert layout_config(layout, 8, "bf16")["expert_parallel"] == {"enabled": True, "autoep_size": 2,
+                                                                   "expert_tensor_parallel_size": 2}
+    assert "expert_tensor_parallel_size" not in layout_config(replace(layout, etp=1), 8, "bf16")["expert_parallel"]

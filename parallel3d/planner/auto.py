@@ -169,7 +169,7 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
                     checkpointing=pipeline.get("activation_checkpointing"),
                     sequence_parallel=cfg.tensor_parallel.sequence_parallel,
                     hybrid_sharding=False, zeropp=False,  # "auto" sets the four keys above, not ZeRO++'s
-                    ep=cfg.expert_parallel.size, cp=None if cp_auto else cfg.context_parallel.size,
+                    ep=cfg.expert_parallel.size, etp=cfg.expert_parallel.expert_tensor_parallel_size, cp=None if cp_auto else cfg.context_parallel.size,
                     cp_method=_get(raw, "context_parallel", "method") if cp_auto else cfg.context_parallel.method)
     hw = _hardware(hints, world, device)
     with torch.device("meta"):

@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     pin.add_argument("--ep", type=int, metavar="E",
                      help="expert parallelism's size (expert_parallel.autoep_size; 1: off); default: the planner "
                           "tries 1 and, for a model with experts, the sizes its experts and ZeRO ranks allow")
+    pin.add_argument("--etp", type=int, metavar="T",
+                     help="expert_parallel.expert_tensor_parallel_size with --ep > 1 and tp > 1: 1 (each expert whole "
+                          "on every tp rank) or the tp size (each expert split over them); default: both")
     pin.add_argument("--context-parallel", metavar="N|auto",
                      help="context parallelism (context_parallel.size): layouts with N ranks per sequence, or "
                           "\"auto\": every size dividing the ranks left over tp x pp (default: 1, off); each with "
@@ -151,13 +154,13 @@ def load_model(path: str, trust_remote_code: bool = False):
 def _choice(args: argparse.Namespace):
     from parallel3d.planner.search import Choice
 
-    for flag in ("tp", "pp", "micro_batch", "virtual_stages", "ep"):
+    for flag in ("tp", "pp", "micro_batch", "virtual_stages", "ep", "etp"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
     onoff = {"on": True, "off": False, None: None}
     return Choice(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
                   schedule=args.schedule, virtual_stages=args.virtual_stages,
                   checkpointing=onoff[args.checkpointing], sequence_parallel=onoff[args.sequence_parallel],
-                  ep=args.ep, cp=_context_size(args.context_parallel), cp_method=args.cp_method)
+                  ep=args.ep, etp=args.etp, cp=_context_size(args.context_parallel), cp_method=args.cp_method)
 
 
 def _context_size(value: str | None) -> int | None:

@@ -77,14 +77,14 @@ def _checked_anatomy(model: nn.Module) -> PipelineAnatomy | AnatomyPaths:
     return pipeline_anatomy(probe)
 
 
-def _keep_share(module: nn.Module, local: int) -> list[nn.Parameter]:
+def _keep_share(module: nn.Module, local: int) -> list[str]:
     """Cut an experts module's stacked weights to ``local`` experts, as ``split_experts`` does on a
-    rank (a view: only the shapes matter), before tensor parallelism and the pipeline split see them."""
+    rank (a view: only the shapes matter), before tensor parallelism and the pipeline split see them;
+    the names of the weights cut (tensor parallelism may replace them by its slices, under the same names)."""
     kept = []
     for name, param in list(module.named_parameters(recurse=False)):
-        piece = nn.Parameter(param.data[:local], requires_grad=param.requires_grad)
-        setattr(module, name, piece)
-        kept.append(piece)
+        setattr(module, name, nn.Parameter(param.data[:local], requires_grad=param.requires_grad))
+        kept.append(name)
     return kept
 
 
@@ -95,13 +95,19 @@ class ModelShapes:
     Under expert parallelism (``ep > 1``) the experts modules ``base_model_ep_plan`` names hold
     ``1/ep`` of their stacked weights on a rank (``expert_parallel.experts.split_experts``; so the
     pipeline's partition by parameters sees that share, as ``apply_pipeline`` after ``apply_ep``
-    does), stay whole under tensor parallelism (``apply.apply_tp``'s ``whole``) and are flagged ``expert``:
-    ZeRO gives them units of their own, sharded over the expert-shard group.
+    does) and are flagged ``expert``: ZeRO gives them units of their own, sharded over the
+    expert-shard group. Under tensor parallelism they stay whole at ``etp`` 1
+    (``expert_tensor_parallel_size``; ``apply.apply_tp``'s ``whole``); at ``etp`` = tp the tp plan
+    splits them as it does without expert parallelism (``sharded``: ``1/(ep x tp)`` of each).
     """
 
-    def __init__(self, model: nn.Module, tp: int, sequence_parallel: bool = False, ep: int = 1) -> None:
+    def __init__(self, model: nn.Module, tp: int, sequence_parallel: bool = False, ep: int = 1,
+                 etp: int = 1) -> None:
+        if etp not in (1, tp):
+            raise ConfigError(f"expert_parallel.expert_tensor_parallel_size {etp} with tensor_parallel.size {tp}: "
+                              f"allowed: 1 or {tp}")
         local = copy.deepcopy(model)
-        self.tp, self.ep = tp, ep
+        self.tp, self.ep, self.etp = tp, ep, etp
         self.pipeline_refusal: str | None = None  # why pipeline stages cannot split this model
         try:  # on the whole model: tensor parallelism keeps every module's name, and its hooks hold the
             self.paths = _checked_anatomy(local)  # group, which the probe's copy could not copy
@@ -110,11 +116,12 @@ class ModelShapes:
             if not self.pipeline_refusal.startswith("pipeline parallelism"):
                 self.pipeline_refusal = f"pipeline parallelism: {self.pipeline_refusal}"
         experts = resolve_experts(local, ep) if ep > 1 else []
-        expert_ids = {id(p) for m in experts for p in _keep_share(local.get_submodule(m.name), m.num_experts // ep)}
+        expert_names = {f"{m.name}.{name}" for m in experts
+                        for name in _keep_share(local.get_submodule(m.name), m.num_experts // ep)}
         with fake_tp_group(tp) as group:
             specs = {} if group is None else apply_tensor_parallel(
                 local, group, sequence_parallel=sequence_parallel,
-                whole=frozenset(m.name for m in experts)).shard_specs
+                whole=frozenset(m.name for m in experts) if etp == 1 else frozenset()).shard_specs
         blocks = fetch_unit_modules(local)
         block_of = {id(p): i for i, b in enumerate(blocks) for p in b.parameters()}
         self.params: list[Param] = []
@@ -123,7 +130,7 @@ class ModelShapes:
             if not p.requires_grad:
                 continue
             spec = specs.get(name)
-            expert = id(p) in expert_ids
+            expert = name in expert_names
             param = Param(name, p.numel(), spec is not None,
                           spec.replicas if spec else 1, block_of.get(id(p)), expert)
             self._by_id[id(p)] = param

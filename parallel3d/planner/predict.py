@@ -84,6 +84,15 @@ class Layout:
     which share their micro-batches (``dp`` counts the replicas without them); 1: off."""
     cp_method: str = "ulysses"
     """``context_parallel.method``: "ulysses" or "ring" (with ``cp`` 1, "ulysses")."""
+    etp: int = 1
+    """Expert tensor parallelism (``expert_parallel.expert_tensor_parallel_size``), with ``ep`` > 1 and
+    ``tp`` > 1: 1 keeps each expert whole on every tp rank, ``tp`` splits it over them."""
+
+    @property
+    def whole_experts(self) -> bool:
+        """Whether tensor parallelism leaves the experts whole on every tp rank (expert parallelism
+        without expert tensor parallelism)."""
+        return self.ep > 1 and self.tp > 1 and self.etp == 1
 
     @property
     def dp_cp(self) -> int:
@@ -107,7 +116,7 @@ class Layout:
         extras = "".join([" ac" if self.checkpointing else "", " sp" if self.sequence_parallel else ""])
         hybrid = f" hs{self.shard}" if self.shard else ""
         zeropp = "++" if self.zeropp else ""
-        ep = f" ep{self.ep}" if self.ep > 1 else ""
+        ep = f" ep{self.ep}" + (f" etp{self.etp}" if self.etp > 1 else "") if self.ep > 1 else ""
         cp = f" cp{self.cp}-{self.cp_method}" if self.cp > 1 else ""
         return (f"pp{self.pp} dp{self.dp}{cp} tp{self.tp}{ep} z{self.zero_stage}{zeropp}{hybrid} mb{self.micro_batch}"
                 f"{sched}{extras}")
@@ -248,16 +257,21 @@ class Planner:
         self.config = model.config
         self.workload = workload
         self.store, self.workers = store, workers
-        self._shapes: dict[tuple[int, int], ModelShapes] = {}
+        self._shapes: dict[tuple[int, int, int], ModelShapes] = {}
         self._profiles: dict[tuple, PassProfile] = {}
         self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
         self._chunks: dict[tuple, Chunk] = {}
         self._refusals: dict[tuple, str | None] = {}  # the engine's checks, by what they were asked (_refuse_once)
 
-    def shapes(self, tp: int, ep: int = 1) -> ModelShapes:
-        if (tp, ep) not in self._shapes:
-            self._shapes[tp, ep] = ModelShapes(self.model, tp, ep=ep)
-        return self._shapes[tp, ep]
+    def shapes(self, tp: int, ep: int = 1, etp: int = 1) -> ModelShapes:
+        etp = etp if ep > 1 else 1  # without expert parallelism tp splits the experts in any case
+        if (tp, ep, etp) not in self._shapes:
+            self._shapes[tp, ep, etp] = ModelShapes(self.model, tp, ep=ep, etp=etp)
+        return self._shapes[tp, ep, etp]
+
+    def layout_shapes(self, layout: Layout) -> ModelShapes:
+        """The parameters of ``layout``'s ranks (its tp, ep and expert tensor parallelism)."""
+        return self.shapes(layout.tp, layout.ep, layout.etp)
 
     def _profile(self, *key) -> PassProfile:
         """The profile of ``key`` = (kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts,
@@ -300,10 +314,9 @@ class Planner:
             self._profiles[key] = value
 
     def _chunk_keys(self, layout: Layout, kind: str, hw: Hardware) -> list[tuple]:
-        # under expert parallelism tensor parallelism leaves the experts whole on every tp rank
-        whole_experts = layout.ep > 1 and layout.tp > 1
+        # at expert tensor parallelism the profile is tp's own (experts split); else the experts stay whole
         key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, has_weight_pass(layout.schedule),
-               whole_experts, layout.cp, layout.cp_method if layout.cp > 1 else "ulysses")
+               layout.whole_experts, layout.cp, layout.cp_method if layout.cp > 1 else "ulysses")
         return [(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2)]
 
     def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
@@ -351,8 +364,11 @@ class Planner:
             if layout.zero_shard % layout.ep:
                 raise ConfigError(f"expert_parallel.autoep_size {layout.ep} does not divide the {layout.zero_shard} "
                                   "ranks ZeRO shards over")
-            if layout.sequence_parallel or layout.zeropp or w.hpz > 1:
-                raise ConfigError("expert_parallel does not compose with sequence parallelism or ZeRO++'s hpZ")
+            if layout.etp not in (1, layout.tp):
+                raise ConfigError(f"expert_parallel.expert_tensor_parallel_size {layout.etp} with tensor_parallel.size "
+                                  f"{layout.tp}: allowed: 1 or {layout.tp}")
+            if layout.zeropp or w.hpz > 1:
+                raise ConfigError("expert_parallel does not compose with ZeRO++'s hpZ")
             if self.top_k is None:
                 raise ConfigError(f"expert_parallel: {type(self.config).__name__} gives no num_experts_per_tok, the "
                                   "experts each token is routed to")
@@ -402,7 +418,7 @@ class Planner:
 
     def _chunk_kinds(self, layout: Layout, rank: int) -> list[tuple[str, int]]:
         """(kind, blocks) of each of the rank's chunks."""
-        shapes = self.shapes(layout.tp, layout.ep)
+        shapes = self.layout_shapes(layout)
         if layout.pp == 1:
             return [("only", len(shapes.block_params))]
         stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
@@ -415,7 +431,7 @@ class Planner:
         return kinds
 
     def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
-        shapes = self.shapes(layout.tp, layout.ep)
+        shapes = self.layout_shapes(layout)
         stage3 = layout.zero_stage == 3
         chunks = [self.chunk(layout, kind, n, hw) for kind, n in self._chunk_kinds(layout, rank)]
         if layout.pp == 1:
@@ -432,7 +448,7 @@ class Planner:
         """
         if every_rank or layout.pp <= 8:
             return list(range(layout.pp))
-        shapes = self.shapes(layout.tp, layout.ep)
+        shapes = self.layout_shapes(layout)
         stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
         heaviest = max(range(layout.pp), key=lambda r: sum(stage_layout.sizes[stage_layout.stage_of(r, c)]
                                                            for c in range(layout.virtual_stages)))
@@ -457,18 +473,24 @@ class Planner:
             bwd = sum(c.seconds(hw, layout.tp, True, layout.cp) for c in chunks) + moe
             costs.append(RankCost(fwd, bwd, params))
             flops += m * sum(c.flops() for c in chunks)
-        tied = self.shapes(layout.tp, layout.ep).tied_numel if layout.pp > 1 else 0
+        tied = self.layout_shapes(layout).tied_numel if layout.pp > 1 else 0
         parts = step_parts(layout, zero, costs, hw, m=m, hidden_bytes=self._hidden_bytes(layout), overlap=overlap,
                            tied_numel=tied, exact=exact)
         return parts, flops * layout.world / len(costs)
 
     def _all_to_all_seconds(self, layout: Layout, params: RankParams, hw: Hardware) -> float:
-        """One pass's expert-parallel all-to-alls on a rank, per micro-batch (`timing.all_to_all_seconds`)."""
+        """One pass's expert-parallel all-to-alls on a rank, per micro-batch (`timing.all_to_all_seconds`).
+
+        Every token's ``top_k`` rows of [hidden] in the working dtype; under sequence parallelism with
+        the experts whole each tp rank dispatches its own ``1/tp`` of the tokens, whereas expert tensor
+        parallelism gathers the tp ranks' tokens first and every tp rank dispatches all of them (the
+        gather and the reduce-scatter after the combine, or the all-reduce without sequence
+        parallelism, are the tp plan's collectives, counted in the profile)."""
         if layout.ep == 1:
             return 0.0
         link = hw.link(layout.tp, layout.ep)  # an ep group: ep consecutive shard ranks, tp apart
-        # every token's top_k rows of [hidden], in the working dtype
-        return all_to_all_seconds(moe_layers(params), self.top_k * self._hidden_bytes(layout), layout.ep, link)
+        rows = self._hidden_bytes(layout) // (layout.tp if layout.sequence_parallel and layout.whole_experts else 1)
+        return all_to_all_seconds(moe_layers(params), self.top_k * rows, layout.ep, link)
 
     def _hidden_bytes(self, layout: Layout) -> int:
         """One ``[micro_batch, seq / cp, hidden]`` activation (what a pipeline stage sends)."""

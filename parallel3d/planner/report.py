@@ -16,7 +16,8 @@ columns: peak GiB = predicted peak memory of the fullest rank; states = its mode
   x seq len / step s; TFLOP/s = FLOPs counted per device and second (recomputation included).
 layout: pp pipeline stages, dp data-parallel replicas, cpN-method context parallelism (each sequence split over N
   ranks, Ulysses or ring; context_parallel), tp tensor-parallel size, epE expert parallelism (each MoE
-  layer's experts split over E of the ranks ZeRO shards over; expert_parallel.autoep_size), z ZeRO stage (z3++: ZeRO++,
+  layer's experts split over E of the ranks ZeRO shards over; expert_parallel.autoep_size; etpT: each expert also
+  split over the T tp ranks, expert_tensor_parallel_size), z ZeRO stage (z3++: ZeRO++,
   int8 parameter gathers and gradient reductions and hpZ over a node; its rounding is in docs/deepspeed.md), hsS hybrid
   sharding (ZeRO inside groups of S data-parallel ranks, a node's or a few nodes'; mics_shard_size), mb micro-batch
   per device; then the pipeline schedule (gpipe, 1f1b, interleaved_1f1b, zb_h1 = zero-bubble), vN = N model
@@ -50,6 +51,8 @@ def layout_config(layout, global_batch: int, precision: str) -> dict:
             config["zero_optimization"]["zero_hpz_partition_size"] = layout.zeropp
     if getattr(layout, "ep", 1) > 1:
         config["expert_parallel"] = {"enabled": True, "autoep_size": layout.ep}
+        if getattr(layout, "etp", 1) > 1:
+            config["expert_parallel"]["expert_tensor_parallel_size"] = layout.etp
     if getattr(layout, "cp", 1) > 1:
         config["context_parallel"] = {"size": layout.cp, "method": layout.cp_method}
     if layout.tp > 1:

@@ -7,7 +7,8 @@ schedule the micro-batch count allows (interleaved with 2 and 4 chunks per rank 
 blocks divide); activation checkpointing on and off; sequence parallelism with tp > 1 and one
 pipeline stage (what ``initialize`` accepts today); for a model with experts
 (``base_model_ep_plan``) every expert-parallel size dividing both the ZeRO shard ranks and the
-expert count; context-parallel sizes (``Choice.cp``) dividing the ranks left over tp x pp, each
+expert count, at tp > 1 each with the experts whole on every tp rank and split over them
+(``expert_tensor_parallel_size`` 1 and tp); context-parallel sizes (``Choice.cp``) dividing the ranks left over tp x pp, each
 with Ulysses and ring (``Planner.check`` applies the engine's refusals: the heads for Ulysses,
 the sequence dividing by cp or 2 x cp). ``Choice`` pins any of them.
 
@@ -54,6 +55,8 @@ class Choice:
     ep: int | None = None
     """Expert parallelism's size (``expert_parallel.autoep_size``); None: 1 and, for a model with
     experts, every divisor of the ZeRO shard ranks that divides each MoE layer's expert count."""
+    etp: int | None = None
+    """``expert_parallel.expert_tensor_parallel_size`` (1 or tp, with ep > 1 and tp > 1); None: both."""
     cp: int | None = 1
     """Context parallelism's size (``context_parallel.size``); None: every size dividing the ranks
     left over tp x pp (the cp ranks come out of the data-parallel ones). 1 (the default): off,
@@ -130,14 +133,15 @@ def _replica_layouts(planner: Planner, hw: Hardware, choice: Choice, refuse, tp:
                             zeropps = _zeropp(stage, shard or dp, tp, hw) if choice.zeropp and cp == 1 else [0]
                             for zeropp in zeropps:
                                 for ep in _ep_sizes(planner, shard or dp, choice) if cp == 1 else [1]:
-                                    layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard, zeropp,
-                                                    ep, cp, method)
-                                    try:
-                                        planner.check(layout)
-                                    except ConfigError as exc:
-                                        refuse(str(exc))
-                                        continue
-                                    yield layout
+                                    for etp in _etp_sizes(tp, ep, choice):
+                                        layout = Layout(pp, dp, tp, stage, mb, sched, virtual, ac, sp, shard, zeropp,
+                                                        ep, cp, method, etp)
+                                        try:
+                                            planner.check(layout)
+                                        except ConfigError as exc:
+                                            refuse(str(exc))
+                                            continue
+                                        yield layout
 
 
 def _shard_sizes(stage: int, dp: int, tp: int, hw: Hardware) -> list[int | None]:
@@ -165,6 +169,14 @@ def _ep_sizes(planner: Planner, shard: int, choice: Choice) -> list[int]:
     return [1] + [d for d in _divisors(shard) if d > 1 and experts % d == 0] if experts else [1]
 
 
+def _etp_sizes(tp: int, ep: int, choice: Choice) -> list[int]:
+    """Expert tensor parallelism's sizes: with experts split by ep under tp, whole on every tp rank (1)
+    and split over the tp ranks (tp); else 1 (without expert parallelism tp splits them anyway)."""
+    if ep == 1 or tp == 1:
+        return [1]
+    return [choice.etp] if choice.etp is not None else [1, tp]
+
+
 def _zeropp(stage: int, shard: int, tp: int, hw: Hardware) -> list[int]:
     """Without ZeRO++ (0), and at stage 3 on a shard group that spans nodes with it: the group's
     ranks per node (hpZ's group and qgZ's first hop; 1 where tp fills a node: int8 alone)."""
@@ -190,7 +202,7 @@ def _schedules(pp: int, microbatches: int, blocks: int, choice: Choice) -> list[
 
 def model_states_fit(planner: Planner, layout: Layout, hw: Hardware) -> bool:
     """Whether every rank's model states alone fit (a cheap first cut)."""
-    shapes = planner.shapes(layout.tp, layout.ep)
+    shapes = planner.layout_shapes(layout)
     zero = planner.zero(layout)
     if layout.pp == 1:
         return device_bytes(model_state_bytes(shapes.rank_params(stage3=layout.zero_stage == 3), zero)) <= hw.memory
