@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 
 import pytest
 import torch
-from transformers import GPT2Config, LlamaConfig
+from transformers import GPT2Config, LlamaConfig, MixtralConfig
 
 from parallel3d.pipeline.schedules import schedule_table
 from parallel3d.pipeline.simulate import simulate
@@ -107,6 +107,22 @@ def test_split_backward_recomputes_each_checkpointed_block_once_per_pass(monkeyp
     profile_pass(LLAMA, "middle", 2, micro_batch=1, seq=8, dtype=torch.float32, checkpointing=True,
                  split_backward=True)
     assert len(runs) == 2 * 3
+
+
+@pytest.mark.parametrize("config", [LLAMA, GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4),
+                                    MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=32,
+                                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                  num_local_experts=4)], ids=["llama", "gpt2", "mixtral"])
+@pytest.mark.parametrize("tp,sp,ac", [(1, False, False), (2, True, True)], ids=["tp1", "tp2-sp-ac"])
+def test_a_first_chunks_split_backward_is_derived_exactly(config, tp, sp, ac):
+    """A first chunk's ZB-H1 pass is not profiled: profile_passes derives it from the unsplit pass
+    (profile.first_split), and every figure equals the measured split pass."""
+    key = ("first", 2, 2, tp, sp, ac, "flash", True, False, 1, "ulysses")
+    derived = profile_passes(config, [key], seq=16, dtype=torch.bfloat16)[key]
+    measured = profile_pass(config, "first", 2, micro_batch=2, seq=16, dtype=torch.bfloat16, tp=tp,
+                            sequence_parallel=sp, checkpointing=ac, attention="flash", split_backward=True)
+    assert _fields(derived) == _fields(measured)
+    assert derived.split.held == derived.at_rest + derived.output_grad > derived.at_rest
 
 
 def test_a_pass_that_cannot_build_is_reported_per_key():

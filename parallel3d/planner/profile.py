@@ -26,7 +26,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -282,7 +282,9 @@ class PassProfile:
     counted from before the forward (so ``backward_peak`` includes ``at_rest``); ``ops``: (FLOPs,
     bytes) of every op of the forward and of the backward (recomputation included);
     ``comm``: tensor-parallel collectives (op, payload bytes, in backward?); ``cp_comm``: the
-    context-parallel attention's (all-to-alls, the ring's sends and receives), the same way.
+    context-parallel attention's (all-to-alls, the ring's sends and receives), the same way;
+    ``output_grad``: bytes of the gradient a non-last chunk's backward starts from (made after
+    the forward, before the backward; 0 where the backward starts from the loss).
     """
 
     kind: str
@@ -298,6 +300,7 @@ class PassProfile:
     comm: tuple[tuple[str, int, bool], ...] = field(default=())
     split: SplitBackward = field(default_factory=SplitBackward)
     cp_comm: tuple[tuple[str, int, bool], ...] = field(default=())
+    output_grad: int = 0
 
     @cached_property
     def flops(self) -> tuple[int, int]:
@@ -453,8 +456,10 @@ def profile_passes(config, keys: Iterable[tuple], *, seq: int,
     gradients are dropped as they arrive, so the model a pass starts from is the one a fresh
     build gives. After a pass fails the model is built again.
     """
+    keys = list(dict.fromkeys(keys))
+    derived = [key for key in keys if key[0] == "first" and key[7]]
     groups: dict[tuple, list[tuple]] = {}
-    for key in keys:
+    for key in dict.fromkeys([*(k for k in keys if k not in derived), *map(_unsplit, derived)]):
         _check(key[0], key[6])
         groups.setdefault(model_key(key), []).append(key)
     out: dict[tuple, PassProfile | ProfileError] = {}
@@ -470,7 +475,28 @@ def profile_passes(config, keys: Iterable[tuple], *, seq: int,
                                     cp_group)
                 except ProfileError as exc:
                     out[key], model = exc, None
-    return out
+    for key in derived:
+        base = out[_unsplit(key)]
+        out[key] = base if isinstance(base, ProfileError) else first_split(base)
+    return {key: out[key] for key in keys}
+
+
+def _unsplit(key: tuple) -> tuple:
+    return (*key[:7], False, *key[8:])
+
+
+def first_split(profile: PassProfile) -> PassProfile:
+    """A first chunk's pass under ZB-H1's split backward, from its pass with one backward: the same
+    figures but the split's. A first chunk has no input that requires grad, so the executor's
+    ``backward_input`` computes nothing and defers the whole backward to ``backward_weight``, the
+    one ``torch.autograd.backward`` of the unsplit pass on the same references: the input pass's
+    peak and what it leaves are what is alive after the forward plus the output's gradient, and the
+    weight pass's peak is the unsplit backward's (tests/test_planner_profile.py measures both)."""
+    if profile.kind != "first":
+        raise ValueError(f"only a first chunk's split backward is its unsplit one; got a {profile.kind} chunk")
+    held = profile.at_rest + profile.output_grad
+    return replace(profile, backward_peak=max(held, profile.backward_peak),
+                   split=SplitBackward(held, held, profile.backward_peak))
 
 
 def _run(model: nn.Module, config, kind: str, blocks: int, micro_batch: int, seq: int, dtype: torch.dtype, tp: int,
@@ -501,6 +527,7 @@ def _run(model: nn.Module, config, kind: str, blocks: int, micro_batch: int, seq
                 at_rest, forward_peak, forward_in_block = live.live, live.peak, live.peak_in_block
                 live.reset_peak()
                 grad = None if out.dim() == 0 else torch.ones_like(out)
+                output_grad = _nbytes(grad)
                 with comm.tag("backward"):
                     if split_backward:
                         params = [p for p in model.parameters() if p.requires_grad]
@@ -532,4 +559,4 @@ def _run(model: nn.Module, config, kind: str, blocks: int, micro_batch: int, seq
     return PassProfile(kind, blocks, at_rest, forward_peak, backward_peak, live.marked or 0, forward_in_block,
                        live.peak_in_block, tuple(live.ops[False]), tuple(live.ops[True]),
                        tuple((c.op, c.nbytes, c.tag == "backward") for c in comm.calls if c.group != "cp"), split,
-                       tuple((c.op, c.nbytes, c.tag == "backward") for c in comm.calls if c.group == "cp"))
+                       tuple((c.op, c.nbytes, c.tag == "backward") for c in comm.calls if c.group == "cp"), output_grad)
