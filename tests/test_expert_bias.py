@@ -201,8 +201,9 @@ def test_a_frozen_layer_counts_its_loads_once(checkpointing):
 
     want_losses, _, want_biases = _reference(1, frozen=True)
     model = _freeze_below(make_deepseek_v3())
-    if checkpointing:
+    if checkpointing:  # as the pipeline stages' own checkpointing: the embeddings' output needs no gradient
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.disable_input_require_grads()
     config = ds_config(1, GAS, 1)
     config["expert_parallel"] = {"load_balance_coeff": COEFF}
     engine = parallel3d.initialize(model=model, config=config)[0]
@@ -212,6 +213,10 @@ def test_a_frozen_layer_counts_its_loads_once(checkpointing):
     assert got.keys() == want_biases.keys() and want_biases["model.layers.0.mlp.gate." + BIAS].abs().sum() > 0
     for name, bias in want_biases.items():
         assert torch.equal(got[name], bias), name
+    # the biases cannot see a count doubled everywhere (sign(mean - load) keeps its sign): count one micro-batch
+    ids = token_batches(1, 1, 1)[0, 0, 0]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    assert [int(load.sum()) for load in engine.expert_bias.loads] == [ids.numel() * 2] * 2  # top 2, each layer
 
 
 def test_a_bias_written_after_initialize_is_the_one_that_moves():
