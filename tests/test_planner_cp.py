@@ -2,8 +2,7 @@
 
 * A cp rank's pass profiled on fake tensors (the engine's cp attention on a fake cp group)
   equals the same pass on real CPU tensors over a real cp group: bytes kept for backward,
-  forward and backward peaks, FLOPs, as tests/test_planner_profile.py checks it without cp
-  (kept and forward peak up to the last exchange's send buffers, which gloo releases by timing).
+  forward and backward peaks, FLOPs, as tests/test_planner_profile.py checks it without cp.
 * Model states under cp: ZeRO shards over dp_shard x cp; the planner's prediction equals
   ``memory_report()`` to the byte, as tests/test_planner_states.py checks the other axes.
 * The search offers cp sizes dividing the ranks left over tp x pp with both methods and keeps
@@ -31,15 +30,41 @@ LLAMA = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_h
                     num_key_value_heads=2)
 
 
+def _gloo_holds_copies(all_to_all_single):
+    """``all_to_all_single`` that hands gloo copies made outside the byte counter.
+
+    Gloo's all-to-all work object keeps references to its input and output tensors until its worker
+    thread drops the work, which may come after ``wait()`` has returned the call (measured
+    2026-11-27: of 3,000 calls on 2 ranks, 1,642 and 1,202 of each rank's 6,000 tensors were still
+    alive right after the call returned and the caller dropped them). So the counter saw those
+    frees whenever that thread ran, before or after the forward's end: 16 KiB more (q, k and v of
+    one layer at Ulysses cp 2) in about 1 run of 4. Here the engine's own buffers (the stacked send
+    pieces, the receive buffer) are created and dropped by its code as before, and counted as the
+    fake profile counts them; the copies gloo holds are made outside the counter, so when gloo
+    drops them does not matter (25 passes on 2 ranks with the copies, all exact). The values are the same."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def exchange(output: torch.Tensor, input: torch.Tensor, *args, **kwargs):
+        with _disable_current_modes():
+            held_out, held_in = torch.empty_like(output), input.clone()
+            all_to_all_single(held_out, held_in, *args, **kwargs)
+            output.copy_(held_out)
+
+    return exchange
+
+
 def _real_cp_pass(method: str, micro_batch: int, seq: int) -> tuple[int, int, int, int]:
     """(kept after forward, forward peak, backward peak, FLOPs) of this rank's real pass over its
     seq / cp tokens through the cp attention on the real group, counted like the profile."""
+    from unittest import mock
+
     import torch.distributed as dist
 
     from parallel3d.context_parallel.model import install_attention
 
-    return _real_pass(LLAMA, micro_batch, seq // dist.get_world_size(),
-                      prepare=lambda model: install_attention(model, dist.group.WORLD, method))
+    with mock.patch.object(dist, "all_to_all_single", _gloo_holds_copies(dist.all_to_all_single)):
+        return _real_pass(LLAMA, micro_batch, seq // dist.get_world_size(),
+                          prepare=lambda model: install_attention(model, dist.group.WORLD, method))
 
 
 @pytest.mark.parametrize("cp, method", [(2, "ulysses"), (4, "ring")])
@@ -49,14 +74,8 @@ def test_cp_profile_equals_a_real_cp_run(dist, cp, method):
     fake = profile_pass(LLAMA, "only", 2, micro_batch=2, seq=32, dtype=torch.float32, cp=cp, cp_method=method)
     plain = profile_pass(LLAMA, "only", 2, micro_batch=2, seq=32, dtype=torch.float32)
     assert fake.at_rest < plain.at_rest and {op for op, _, _ in fake.cp_comm} and not fake.comm
-    # gloo's worker thread may still hold the last exchange's send buffers for a moment after the
-    # call returns (q, k and v of one layer under Ulysses, the k/v pair under ring): the real run
-    # counts them or not by timing; the fake backend frees them at once
-    local, head_dim, kv_heads = 2 * 32 // cp, LLAMA.hidden_size // LLAMA.num_attention_heads, LLAMA.num_key_value_heads
-    sent = local * head_dim * 4 * (LLAMA.num_attention_heads + 2 * kv_heads if method == "ulysses" else 2 * kv_heads)
-    for kept, forward_peak, backward_peak, flops in dist.run(cp, _real_cp_pass, method, 2, 32):
-        assert flops == sum(fake.flops) and backward_peak == fake.backward_peak
-        assert kept - fake.at_rest in (0, sent) and forward_peak - fake.forward_peak in (0, sent)
+    for got in dist.run(cp, _real_cp_pass, method, 2, 32):
+        assert got == (fake.at_rest, fake.forward_peak, fake.backward_peak, sum(fake.flops))
 
 
 def _states_at_cp2(stages: tuple[int, ...]) -> list[dict]:
