@@ -35,3 +35,11 @@ def dist() -> Iterator[DistRunner]:
     runner = DistRunner()
     yield runner
     runner.shutdown()
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """The ZERO3D_CACHE of the job tests' runs: one for the session, so the tokenizer and packed data
+    of the tiny job (cached by content) are built once, not once per module (seconds each).
+    Building them cold is tested by tests/test_job_data.py, on caches of its own."""
+    return tmp_path_factory.mktemp("zero3d-cache")

@@ -23,7 +23,6 @@ import yaml
 
 from parallel3d.launch.launcher import free_port
 from tests.test_job_signals import MARK, PEER_LOSS_TIMEOUT_S, job_processes, wait_for_agent
-from tests.test_job_signals import cache_dir  # noqa: F401 - the fixture is used by name
 from tests.test_train_cli import ROOT, assert_close_records, read_metrics, tiny_job
 
 
@@ -35,7 +34,7 @@ def elastic_job(run) -> dict:
     return job
 
 
-def test_a_job_that_loses_a_node_goes_on_with_fewer_ranks(tmp_path, cache_dir):  # noqa: F811
+def test_a_job_that_loses_a_node_goes_on_with_fewer_ranks(tmp_path, cache_dir):
     env = dict(os.environ, ZERO3D_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
     for name in ("reference", "elastic"):
         (tmp_path / name).mkdir()

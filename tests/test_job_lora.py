@@ -13,10 +13,10 @@ import yaml
 
 from parallel3d import cli
 from parallel3d.errors import ConfigError
-from tests.test_train_cli import ROOT, cache_dir, read_metrics, tiny_job, train_two_processes  # noqa: F401
+from tests.test_train_cli import ROOT, read_metrics, tiny_job, train_two_processes
 
 
-def test_lora_job_from_a_model_directory(tmp_path, cache_dir):  # noqa: F811
+def test_lora_job_from_a_model_directory(tmp_path, cache_dir):
     """train -> export -> a LoRA job on the export at ZeRO 3: it starts from the exported model
     (lora_B starts at zero), trains, saves the adapters only, and exports a PEFT adapter directory."""
     from peft import PeftModel

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 
-from tests.test_job_signals import PEER_LOSS_TIMEOUT, Job, cache_dir, wait_for_agent  # noqa: F401 - the fixture is used by name
+from tests.test_job_signals import PEER_LOSS_TIMEOUT, Job, wait_for_agent
 from tests.test_train_cli import read_metrics
 
 STEPS = ("train.max_steps=20", "train.save_interval=5", PEER_LOSS_TIMEOUT)
@@ -21,7 +21,7 @@ def numbers(records: list[dict]) -> list[tuple]:
     return [(r["step"], r.get("loss"), r.get("val_loss"), r.get("lr"), r.get("tokens")) for r in records]
 
 
-def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path, cache_dir):  # noqa: F811
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(tmp_path, cache_dir):
     """The uninterrupted run trains beside the interrupted one (once its launcher has filled the data
     cache): on two cores one job's start-up, rendezvous and restart leave a core idle."""
     full = Job(tmp_path / "a", cache_dir, *STEPS)

@@ -127,11 +127,6 @@ class Job:
         self.err.close()
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("zero3d-cache")
-
-
 CASES = [("launcher", signal.SIGTERM, 143), ("launcher", signal.SIGINT, 130), ("launcher", signal.SIGKILL, -9),
          ("agent", signal.SIGTERM, 143), ("agent", signal.SIGKILL, 137),
          ("worker", signal.SIGTERM, 143), ("worker", signal.SIGKILL, 137)]

@@ -13,7 +13,7 @@ import yaml
 from parallel3d import cli
 from parallel3d.errors import ConfigError
 from parallel3d.export.export import export_checkpoint, main as export_main
-from tests.test_train_cli import _train_in_workers, cache_dir, tiny_job  # noqa: F401 - the fixture is used by name
+from tests.test_train_cli import _train_in_workers, tiny_job
 from tests.tiny import make_model
 
 

@@ -16,7 +16,7 @@ from parallel3d.job.config import load_job_config
 from parallel3d.job.resume_check import with_fallback
 from parallel3d.runtime.worker_errors import REPORTED_BY_RANK0, reported_by_rank0
 from tests.test_nothing_lost import snapshot
-from tests.test_train_cli import _train_in_workers, cache_dir, tiny_job  # noqa: F401 - the fixture is used by name
+from tests.test_train_cli import _train_in_workers, tiny_job
 
 
 def _job(run: Path, steps: int) -> dict:

@@ -36,11 +36,6 @@ def tiny_job(output_dir: Path, **train) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("zero3d-cache")
-
-
 def assert_close_records(got: dict, want: dict, keys: tuple[str, ...], rel: float) -> None:
     """Each of ``keys`` is absent from both records or present in both with values within ``rel``
     (a record of a step without validation has no ``val_loss``: absent keys are equal)."""
