@@ -2,9 +2,10 @@
 
 With ``expert_parallel.autoep_size`` E a rank holds 1/E of every MoE layer's routed experts,
 whose ZeRO units are sharded over the expert-shard group (dp / E ranks) rather than dp; the rest
-is as without it; with expert tensor parallelism (``expert_tensor_parallel_size`` = tp) each expert is
-also split over the tp ranks, 1/(E x tp) of it on a rank. Every layout is initialized for real on CPU/gloo and trained one step; the
-planner predicts each rank's report from the model and the layout alone
+is as without it; with expert tensor parallelism (``expert_tensor_parallel_size`` = tp) each
+expert is also split over the tp ranks, 1/(E x tp) of it on a rank. Every layout is initialized
+for real on CPU/gloo and trained one step; the planner predicts each rank's report from the model
+and the layout alone
 (``ModelShapes(model, tp, ep=E, etp=T)``, ``states.model_state_bytes``).
 """
 
@@ -276,3 +277,16 @@ def test_search_tries_both_expert_tensor_parallel_sizes_and_the_snippet_names_th
     assert layout_config(layout, 8, "bf16")["expert_parallel"] == {"enabled": True, "autoep_size": 2,
                                                                    "expert_tensor_parallel_size": 2}
     assert "expert_tensor_parallel_size" not in layout_config(replace(layout, etp=1), 8, "bf16")["expert_parallel"]
+
+
+def test_cli_pins_expert_tensor_parallelism():
+    """``zero3d plan --ep 2 --etp 2`` pins both sizes in the search's Choice; a non-positive --etp is refused."""
+    from parallel3d.errors import ConfigError
+    from parallel3d.planner.cli import _choice, build_parser
+
+    args = build_parser().parse_args(["model", "--gpus", "4", "--seq-len", "16", "--global-batch", "8",
+                                      "--ep", "2", "--etp", "2"])
+    assert (_choice(args).ep, _choice(args).etp) == (2, 2)
+    with pytest.raises(ConfigError, match="--etp"):
+        _choice(build_parser().parse_args(["model", "--gpus", "4", "--seq-len", "16", "--global-batch", "8",
+                                           "--etp", "0"]))
