@@ -16,7 +16,6 @@ from transformers import LlamaConfig
 from parallel3d.cli import main as zero3d
 from parallel3d.errors import ConfigError
 from parallel3d.planner.cli import parse_size
-from parallel3d.planner.search import Choice
 from tests.tiny import make_model
 
 CONFIG = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -119,25 +118,40 @@ def test_missing_model_and_nothing_fits(capsys, model_dir, tmp_path):
 
 
 def _auto_run(config: dict) -> dict:
-    """On every rank: initialize with "auto" and report what was chosen, plus the planner's own pick."""
+    """On every rank: initialize with "auto" and report what was chosen, plus the planner's own pick.
+
+    The pick is the one initialize's search returned (recorded around ``auto.choose``), not a second
+    search: its inputs are checked against ones built here from the config (the workload, the
+    hardware, the four open choices), and the search itself is deterministic."""
     from dataclasses import replace
 
     import torch.distributed as dist
 
     import parallel3d
     from parallel3d.config.config import Zero3DConfig
-    from parallel3d.planner.auto import _workload, choose
+    from parallel3d.planner import auto
     from parallel3d.planner.hardware import cpu
-    from parallel3d.planner.predict import Planner
 
-    engine, _, _, _ = parallel3d.initialize(model=make_model("llama", num_hidden_layers=4), config=config)
+    original, calls = auto.choose, []
+
+    def recorded(planner, hw, choice):
+        best, result = original(planner, hw, choice)
+        calls.append((planner, hw, choice, best))
+        return best, result
+
+    auto.choose = recorded
+    try:
+        engine, _, _, _ = parallel3d.initialize(model=make_model("llama", num_hidden_layers=4), config=config)
+    finally:
+        auto.choose = original
     mesh, cfg = engine.mesh, engine.config
-    with torch.device("meta"):
-        meta = make_model("llama", num_hidden_layers=4)
+    (planner, hw, choice, best), = calls
     probe = {k: v for k, v in config.items() if k not in ("planner", "train_micro_batch_size_per_gpu")}
     probe.update(zero_optimization={"stage": 0}, tensor_parallel={"size": 1}, pipeline={"stages": 1})
-    hw = replace(cpu(dist.get_world_size()), memory=parse_size(config["planner"]["device_memory"]))
-    best, _ = choose(Planner(meta, _workload(Zero3DConfig.from_dict(probe), 16)), hw, Choice())
+    assert planner.workload == auto._workload(Zero3DConfig.from_dict(probe), 16)
+    assert hw == replace(cpu(dist.get_world_size()), memory=parse_size(config["planner"]["device_memory"]))
+    assert (choice.tp, choice.pp, choice.zero_stage, choice.micro_batch) == (None, None, None, None)
+    assert next(planner.model.parameters()).is_meta and planner.config.num_hidden_layers == 4
     return {"chosen": (mesh.pp, mesh.tp, cfg.zero_optimization.stage, cfg.train_micro_batch_size_per_gpu,
                        cfg.gradient_accumulation_steps),
             "planner": (best.layout.pp, best.layout.tp, best.layout.zero_stage, best.layout.micro_batch)}
