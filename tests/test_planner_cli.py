@@ -90,9 +90,10 @@ def test_pins_and_hostfile(capsys, model_dir, tmp_path):
 
 
 def test_context_parallel_prices_both_methods(capsys, model_dir):
-    """``--context-parallel 2``: the layouts at cp 2 (either method), and the #1's cp bytes per layer."""
+    """``--context-parallel 2``: the layouts at cp 2 (either method), and the #1's cp bytes per layer.
+    Checkpointing is pinned off (its profiles are the costliest; cp does not change what it does)."""
     code, out, err = _plan(capsys, model_dir, "--gpus", 8, "--gpu-memory", "2GB", "--seq-len", 64,
-                           "--global-batch", 16, "--tp", 1, "--context-parallel", 2)
+                           "--global-batch", 16, "--tp", 1, "--context-parallel", 2, "--checkpointing", "off")
     assert code == 0, err
     assert '"context_parallel": {' in out and " cp2-" in out
     table = out[out.index("context parallelism 2 (per rank"):].splitlines()
