@@ -153,6 +153,25 @@ def test_refusals_name_the_problem():
         make_moe("mixtral"), preset_model="mixtral")
 
 
+def test_lora_on_stacked_experts_is_refused_with_the_way_out():
+    """peft's target_parameters wraps the experts module in a ParamWrapper whose adapters span all its
+    experts: refused before any collective (initialize's check on the unwrapped model), saying so."""
+    from peft import LoraConfig, get_peft_model
+
+    from parallel3d.build.peft_model import unwrap_peft
+    from parallel3d.expert_parallel import check_expert_parallel
+
+    config = LoraConfig(r=2, target_modules=["q_proj"],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = unwrap_peft(get_peft_model(make_moe("mixtral"), config))
+    message = str(pytest.raises(ConfigError, check_expert_parallel, model, 2).value)
+    assert message.startswith("expert_parallel: LoRA on stacked expert weights (model.layers.0.mlp.experts.gate_up_proj, "
+                              "model.layers.0.mlp.experts.down_proj, peft's target_parameters) is not supported with "
+                              "expert parallelism (autoep_size 2)"), message
+    assert "target_modules such as q_proj" in message and "expert_parallel.enabled false" in message
+    check_expert_parallel(model, 1)
+
+
 SAVE_AT = 2
 
 

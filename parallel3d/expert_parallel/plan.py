@@ -9,7 +9,9 @@ whose plan names no module of this config (no MoE layer), is refused with the re
 
 An experts module is split when every parameter it holds is stacked over its ``num_experts``
 experts (a parameter shared by all experts would get gradients from the local tokens only) and
-``num_experts`` divides by the expert-parallel degree.
+``num_experts`` divides by the expert-parallel degree. LoRA on the stacked weights themselves
+(``peft``'s ``target_parameters``, a ``ParamWrapper`` around the experts module) is refused: its
+adapters cover all the experts at once (see ``_refuse_expert_adapters``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from models.family import text_config
 from models.tp_plans import base_model_prefix
+from parallel3d.build.peft_model import is_adapter_module
 from parallel3d.errors import ConfigError
 
 DISPATCH_STYLE = "ep_dispatch_experts"
@@ -66,6 +69,8 @@ def resolve_experts(model: nn.Module, ep: int) -> list[ExpertsModule]:
     for name in names:
         module = base.get_submodule(name)
         full = f"{prefix}.{name}"
+        if ep > 1:
+            _refuse_expert_adapters(module, full, ep)
         count = getattr(module, "num_experts", None)
         if not isinstance(count, int) or count < 1:
             raise ConfigError(f"expert_parallel: {full} ({type(module).__name__}) has no num_experts attribute, so "
@@ -80,3 +85,25 @@ def resolve_experts(model: nn.Module, ep: int) -> list[ExpertsModule]:
                               f"allowed: {', '.join(map(str, divisors))}")
         found.append(ExpertsModule(full, count))
     return found
+
+
+def _refuse_expert_adapters(module: nn.Module, full: str, ep: int) -> None:
+    """ConfigError when ``peft`` wrapped the experts module ``full`` to put LoRA on its stacked weights.
+
+    A ``ParamWrapper`` holds one ``lora_A [r * E, in]`` and ``lora_B [out, r * E]`` per weight for
+    all ``E`` experts and adds their product to the whole stacked weight when it runs, while
+    expert parallelism keeps ``E / ep`` experts per rank and replaces the module's forward by the
+    all-to-all: the adapters would have to be cut along ``r * E`` and run inside the routed call.
+    """
+    wrapped, layer = [], module
+    while is_adapter_module(layer):
+        wrapped.append(f"{full}.{getattr(layer, 'parameter_name', '?')}")
+        layer = layer.base_layer
+    if wrapped:
+        raise ConfigError(f"expert_parallel: LoRA on stacked expert weights ({', '.join(reversed(wrapped))}, peft's "
+                          f"target_parameters) is not supported with expert parallelism (autoep_size {ep}): peft "
+                          "keeps one adapter pair for all the experts of the module and adds it to the whole "
+                          "stacked weight, while expert parallelism keeps only each rank's share of the experts "
+                          "and routes tokens to them; instead put the adapters on the attention or dense "
+                          "projections (target_modules such as q_proj, v_proj, o_proj, the experts frozen in the "
+                          "base), or train this model without expert parallelism (expert_parallel.enabled false)")
