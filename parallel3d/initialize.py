@@ -280,6 +280,7 @@ def initialize(
     agree(None, describe(cfg.model_dump(mode="json"),
                          {"world size": world, "ZeRO shard ranks per node (qgZ; LOCAL_WORLD_SIZE / tp)": node_shard_ranks},
                          model))
+    _warn_on_rank0(cfg.expert_parallel.unused_size_notice())
     source = None  # where a meta model's parameters come from
     if on_meta(model):
         replay = take_source(model)  # before anything changes the model
@@ -307,8 +308,7 @@ def initialize(
                                                 tp_info)
         del routers
     zero_opt = apply_zero(model, cfg, mesh, named_groups, factory, tp_info, pipe, source, ep_info)
-    if (notice := persistence_notice(zero_opt)) is not None and (not dist.is_initialized() or dist.get_rank() == 0):
-        logger.warning(notice)
+    _warn_on_rank0(persistence_notice(zero_opt))
     register(zero_opt)
     compiled = (compiled_blocks.compile_blocks(model, pipe, tp_info, cfg.compile.backend, cfg.compile.kwargs)
                 if cfg.compile.enabled else None)
@@ -318,6 +318,12 @@ def initialize(
     engine = Engine(parallel, cfg, scheduler, client_optimizer=client, watchdog=Watchdog.for_default_group(timeout_s),
                     compiled=compiled, expert_bias=expert_bias)
     return engine, zero_opt, _dataloader(cfg, mesh, training_data, collate_fn), scheduler
+
+
+def _warn_on_rank0(notice: str | None) -> None:
+    """Log a start-up notice once for the job (rank 0), when there is one."""
+    if notice is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning(notice)
 
 
 def _node_shard_ranks(cfg) -> int:

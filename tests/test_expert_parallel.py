@@ -14,6 +14,7 @@ import torch
 import torch.distributed
 
 from parallel3d.errors import ConfigError
+from tests.log_lines import log_lines
 from tests.tiny import MICRO, SEQ, rank_micro_batches, token_batches, oracle_run, update_mismatch
 from tests.tiny_moe import EXPERTS, ep_config, make_moe
 
@@ -170,6 +171,27 @@ def test_lora_on_stacked_experts_is_refused_with_the_way_out():
                               "expert parallelism (autoep_size 2)"), message
     assert "target_modules such as q_proj" in message and "expert_parallel.enabled false" in message
     check_expert_parallel(model, 1)
+
+
+def _started_notices(ep_section: dict) -> tuple[list[str], bool]:
+    """initialize the tiny Mixtral at dp 2 with ``ep_section``: (initialize's expert_parallel warnings on
+    this rank, whether its experts were split)."""
+    import parallel3d
+
+    config = {**ep_config(0, 1, 2, 1), "expert_parallel": ep_section}
+    with log_lines("parallel3d.initialize") as lines:
+        engine = parallel3d.initialize(model=make_moe("mixtral"), config=config)[0]
+    return [line for line in lines if "expert_parallel" in line], engine.ep_info is not None
+
+
+def test_autoep_size_without_enabled_is_ignored_with_one_warning(dist):
+    """As DeepSpeed AutoEP, autoep_size without enabled: true splits nothing; rank 0 says so once."""
+    ignored = dist.run(2, _started_notices, {"autoep_size": 2})
+    assert ignored[0] == (["expert_parallel.autoep_size 2 has no effect without expert_parallel.enabled: true (as in "
+                           "DeepSpeed AutoEP): every rank holds every expert; set enabled: true to split the experts, "
+                           "or remove autoep_size"], False)
+    assert ignored[1] == ([], False)
+    assert dist.run(2, _started_notices, {"enabled": True, "autoep_size": 2}) == [([], True)] * 2
 
 
 SAVE_AT = 2

@@ -3,10 +3,9 @@ than half of the parameters whole; none when it shards them."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
+from tests.log_lines import log_lines
 from tests.tiny import ds_config, make_model
 
 
@@ -14,16 +13,9 @@ def _start(threshold: int | None) -> tuple[list[str], dict]:
     """initialize a tiny Llama at stage 3 on this rank; (warnings logged by initialize, memory report)."""
     import parallel3d
 
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    log = logging.getLogger("parallel3d.initialize")
-    log.addHandler(handler)
-    try:
-        extra = {} if threshold is None else {"stage3_param_persistence_threshold": threshold}
+    extra = {} if threshold is None else {"stage3_param_persistence_threshold": threshold}
+    with log_lines("parallel3d.initialize") as lines:
         engine, *_ = parallel3d.initialize(model=make_model("llama"), config=ds_config(3, 1, 2, **extra))
-    finally:
-        log.removeHandler(handler)
     units = engine.optimizer.units
     counts = {"total": sum(u.numel for u in units), "whole": sum(u.numel for u in units if u.persistent),
               "tensors": sum(len(u.params) for u in units)}

@@ -689,6 +689,16 @@ class ExpertParallelConfig(Section):
         """The expert-parallel degree in effect: ``autoep_size`` when enabled, else 1."""
         return self.autoep_size if self.enabled else 1
 
+    def unused_size_notice(self) -> str | None:
+        """The line to log when ``autoep_size`` asks for more than one rank and ``enabled`` is not true:
+        DeepSpeed AutoEP then ignores the section's sizes silently, and so does Zero3D (same keys, same
+        result), but says so once."""
+        if self.enabled or self.autoep_size == 1:
+            return None
+        return (f"expert_parallel.autoep_size {self.autoep_size} has no effect without expert_parallel.enabled: true "
+                "(as in DeepSpeed AutoEP): every rank holds every expert; set enabled: true to split the experts, "
+                "or remove autoep_size")
+
 
 class CheckpointConfig(Section):
     """`checkpoint`: how `engine.save_checkpoint` writes (DeepSpeed's section, plus async_save)."""
