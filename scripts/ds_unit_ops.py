@@ -7,10 +7,14 @@ cores the build of FusedAdam's op took 710 s (ninja's log), and
 with the op cached, the test takes 5 s. Built here first, each op under its own timeout, a test
 only loads the cached library, and the count no longer depends on the machine's load.
 
-A build that is killed (its timeout) leaves torch's ``lock`` file in the op's build directory,
-and every later load of that op would wait for it for ever; the lock of a build killed here is
-removed. A lock that was there before the build started is only reported: another process may
-be building.
+A build that is killed (its timeout) may leave torch's ``lock`` file in the op's build directory
+(``torch.utils.file_baton.FileBaton``: created with O_EXCL by the process that builds, removed
+when it is done; every other loader waits while it exists), and every later load of that op
+would wait for it for ever. The child says when its baton takes and gives back the lock, so a
+lock is removed only when the killed child held it: a child that was waiting for another run's
+build (two runs building the same op at once) leaves that run's lock alone, and it is only
+reported. A child killed in the instant between creating the lock and saying so leaves a lock
+that is reported, never one removed that was not its own.
 """
 
 from __future__ import annotations
@@ -32,17 +36,39 @@ BASELINE_OPS = (*SHIM_OPS, "CPUAdamBuilder", "CPULionBuilder")
 """And with DeepSpeed itself (``--rebaseline``): its optimizer offload (DeepSpeedCPUAdam) and DeepSpeedCPULion."""
 
 
-_BUILD = """
-import os, sys
+MARK = "ds_unit_ops:"
+BUILD_DIR, TOOK, RELEASING = f"{MARK} build directory", f"{MARK} took", f"{MARK} releasing"
+"""The child's own lines: the op's build directory, its baton taking torch's lock file, and giving it back
+(said before the file is removed)."""
+
+_BUILD = f"""
+import sys
 from deepspeed.accelerator import get_accelerator
 from torch.utils.cpp_extension import _get_build_directory
+from torch.utils.file_baton import FileBaton
+
+_try_acquire, _release = FileBaton.try_acquire, FileBaton.release
+
+
+def try_acquire(self):
+    took = _try_acquire(self)
+    if took:
+        print("{TOOK}", self.lock_file_path, flush=True)
+    return took
+
+
+def release(self):
+    print("{RELEASING}", self.lock_file_path, flush=True)
+    _release(self)
+
+
+FileBaton.try_acquire, FileBaton.release = try_acquire, release
 builder = get_accelerator().create_op_builder(sys.argv[1])
-build_dir = _get_build_directory(builder.NAME, False)
-print(build_dir, "locked" if os.path.exists(os.path.join(build_dir, "lock")) else "free", flush=True)
+print("{BUILD_DIR}", _get_build_directory(builder.NAME, False), flush=True)
 builder.load(verbose=False)
 """
-"""Run in a child: prints the op's build directory (where torch's lock file goes) and whether a lock
-is there already, then builds the op or loads it from the cache."""
+"""Run in a child: prints the op's build directory (where torch's lock file goes), then builds the op or
+loads it from the cache, saying when it takes and gives back the lock."""
 
 
 def build_op(builder: str, timeout: float, env: dict[str, str] | None = None) -> tuple[bool, float, str]:
@@ -64,23 +90,31 @@ def build_op(builder: str, timeout: float, env: dict[str, str] | None = None) ->
 
 
 def _lock_left(out: str) -> str:
-    """Remove the lock file of a build killed here; name one that was there before it started."""
-    first = out.splitlines()[0].rsplit(" ", 1) if out.strip() else []
-    if len(first) != 2:
-        return ""
-    lock = Path(first[0]) / "lock"
-    if first[1] == "locked":
-        return (f"; {lock} was there before the build started: if no other process is building the op, "
+    """Remove the lock file the killed child held; name a lock of the op's that another process holds."""
+    held: set[str] = set()
+    build_dir = None
+    for line in out.splitlines():
+        if line.startswith(TOOK + " "):
+            held.add(line[len(TOOK) + 1:])
+        elif line.startswith(RELEASING + " "):
+            held.discard(line[len(RELEASING) + 1:])
+        elif line.startswith(BUILD_DIR + " "):
+            build_dir = line[len(BUILD_DIR) + 1:]
+    removed = sorted(path for path in held if os.path.exists(path))
+    for path in removed:
+        os.remove(path)  # the killed build's own: it would block every later load of the op
+    if removed:
+        return f"; removed the lock file it held, {', '.join(removed)}"
+    lock = Path(build_dir) / "lock" if build_dir is not None else None
+    if lock is not None and lock.exists():
+        return (f"; {lock} is not this build's (it was waiting for it): if no other process is building the op, "
                 "remove it, or every load of the op waits for ever")
-    if lock.exists():
-        lock.unlink()  # left by the build killed here, it would block every later load of the op
-        return f"; removed the lock file it left, {lock}"
     return ""
 
 
 def _tail(out: str | None) -> str:
-    """The end of the build's output (after the child's first line, the build directory's)."""
-    lines = (out or "").strip().splitlines()[1:][-15:]
+    """The end of the build's output (without the child's own lines)."""
+    lines = [line for line in (out or "").strip().splitlines() if not line.startswith(MARK)][-15:]
     return ":\n" + "\n".join(lines) if lines else ""
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -208,21 +209,30 @@ _FAKE_BUILDER = """
 import os, time
 from pathlib import Path
 
+from torch.utils.file_baton import FileBaton
+
 
 class _Builder:
     NAME = "slow_op"
 
-    def load(self, verbose=False):  # as torch's FileBaton: wait while another holds the lock, take it, build
-        lock = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / self.NAME / "lock"
-        while True:
-            try:
-                os.close(os.open(lock, os.O_CREAT | os.O_EXCL))
-                break
-            except FileExistsError:
-                time.sleep(0.1)
-        if os.environ.get("FAKE_BUILD") == "fail":
-            raise RuntimeError("no compiler")
-        time.sleep(120)
+    def load(self, verbose=False):  # as torch's _jit_compile: take the lock and build, or wait while another holds it
+        if "FAKE_GO" in os.environ:  # say it has started, and try the lock only when told
+            Path(os.environ["FAKE_READY"]).touch()
+            while not Path(os.environ["FAKE_GO"]).exists():
+                time.sleep(0.02)
+        baton = FileBaton(str(Path(os.environ["TORCH_EXTENSIONS_DIR"]) / self.NAME / "lock"))
+        if not baton.try_acquire():
+            baton.wait()
+            return
+        try:
+            if os.environ.get("FAKE_BUILD") == "fail":
+                raise RuntimeError("no compiler")
+            stop = Path(os.environ.get("FAKE_BUILD_UNTIL", "/nonexistent"))
+            deadline = time.monotonic() + 120
+            while not stop.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            baton.release()
 
 
 class _Accelerator:
@@ -234,13 +244,44 @@ def get_accelerator():
     return _Accelerator()
 """
 
+_FAKE_BATON = """
+import os, time
 
-def test_an_op_build_has_its_own_timeout_and_a_killed_build_leaves_no_lock(tmp_path):
+
+class FileBaton:  # torch.utils.file_baton's protocol: the lock file is created with O_EXCL, removed on release
+    def __init__(self, lock_file_path):
+        self.lock_file_path = lock_file_path
+
+    def try_acquire(self):
+        try:
+            os.close(os.open(self.lock_file_path, os.O_CREAT | os.O_EXCL))
+            return True
+        except FileExistsError:
+            return False
+
+    def wait(self):
+        while os.path.exists(self.lock_file_path):
+            time.sleep(0.05)
+
+    def release(self):
+        os.remove(self.lock_file_path)
+"""
+
+
+def _wait_for(path: Path, run) -> None:
+    """Until ``path`` exists (or the build ``run`` has ended)."""
+    while not path.exists() and not run.done():
+        time.sleep(0.02)
+
+
+def test_an_op_build_has_its_own_timeout_and_removes_only_its_own_lock(tmp_path):
     """scripts/ds_unit_ops.py builds DeepSpeed's ops before the tests; a build that overruns its timeout is
-    killed and its lock file removed (left there, every later load of the op would wait for it for ever).
-    Fake ``deepspeed.accelerator`` and ``torch.utils.cpp_extension`` modules stand in: no compiler runs."""
+    killed, and the lock file it held removed (left there, every later load of the op would wait for it for
+    ever). Two runs building the same op at once: the one killed while waiting for the other's lock leaves it
+    alone. Fake ``deepspeed.accelerator`` and ``torch.utils`` modules stand in: no compiler runs."""
     import os
     import sys
+    from concurrent.futures import ThreadPoolExecutor
 
     sys.path.insert(0, str(SCRIPT.parent))
     import ds_unit_ops
@@ -251,24 +292,36 @@ def test_an_op_build_has_its_own_timeout_and_a_killed_build_leaves_no_lock(tmp_p
     for package in ("deepspeed", "torch", "torch/utils"):
         (fakes / package / "__init__.py").write_text("")
     (fakes / "deepspeed" / "accelerator.py").write_text(_FAKE_BUILDER)
+    (fakes / "torch" / "utils" / "file_baton.py").write_text(_FAKE_BATON)
     (fakes / "torch" / "utils" / "cpp_extension.py").write_text(
         "import os\ndef _get_build_directory(name, verbose):\n"
         "    path = os.path.join(os.environ['TORCH_EXTENSIONS_DIR'], name)\n    os.makedirs(path, exist_ok=True)\n"
         "    return path\n")
     extensions = tmp_path / "extensions"
     env = dict(os.environ, PYTHONPATH=str(fakes), TORCH_EXTENSIONS_DIR=str(extensions))
-    lock = extensions / "slow_op" / "lock"
+    lock, stop = extensions / "slow_op" / "lock", tmp_path / "stop"
 
-    ok, seconds, what = ds_unit_ops.build_op("SlowBuilder", 3, env)
-    assert not ok and seconds < 60, (seconds, what)
-    assert what == f"not built within 3 s (killed); removed the lock file it left, {lock}", what
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    with ThreadPoolExecutor(2) as pool:
+        # the second run's child starts while the lock is free, the first run then takes it and builds until told
+        # to stop, and the second tries the lock, waits for it, and is killed by its timeout
+        second = pool.submit(ds_unit_ops.build_op, "SlowBuilder", 3, dict(env, FAKE_READY=str(ready), FAKE_GO=str(go)))
+        _wait_for(ready, second)
+        first = pool.submit(ds_unit_ops.build_op, "SlowBuilder", 60, dict(env, FAKE_BUILD_UNTIL=str(stop)))
+        _wait_for(lock, first)
+        go.touch()
+        ok, seconds, what = second.result()
+        assert not ok and seconds < 60 and lock.exists(), (seconds, what)
+        assert what.startswith(f"not built within 3 s (killed); {lock} is not this build's (it was waiting for "
+                               "it): if no other process is building the op, remove it"), what
+        stop.touch()
+        assert first.result()[::2] == (True, "built or loaded from the cache")
+    assert not lock.exists()  # released by its owner
+
+    ok, _, what = ds_unit_ops.build_op("SlowBuilder", 3, env)
+    assert not ok and what == f"not built within 3 s (killed); removed the lock file it held, {lock}", what
     assert not lock.exists()
 
-    lock.touch()  # another process's build (or a stale one): reported, never removed
-    ok, _, what = ds_unit_ops.build_op("SlowBuilder", 3, env)
-    assert not ok and lock.exists()
-    assert what.startswith(f"not built within 3 s (killed); {lock} was there before the build started"), what
-
-    lock.unlink()
     ok, _, what = ds_unit_ops.build_op("SlowBuilder", 60, dict(env, FAKE_BUILD="fail"))
     assert not ok and what.startswith("failed (exit code 1):") and "RuntimeError: no compiler" in what, what
+    assert "ds_unit_ops:" not in what and not lock.exists()
