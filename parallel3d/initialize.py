@@ -40,6 +40,8 @@ from parallel3d.runtime.lifeline import install_exit_guard
 from parallel3d.lr.build import build_lr_scheduler
 from parallel3d.build.optimizer_check import check_sharded_optimizer
 from parallel3d.build.peft_model import unwrap_peft
+from parallel3d.pipeline.model_checkpointing import reentrant_checkpointing
+from parallel3d.pipeline.schedules import has_weight_pass
 from parallel3d.runtime.mesh import build_mesh
 from parallel3d.runtime.world import default_device, ensure_process_group
 from parallel3d.build.meta_init import buffer_values, detach_from_meta, load_in_place, on_meta, pretrained_source, take_source
@@ -185,6 +187,7 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
         model_parameters = optimizer.param_groups  # a client optimizer names its params
     check_context_parallel(model, cfg)
     check_expert_parallel(model, cfg.expert_parallel.size)
+    _check_split_backward(model, cfg)
     if cfg.expert_parallel.load_balance_coeff is not None:
         check_bias_balance(model, cfg.compile.enabled)
     if cfg.loss_normalization == "tokens" and (problem := token_mean.model_problem(model)) is not None:
@@ -210,6 +213,20 @@ def _validate(model, config, world, device, model_parameters, optimizer, lr_sche
         compiled_blocks.check_layout(model, cfg.tensor_parallel.size, cfg.context_parallel.size,
                                      cfg.expert_parallel.size)
     return _Checked(cfg, groups, named_groups, factory, weights)
+
+
+def _check_split_backward(model: nn.Module, cfg: Zero3DConfig) -> None:
+    """ZB-H1's input- and weight-gradient passes (``torch.autograd.grad``, ``backward(inputs=...)``) cannot
+    run through torch's reentrant checkpointing: it raised on every stage but the first, mid-step, while
+    the first waited for it (parallel3d/pipeline/model_checkpointing.py)."""
+    schedule = cfg.pipeline.schedule
+    if cfg.pipeline.stages == 1 or not has_weight_pass(schedule) or (name := reentrant_checkpointing(model)) is None:
+        return
+    raise ConfigError(f"pipeline.schedule {schedule!r} splits each backward into an input-gradient and a weight-gradient "
+                      f"pass, which torch's reentrant checkpointing cannot run, and the model checkpoints {name} with "
+                      "use_reentrant=True (gradient_checkpointing_enable); use pipeline.activation_checkpointing "
+                      "instead (model.gradient_checkpointing_disable()), or gradient_checkpointing_enable("
+                      "gradient_checkpointing_kwargs={'use_reentrant': False}), or another pipeline.schedule")
 
 
 def _check_backend(cfg: Zero3DConfig, device: torch.device) -> None:

@@ -223,6 +223,40 @@ def test_hooks_timeline_eval_and_local_handoff(dist, tmp_path):
     assert torch.equal(results[0]["synced"], results[1]["synced"])
 
 
+def _hf_checkpointing_under_zb_h1(reentrant: bool) -> str | list[int]:
+    """ZB-H1 through initialize on a model checkpointed by transformers itself: the ConfigError's message
+    (reentrant), or how often each of this rank's blocks' MLP ran over one step (non-reentrant; module
+    hooks on the block itself run outside transformers' checkpoint, so not in its recomputations)."""
+    import parallel3d
+    from tests.tiny import ds_config, make_model, rank_micro_batches, token_batches
+
+    model = make_model("llama", num_hidden_layers=4)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    config = ds_config(1, M, 1)
+    config["pipeline"] = {"stages": 2, "schedule": "zb_h1"}
+    try:
+        engine = parallel3d.initialize(model=model, config=config)[0]
+    except ConfigError as exc:
+        return str(exc)
+    blocks = [b for c in engine.loop.pipe.chunks for b in c.layers]
+    runs = [0] * len(blocks)
+    for i, block in enumerate(blocks):
+        block.mlp.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    engine.train_batch(iter(rank_micro_batches(token_batches(1, M, 1), 0)))
+    return runs
+
+
+def test_zb_h1_under_the_models_own_checkpointing(dist):
+    """Reentrant checkpointing cannot run ZB-H1's split backward: refused at initialize on every rank (it
+    raised on the second stage mid-step while the first waited). Non-reentrant runs, and its blocks are
+    recomputed once by the input-gradient pass and once by the weight pass, as under the pipeline's own
+    checkpointing (one weight-gradient call per block, not one per parameter group)."""
+    for message in dist.run(2, _hf_checkpointing_under_zb_h1, True):
+        assert "pipeline.schedule 'zb_h1'" in message and "use_reentrant" in message, message
+    for rank, runs in enumerate(dist.run(2, _hf_checkpointing_under_zb_h1, False)):
+        assert runs == [M * (2 if rank == 0 else 3)] * 2, runs
+
+
 # ---------------------------------------------------------------------------------------------
 # splitting without processes: balance, partition, memory, bad input
 

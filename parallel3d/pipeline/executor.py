@@ -61,6 +61,7 @@ from torch.autograd.graph import GradientEdge
 
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.actions import Action, Kind
+from parallel3d.pipeline.model_checkpointing import hf_checkpointed
 from parallel3d.pipeline.p2p import P2P, PendingRecv
 from parallel3d.pipeline.schedules import schedule_table, validate_schedule_args
 from parallel3d.pipeline.simulate import Interval
@@ -321,8 +322,9 @@ class PipelineExecutor:
         last_of_step = max(last_pass.values(), default=-1)
         divisor = m if self.scale_by_microbatches else 1
         chunk_params = [list(c.parameters()) for c in chunks]  # per run: the engine may swap parameters
-        # checkpointed blocks: one weight-gradient call each, so W recomputes a block once (backward_input)
-        chunk_blocks = [[list(b.parameters()) for b in c.layers] if c.activation_checkpointing else []
+        # checkpointed blocks (the pipeline's or transformers' own): one weight-gradient call each, so W
+        # recomputes a block once (backward_input)
+        chunk_blocks = [[list(b.parameters()) for b in c.layers if c.activation_checkpointing or hf_checkpointed(b)]
                         for c in chunks]
 
         inputs: dict[tuple[int, int], torch.Tensor] = {}
