@@ -290,3 +290,22 @@ def test_cli_pins_expert_tensor_parallelism():
     with pytest.raises(ConfigError, match="--etp"):
         _choice(build_parser().parse_args(["model", "--gpus", "4", "--seq-len", "16", "--global-batch", "8",
                                            "--etp", "0"]))
+
+
+def test_auto_tp_returns_the_expert_tensor_parallel_size_it_priced():
+    """tensor_parallel.size "auto" under expert_tensor_parallel_size 2: on 2 ranks with ep 2 only tp 1 leaves
+    ZeRO two ranks to fold the experts over, so the planner picks tp 1 with whole experts, and the config it
+    returns says so (it kept the 2, which the engine refuses at tp 1)."""
+    import torch
+
+    from parallel3d.config.config import load_config
+    from parallel3d.planner.auto import resolve_auto
+
+    config = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"size": "auto"},
+              "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "expert_parallel": {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 2},
+              "planner": {"seq_length": 16, "device_memory": "2000MB"}}
+    resolved = resolve_auto(config, make_moe("mixtral"), 2, torch.device("cpu"))
+    assert resolved["tensor_parallel"]["size"] == 1
+    assert resolved["expert_parallel"]["expert_tensor_parallel_size"] == 1
+    assert load_config(resolved, 2).expert_parallel.size == 2

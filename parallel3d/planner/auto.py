@@ -189,6 +189,10 @@ def resolve_auto(source: Any, model: nn.Module, world: int, device: torch.device
         _set(raw, s, k, chosen[s, k])
     if cp_auto:
         _set(raw, "context_parallel", "method", layout.cp_method)
+    if ("tensor_parallel", "size") in autos and layout.etp != cfg.expert_parallel.expert_tensor_parallel_size:
+        # the config's expert_tensor_parallel_size asked for experts split over tp, and the planner chose a
+        # layout without (tp 1, or no expert parallelism): what it priced is the value the engine accepts
+        _set(raw, "expert_parallel", "expert_tensor_parallel_size", layout.etp)
     if layout.pp > 1:
         raw.setdefault("pipeline", {}).update(schedule=layout.schedule, virtual_stages=layout.virtual_stages,
                                               activation_checkpointing=layout.checkpointing)
