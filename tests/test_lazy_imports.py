@@ -23,6 +23,22 @@ def test_the_command_line_and_the_agent_import_no_engine():
     assert out.strip() == "[]", out
 
 
+def test_a_job_that_neither_resumes_nor_saves_loads_no_distributed_checkpoint(tmp_path):
+    """``zero3d train``'s process and its workers import the job modules, initialize and the engine, and
+    a fresh run's resume check finds nothing to resume; torch.distributed.checkpoint (~0.7 s CPU per
+    process) is loaded by the first save or load only."""
+    job = {"model": {"model_type": "llama"}, "engine": {"train_micro_batch_size_per_gpu": 1},
+           "train": {"max_steps": 1, "output_dir": str(tmp_path / "run")}}
+    code = ("import sys, parallel3d.cli, parallel3d.job.run, parallel3d.job.prepare, parallel3d.job.trainer\n"
+            "import parallel3d.initialize, parallel3d.engine.engine\n"
+            "from parallel3d.job.checkpoints import find_resume\n"
+            "from parallel3d.job.config import load_job_config\n"
+            f"assert find_resume(load_job_config({job!r})) is None\n"
+            "print('torch.distributed.checkpoint' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out
+
+
 def test_every_front_door_name_loads():
     from parallel3d import GatheredParameters, initialize, safe_set_full_grad
 

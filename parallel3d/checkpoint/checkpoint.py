@@ -42,8 +42,8 @@ from torch import nn
 
 from parallel3d.runtime.agreement import raise_on_every_rank
 from parallel3d.checkpoint.chunks import Chunk, Split, piece_chunks
-from parallel3d.checkpoint.manifest import (OPTIMIZER_TYPE, PEFT, SAVE_ID, check_fields, check_for_engine, check_pair,
-                                            new_save_id)
+from parallel3d.checkpoint.manifest import (MANIFEST, OPTIMIZER_TYPE, PEFT, SAVE_ID, check_fields, check_for_engine,
+                                            check_pair, new_save_id)
 from parallel3d.checkpoint.storage import (DTYPES_BY_NAME, disk_full_text, plan_load, read_metadata, read_planned,
                                            save_chunks, write_json_atomically)
 from parallel3d.errors import ConfigError
@@ -56,7 +56,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "checkpoint.json"
 FORMAT = "zero3d-checkpoint/3"
 ROUTER_BIASES = "router_biases"  # e_score_correction_bias of each router under load_balance_coeff, by name
 _FORMAT_2 = "zero3d-checkpoint/2"  # read too: its scalar states were named optim/ (0-dim params had none)

@@ -22,6 +22,11 @@ from typing import Any
 
 from parallel3d.errors import ConfigError
 
+MANIFEST = "checkpoint.json"
+"""The manifest's file name in a checkpoint directory."""
+METADATA_FILE = "dcp.json"
+"""The tensors' metadata file (parallel3d/checkpoint/storage.py). The two names live here, in a module
+that imports no torch, so that finding checkpoints does not load torch.distributed.checkpoint."""
 SAVE_ID = "dcp_save_id"
 """The manifest key of the save id that its ``dcp.json`` carries too."""
 OPTIMIZER_TYPE = "optimizer_type"

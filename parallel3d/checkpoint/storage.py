@@ -54,10 +54,10 @@ from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWrite
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from parallel3d.checkpoint.chunks import Chunk
+from parallel3d.checkpoint.manifest import METADATA_FILE
 from parallel3d.errors import ConfigError
 from parallel3d.runtime.worker_errors import reported_by_rank0
 
-METADATA_FILE = "dcp.json"
 FORMAT = "zero3d-dcp-json/2"
 CHECKSUM = "xxh3_64"
 """Every chunk's checksum: XXH3 (64 bits) runs at memory speed (25 GB/s on a core where zlib's

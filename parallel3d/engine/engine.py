@@ -14,11 +14,11 @@ import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from parallel3d.checkpoint import checkpoint
 from parallel3d.runtime.agreement import raise_on_every_rank
 from parallel3d.build.compiled_blocks import CompiledBlocks
 from parallel3d.engine.batch_check import call_arguments, first_problem, positional_names, vocab_size_of
@@ -30,6 +30,9 @@ from parallel3d.engine.step_loops import MicroBatchLoop, PipelineLoop
 from parallel3d.engine import token_mean
 from parallel3d.engine.train_state import TrainState
 from parallel3d.runtime.watchdog import Watchdog
+
+if TYPE_CHECKING:  # imported by the first save or load: it loads torch.distributed.checkpoint (~0.7 s CPU)
+    from parallel3d.checkpoint import checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -436,6 +439,8 @@ class Engine(DeepSpeedSurface):
         Frozen parameters are never written (they come from the model the loading script builds),
         so ``exclude_frozen_parameters`` is accepted with either value; ``save_latest`` must be True.
         """
+        from parallel3d.checkpoint import checkpoint
+
         checkpoint_arguments(save_latest=save_latest)
         if self.micro_steps % self.gradient_accumulation_steps:
             raise ConfigError(
@@ -492,6 +497,8 @@ class Engine(DeepSpeedSurface):
         the LR scheduler; ``load_module_only=True`` loads the weights alone (step counters and
         RNG states stay as well).
         """
+        from parallel3d.checkpoint import checkpoint
+
         checkpoint_arguments(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
         self.wait_for_checkpoint()
         kept = KeptState(self, scheduler=load_module_only or not load_lr_scheduler_states, training=load_module_only)

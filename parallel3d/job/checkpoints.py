@@ -4,6 +4,9 @@ Saving itself is the engine's (`Engine.save_checkpoint`: sharded, atomic, a ``la
 pointer). This module adds the run's policy around it: ``output_dir/checkpoints``, resume
 modes, a readability check before launch, and deleting old checkpoints only after a newer
 one is complete.
+
+Reading a checkpoint loads torch.distributed.checkpoint (about 0.7 s CPU), so the functions that
+read one import the readers when they run: a job that neither resumes nor saves never loads it.
 """
 
 from __future__ import annotations
@@ -15,12 +18,9 @@ from pathlib import Path
 
 import torch
 
-from parallel3d.checkpoint.checkpoint import MANIFEST
-from parallel3d.checkpoint.storage import METADATA_FILE, read_metadata
+from parallel3d.checkpoint.manifest import MANIFEST, METADATA_FILE
 from parallel3d.errors import ConfigError
-from parallel3d.export.export import resolve_checkpoint
 from parallel3d.job.config import JobConfig
-from parallel3d.job.resume_check import check_complete, fallback_hint, named_tag
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ def find_resume(job: JobConfig) -> Path | None:
                               "use train.resume=auto to start fresh when there is none")
         check_fresh_start(job)
         return None
+    from parallel3d.export.export import resolve_checkpoint
+    from parallel3d.job.resume_check import check_complete, fallback_hint, named_tag
+
     try:
         path = resolve_checkpoint(root)
         check_complete(path)
@@ -115,6 +118,8 @@ def find_resume(job: JobConfig) -> Path | None:
 
 def check_resume_model(path: Path, model: torch.nn.Module) -> None:
     """Refuse a checkpoint of another model (``model`` may be on meta) before any worker starts."""
+    from parallel3d.checkpoint.storage import read_metadata
+
     want = {n: list(p.shape) for n, p in model.named_parameters() if p.requires_grad}
     saved = {fqn[len("model/") :]: list(md.size) for fqn, md in read_metadata(path).state_dict_metadata.items()
              if fqn.startswith("model/")}
