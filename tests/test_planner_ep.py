@@ -280,16 +280,23 @@ def test_search_tries_both_expert_tensor_parallel_sizes_and_the_snippet_names_th
 
 
 def test_cli_pins_expert_tensor_parallelism():
-    """``zero3d plan --ep 2 --etp 2`` pins both sizes in the search's Choice; a non-positive --etp is refused."""
+    """``zero3d plan --ep 2 --etp 2`` pins both sizes in the search's Choice; a non-positive --etp is refused, and
+    so is one the search would ignore (it priced no expert tensor parallelism, silently) or cannot meet."""
     from parallel3d.errors import ConfigError
     from parallel3d.planner.cli import _choice, build_parser
 
     args = build_parser().parse_args(["model", "--gpus", "4", "--seq-len", "16", "--global-batch", "8",
                                       "--ep", "2", "--etp", "2"])
     assert (_choice(args).ep, _choice(args).etp) == (2, 2)
+    base = ["model", "--gpus", "4", "--seq-len", "16", "--global-batch", "8"]
     with pytest.raises(ConfigError, match="--etp"):
-        _choice(build_parser().parse_args(["model", "--gpus", "4", "--seq-len", "16", "--global-batch", "8",
-                                           "--etp", "0"]))
+        _choice(build_parser().parse_args([*base, "--etp", "0"]))
+    # pins the search would ignore (no expert parallelism or no tp to split over), or cannot meet
+    for pins, message in ((["--ep", "1", "--etp", "2"], "needs --ep > 1 and --tp > 1"),
+                          (["--tp", "1", "--etp", "2"], "needs --ep > 1 and --tp > 1"),
+                          (["--tp", "4", "--ep", "2", "--etp", "2"], "allowed: 1 or 4")):
+        with pytest.raises(ConfigError, match=message):
+            _choice(build_parser().parse_args([*base, *pins]))
 
 
 def test_auto_tp_returns_the_expert_tensor_parallel_size_it_priced():

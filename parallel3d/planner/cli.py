@@ -156,6 +156,12 @@ def _choice(args: argparse.Namespace):
 
     for flag in ("tp", "pp", "micro_batch", "virtual_stages", "ep", "etp"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if args.etp is not None and args.etp > 1 and (args.ep == 1 or args.tp == 1):
+        raise ConfigError(f"--etp {args.etp} splits the experts that expert parallelism cuts over the tp ranks: it "
+                          f"needs --ep > 1 and --tp > 1 (given --ep {args.ep}, --tp {args.tp}; unset: searched)")
+    if args.etp is not None and args.tp is not None and args.etp not in (1, args.tp):
+        raise ConfigError(f"--etp {args.etp} with --tp {args.tp}: each expert is split over all the tp ranks or none; "
+                          f"allowed: 1 or {args.tp}")
     onoff = {"on": True, "off": False, None: None}
     return Choice(tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch,
                   schedule=args.schedule, virtual_stages=args.virtual_stages,
