@@ -316,3 +316,87 @@ def test_auto_tp_returns_the_expert_tensor_parallel_size_it_priced():
     assert resolved["tensor_parallel"]["size"] == 1
     assert resolved["expert_parallel"]["expert_tensor_parallel_size"] == 1
     assert load_config(resolved, 2).expert_parallel.size == 2
+
+
+
+AUTO_ETP = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"size": "auto"},
+            "bf16": {"enabled": True}, "zero_optimization": {"stage": 1},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "expert_parallel": {"enabled": True, "autoep_size": 2, "expert_tensor_parallel_size": 2},
+            "planner": {"seq_length": 16, "device_memory": "450kB"}}
+"""tp "auto" on 4 ranks, ep 2, etp 2, with room per device for the experts split over tp and not for them
+whole (predicted: tp 1 513,076 bytes, tp 2 387,292)."""
+
+
+def _planner_inputs(planner, hw, choice) -> tuple:
+    return planner.workload, type(planner.model), planner.config.to_dict(), hw, choice
+
+
+def _search_here(world: int) -> tuple:
+    """resolve_auto's search for AUTO_ETP on ``world`` ranks, run in this process: (its inputs, its answer)."""
+    import torch
+
+    from parallel3d.planner import auto
+
+    original, calls = auto.choose, []
+
+    def recorded(planner, hw, choice):
+        answer = original(planner, hw, choice)
+        calls.append((_planner_inputs(planner, hw, choice), answer))
+        return answer
+
+    auto.choose = recorded
+    try:
+        auto.resolve_auto(AUTO_ETP, make_moe("mixtral"), world, torch.device("cpu"))
+    finally:
+        auto.choose = original
+    (searched,) = calls
+    return searched
+
+
+def _auto_etp_step(searched: tuple) -> dict:
+    """initialize the tiny Mixtral with AUTO_ETP on this rank, its search answered by ``searched`` when asked
+    the same question, and train one step."""
+    import math
+
+    import parallel3d
+    from parallel3d.planner import auto
+
+    inputs, answer = searched
+    asked = []
+
+    def replay(planner, hw, choice):
+        asked.append(_planner_inputs(planner, hw, choice) == inputs)
+        return answer
+
+    original, auto.choose = auto.choose, replay
+    try:
+        engine = parallel3d.initialize(model=make_moe("mixtral"), config=AUTO_ETP)[0]
+    finally:
+        auto.choose = original
+    cfg = engine.config
+    data = iter(rank_micro_batches(token_batches(1, cfg.gradient_accumulation_steps, 2), engine.mesh.local_rank("dp")))
+    loss = float(engine.train_batch(data))
+    assert math.isfinite(loss)
+    return {"asked": asked, "loss": loss,
+            "layout": (engine.mesh.tp, engine.ep_info.size, cfg.expert_parallel.expert_tensor_parallel_size,
+                       cfg.gradient_accumulation_steps),
+            "experts": {n: tuple(p.shape) for n, p in engine.named_parameters() if ".experts." in n}}
+
+
+def test_auto_tp_picks_expert_tensor_parallelism_and_trains(dist, monkeypatch):
+    """tensor_parallel.size "auto" with expert_tensor_parallel_size 2 (AUTO_ETP): initialize takes tp 2 with
+    etp 2 and trains a step, each rank holding its half of the experts, each cut in half over tp. Each rank's
+    search (a child process per rank, ~6 s CPU each: test_planner_cli's auto test runs those) is answered by
+    the one this process ran, after checking that the rank asked it the same question."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # as on the ranks (one node): the workload's gpus_per_node
+    searched = _search_here(4)
+    assert searched[1][0].layout.describe().split()[:5] == ["pp1", "dp2", "tp2", "ep2", "etp2"]
+    results = dist.run(4, _auto_etp_step, searched)
+    full = {n: tuple(p.shape) for n, p in make_moe("mixtral").named_parameters() if ".experts." in n}
+    for r in results:
+        assert r["asked"] == [True]
+        assert r["layout"] == (2, 2, 2, 2)  # tp, ep, etp, accumulation (dp 2)
+        assert r["experts"] == {n: (s[0] // 2, s[1] // 2, s[2]) if n.endswith("gate_up_proj") else (s[0] // 2, s[1], s[2] // 2)
+                                for n, s in full.items()}
+        assert r["loss"] == results[0]["loss"]
