@@ -254,7 +254,7 @@ def test_plan_keeps_experts_whole_where_tp_communication_dominates():
     planner, hw, rows = _etp_rows()
     assert [p.layout.etp for p in rows] == [1, 2]
     # one block, one micro-batch: whole experts compute more and all-reduce less over tp
-    whole, split = (planner._profile(*planner._chunk_keys(p.layout, "only", hw)[0]) for p in rows)
+    whole, split = (planner._profile(*planner.chunk_keys(p.layout, "only", hw)[0]) for p in rows)
     assert sum(whole.flops) > sum(split.flops) and len(whole.comm) < len(split.comm)
 
 

@@ -3,6 +3,10 @@
 * The first pass walks the memory of the fastest layouts only (`search._fastest_that_fit`): the
   same list as predicting every layout and sorting by (step, peak), ties and layouts that do
   not fit included, and the same plan.
+* It prices a layout only when its lower bound (`bound.step_floor`) says it could rank: the bound
+  is never above the step, on every candidate of several families (tied heads, GPT-2's Conv1D,
+  experts under expert parallelism, softcapping), and a compute-bound model's first pass never
+  profiles recomputation, which cannot rank there, yet gives the same list as pricing everything.
 * Tensor parallelism is priced with the engine's ``apply_tensor_parallel`` on a fake default
   process group (`planner.fake_tp`): none is left behind, none is made beside an existing
   group, and ``"auto"``'s choice in a process with a group (planned in a child process) is the
@@ -16,7 +20,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaConfig, LlamaForCausalLM, MixtralConfig
 
 from parallel3d.planner.fake_tp import fake_tp_group
 from parallel3d.planner.hardware import a100
@@ -54,6 +58,45 @@ def test_the_first_pass_walks_only_the_fastest_and_gives_every_layouts_order():
     exact = sorted((p for p in (planner.predict(p.layout, hw) for p in fitting[:9]) if p.fits(hw.memory)),
                    key=lambda p: (p.step_seconds, p.peak))
     assert [_row(p) for p in search(_planner(), hw, CHOICE, top=3).best] == [_row(p) for p in exact[:3]]
+
+
+def test_a_compute_bound_model_profiles_only_the_settings_that_can_rank():
+    """A 7B-wide Llama (fake tensors: the size costs nothing) on two devices: recomputation adds a
+    third to each step, so its bound is above the fastest steps and its passes are never profiled;
+    the first pass's list is still the sort of every layout's step."""
+    config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
+                         num_attention_heads=32, num_key_value_heads=32)
+    with torch.device("meta"):
+        planner = Planner(LlamaForCausalLM(config), Workload(seq=4096, global_batch=8, dtype=torch.bfloat16))
+    hw = a100(2, 2)
+    layouts = list(candidates(planner, hw, Choice(max_micro_batch=2)))
+    got = _fastest_that_fit(planner, hw, layouts, 3, {})
+    assert not any(key[5] for key in planner._profiles)  # no checkpointing pass was profiled
+    assert any(layout.checkpointing for layout in layouts)
+    steps = {layout: sum(planner.step_time(layout, hw, exact=False)[0].values()) for layout in layouts}
+    assert [p.layout for p in got] == sorted(layouts, key=lambda layout: steps[layout])[:3]
+    assert all(planner.step_floor(layout, hw) <= steps[layout] for layout in layouts)
+
+
+@pytest.mark.parametrize("config, choice", [
+    (GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4),  # pipeline chunks, split backward
+     Choice(tp=2, pp=2, zero_stage=1, micro_batch=2, sequence_parallel=False)),
+    (MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),  # experts whole or split
+     Choice(tp=2, pp=1, zero_stage=1, micro_batch=2, ep=2)),
+    (Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16),  # tied head, softcapping, sequence parallelism
+     Choice(tp=2, pp=1, zero_stage=1, micro_batch=2)),
+], ids=["gpt2", "mixtral", "gemma2"])
+def test_the_bound_is_never_above_the_step(config, choice):
+    with torch.device("meta"):
+        planner = Planner(AutoModelForCausalLM.from_config(config), WORKLOAD)
+    hw = a100(4, 4)
+    layouts = list(candidates(planner, hw, replace(choice, hybrid_sharding=False, zeropp=False)))
+    assert any(layout.checkpointing for layout in layouts)
+    for layout in layouts:
+        step = sum(planner.step_time(layout, hw, exact=False)[0].values())
+        assert 0 < planner.step_floor(layout, hw) <= step, layout.describe()
 
 
 def test_no_fake_group_is_left_behind():

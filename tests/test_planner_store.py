@@ -1,5 +1,6 @@
 """The planner's profiles computed ahead on worker processes and kept on disk (planner/profile_store.py)
-give the predictions the one-at-a-time profiles give, and a second run reads them back."""
+give the predictions the one-at-a-time profiles give, and a second run reads them back. A search
+forks its workers once, whatever the number of batches it profiles, and stops them at its end."""
 
 from __future__ import annotations
 
@@ -30,9 +31,29 @@ def _ranked(planner: Planner) -> list[tuple]:
 
 
 def test_prefetched_and_stored_profiles_give_the_same_plan(tmp_path, monkeypatch):
+    import multiprocessing
+
+    from parallel3d.planner import profile_store
+
     want = _ranked(Planner(_model(), WORKLOAD))
     store = ProfileStore(tmp_path, CONFIG, WORKLOAD.seq, WORKLOAD.dtype)
-    assert _ranked(Planner(_model(), WORKLOAD, store=store, workers=2)) == want
+    pools, batches = [], []
+    real_context, real_call = multiprocessing.get_context, profile_store.Profiler.__call__
+
+    def context(method):
+        made = real_context(method)
+        return type("Counted", (), {"Pool": lambda self, *a, **k: pools.append(made.Pool(*a, **k)) or pools[-1]})()
+
+    def call(self, keys, parallel=True):
+        batches.append(parallel)
+        return real_call(self, keys, parallel)
+
+    monkeypatch.setattr(profile_store.multiprocessing, "get_context", context)
+    monkeypatch.setattr(profile_store.Profiler, "__call__", call)
+    planner = Planner(_model(), WORKLOAD, store=store, workers=2)
+    assert _ranked(planner) == want
+    assert batches.count(True) > 1 and len(pools) == 1  # several batches, one pool
+    assert planner._profiler._pool is None  # stopped when the search ended
     stored = list(tmp_path.glob("*.pkl"))
     assert stored
 
@@ -40,7 +61,7 @@ def test_prefetched_and_stored_profiles_give_the_same_plan(tmp_path, monkeypatch
         raise AssertionError("a stored profile was computed again")
 
     monkeypatch.setattr("parallel3d.planner.profile.profile_passes", no_profiling)
-    monkeypatch.setattr("parallel3d.planner.predict.compute", no_profiling)
+    monkeypatch.setattr(profile_store.Profiler, "__call__", no_profiling)
     assert _ranked(Planner(_model(), WORKLOAD, store=store, workers=2)) == want
     # another sequence length is another profile
     other = ProfileStore(tmp_path, CONFIG, 32, WORKLOAD.dtype)

@@ -73,10 +73,14 @@ class Hardware:
         return replace(self, gpus=gpus, gpus_per_node=gpus_per_node or self.gpus_per_node,
                        memory=memory if memory is not None else self.memory)
 
+    @property
+    def flop_rate(self) -> float:
+        """FLOP/s that matrix products reach: no op runs faster (the floor of `op_seconds`)."""
+        return self.peak_flops * self.compute_efficiency
+
     def op_seconds(self, flops: float, moved: float) -> float:
         """The roofline time of one op."""
-        return max(flops / (self.peak_flops * self.compute_efficiency),
-                   moved / (self.memory_bandwidth * self.memory_efficiency))
+        return max(flops / self.flop_rate, moved / (self.memory_bandwidth * self.memory_efficiency))
 
     def link(self, stride: int, size: int) -> Link:
         """The link of a group of ``size`` ranks ``stride`` apart (see the module docstring)."""

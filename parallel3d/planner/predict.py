@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 
 import torch
@@ -34,7 +34,7 @@ from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.inventory import ModelShapes, RankParams
 from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
 from parallel3d.planner.profile import PassProfile, ProfileError
-from parallel3d.planner.profile_store import ProfileStore, compute
+from parallel3d.planner.profile_store import Profiler, ProfileStore
 from parallel3d.planner.states import ZeroSetup
 from parallel3d.planner.timing import RankCost, all_to_all_seconds, moe_layers, step_parts
 from zero.sizing import OptimizerStateShape
@@ -225,7 +225,22 @@ class Chunk:
         return self.runs[3].backward_peak_in_block
 
     def seconds(self, hw: Hardware, tp: int, backward: bool, cp: int = 1) -> float:
-        return self._grow(tuple(_pass_seconds(r, hw, tp, backward, cp) for r in self.runs))
+        """One pass's seconds, never under its FLOPs at the matrix rate: the extrapolation of the four
+        runs' times to a larger micro-batch could fall below that where a small op's time is its
+        weight reads at micro-batch 1 and 2, whereas the FLOPs scale exactly. The search's lower
+        bound (`bound.step_floor`) rests on this floor."""
+        measured = self._grow(tuple(_pass_seconds(r, hw, tp, backward, cp) for r in self.runs))
+        return max(measured, self.pass_flops(backward) / hw.flop_rate)
+
+    def pass_flops(self, backward: bool) -> float:
+        """FLOPs of one forward (or backward) pass of the chunk (recomputation included)."""
+        return self._grow(tuple(float(r.flops[backward]) for r in self.runs))
+
+    def blocks_forward_flops(self) -> float:
+        """FLOPs of its blocks' forward passes: the forward's less the chunk's without blocks (its
+        embedding, head and loss)."""
+        forward = tuple(float(r.flops[0]) for r in self.runs)
+        return self._grow(forward) - replace(self, blocks=0)._grow(forward)
 
     def flops(self) -> float:
         return self._grow(tuple(float(sum(r.flops)) for r in self.runs))
@@ -257,6 +272,7 @@ class Planner:
         self.config = model.config
         self.workload = workload
         self.store, self.workers = store, workers
+        self._profiler = Profiler(self.config, workload.seq, workload.dtype, workers)
         self._shapes: dict[tuple[int, int, int], ModelShapes] = {}
         self._profiles: dict[tuple, PassProfile] = {}
         self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
@@ -288,7 +304,7 @@ class Planner:
             self._fill(keys, self.workers)
 
     def _fill(self, keys: Iterable[tuple], workers: int) -> None:
-        missing = [k for k in dict.fromkeys(keys) if k not in self._profiles and k not in self._failed]
+        missing = self.unknown(dict.fromkeys(keys))
         if self.store is not None:
             for key in missing:
                 if (stored := self.store.get(key)) is not None:
@@ -296,8 +312,7 @@ class Planner:
             missing = [k for k in missing if k not in self._profiles and k not in self._failed]
         if not missing:
             return
-        w = self.workload
-        for key, value in compute(self.config, w.seq, w.dtype, missing, workers).items():
+        for key, value in self._profiler(missing, parallel=workers > 1).items():
             if isinstance(value, ProfileError):
                 kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts, cp, method = key
                 value = (f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}"
@@ -307,13 +322,17 @@ class Planner:
             if self.store is not None:
                 self.store.put(key, value)
 
+    def close(self) -> None:
+        """Stop the profiling worker processes, if any (a later profile starts new ones)."""
+        self._profiler.close()
+
     def _record(self, key: tuple, value: PassProfile | str) -> None:
         if isinstance(value, str):
             self._failed[key] = value
         else:
             self._profiles[key] = value
 
-    def _chunk_keys(self, layout: Layout, kind: str, hw: Hardware) -> list[tuple]:
+    def chunk_keys(self, layout: Layout, kind: str, hw: Hardware) -> list[tuple]:
         # at expert tensor parallelism the profile is tp's own (experts split); else the experts stay whole
         key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, has_weight_pass(layout.schedule),
                layout.whole_experts, layout.cp, layout.cp_method if layout.cp > 1 else "ulysses")
@@ -322,7 +341,7 @@ class Planner:
     def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
         """The chunk's figures, one object per (profiles, blocks, micro-batch): layouts that differ in
         what the chunk does not see (ZeRO stage, dp, schedule) share its computed values."""
-        keys = tuple(self._chunk_keys(layout, kind, hw))
+        keys = tuple(self.chunk_keys(layout, kind, hw))
         known = self._chunks.get((keys, blocks, layout.micro_batch))
         if known is None:
             known = Chunk(kind, blocks, layout.micro_batch, tuple(self._profile(*key) for key in keys))
@@ -331,8 +350,8 @@ class Planner:
 
     def profile_keys(self, layout: Layout, hw: Hardware, exact: bool) -> set[tuple]:
         """The profiles `predict` reads for ``layout``."""
-        return {key for rank in self.ranks_to_price(layout, exact) for kind, _ in self._chunk_kinds(layout, rank)
-                for key in self._chunk_keys(layout, kind, hw)}
+        return {key for rank in self.ranks_to_price(layout, exact) for kind, _ in self.chunk_kinds(layout, rank)
+                for key in self.chunk_keys(layout, kind, hw)}
 
     def zero(self, layout: Layout) -> ZeroSetup:
         w = self.workload
@@ -416,7 +435,7 @@ class Planner:
         value = getattr(text_config(self.config), "num_experts_per_tok", None)
         return value if isinstance(value, int) else None
 
-    def _chunk_kinds(self, layout: Layout, rank: int) -> list[tuple[str, int]]:
+    def chunk_kinds(self, layout: Layout, rank: int) -> list[tuple[str, int]]:
         """(kind, blocks) of each of the rank's chunks."""
         shapes = self.layout_shapes(layout)
         if layout.pp == 1:
@@ -430,14 +449,18 @@ class Planner:
             kinds.append((kind, stage_layout.sizes[stage]))
         return kinds
 
-    def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
+    def rank_params(self, layout: Layout, rank: int) -> RankParams:
+        """The parameters pipeline rank ``rank`` holds (tp rank 0)."""
         shapes = self.layout_shapes(layout)
         stage3 = layout.zero_stage == 3
-        chunks = [self.chunk(layout, kind, n, hw) for kind, n in self._chunk_kinds(layout, rank)]
         if layout.pp == 1:
-            return shapes.rank_params(stage3=stage3), chunks
+            return shapes.rank_params(stage3=stage3)
         stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
-        return shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=stage3), chunks
+        return shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=stage3)
+
+    def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
+        return self.rank_params(layout, rank), [self.chunk(layout, kind, n, hw)
+                                                for kind, n in self.chunk_kinds(layout, rank)]
 
     def ranks_to_price(self, layout: Layout, every_rank: bool) -> list[int]:
         """Pipeline ranks whose memory the prediction computes.
@@ -460,25 +483,48 @@ class Planner:
         The ranks timed are those `predict` prices; so `predict`'s ``parts`` are these exactly.
         """
         self.check(layout)
-        w = self.workload
-        m = layout.microbatches(w.global_batch)
-        zero = self.zero(layout)
-        overlap = w.overlap_comm if w.overlap_comm is not None else layout.zero_stage == 3
+        m = layout.microbatches(self.workload.global_batch)
         costs, flops = [], 0.0
         ranks = self.ranks_to_price(layout, exact)
         for rank in ranks:
             params, chunks = self.rank_chunks(layout, rank, hw)
-            moe = self._all_to_all_seconds(layout, params, hw)
+            moe = self.moe_seconds(layout, params, hw)
             fwd = sum(c.seconds(hw, layout.tp, False, layout.cp) for c in chunks) + moe
             bwd = sum(c.seconds(hw, layout.tp, True, layout.cp) for c in chunks) + moe
             costs.append(RankCost(fwd, bwd, params))
             flops += m * sum(c.flops() for c in chunks)
-        tied = self.layout_shapes(layout).tied_numel if layout.pp > 1 else 0
-        parts = step_parts(layout, zero, costs, hw, m=m, hidden_bytes=self._hidden_bytes(layout), overlap=overlap,
-                           tied_numel=tied, exact=exact)
-        return parts, flops * layout.world / len(costs)
+        return self.parts(layout, costs, hw, exact=exact), flops * layout.world / len(costs)
 
-    def _all_to_all_seconds(self, layout: Layout, params: RankParams, hw: Hardware) -> float:
+    def parts(self, layout: Layout, costs: list[RankCost], hw: Hardware, *, exact: bool,
+                   hidden_compute: bool = False) -> dict[str, float]:
+        """`timing.step_parts` of ``layout`` with its ranks' ``costs`` (``hidden_compute``: the
+        data-parallel collectives as if compute hid all it can, for a lower bound)."""
+        w = self.workload
+        overlap = w.overlap_comm if w.overlap_comm is not None else layout.zero_stage == 3
+        tied = self.layout_shapes(layout).tied_numel if layout.pp > 1 else 0
+        return step_parts(layout, self.zero(layout), costs, hw, m=layout.microbatches(w.global_batch),
+                          hidden_bytes=self._hidden_bytes(layout), overlap=overlap, tied_numel=tied, exact=exact,
+                          hidden_compute=hidden_compute)
+
+    def step_floor(self, layout: Layout, hw: Hardware) -> float:
+        """A lower bound on ``step_time(layout, hw, exact=False)`` from the cheapest profiles
+        (`bound.step_floor`); 0 where there is none."""
+        from parallel3d.planner.bound import step_floor
+
+        return step_floor(self, layout, hw)
+
+    @cached_property
+    def recomputes_every_block(self) -> bool:
+        """Whether gradient checkpointing recomputes each block of the model (`bound.recomputes_every_block`)."""
+        from parallel3d.planner.bound import recomputes_every_block
+
+        return recomputes_every_block(self.model)
+
+    def unknown(self, keys: Iterable[tuple]) -> list[tuple]:
+        """The profile keys not computed (nor failed) yet."""
+        return [k for k in keys if k not in self._profiles and k not in self._failed]
+
+    def moe_seconds(self, layout: Layout, params: RankParams, hw: Hardware) -> float:
         """One pass's expert-parallel all-to-alls on a rank, per micro-batch (`timing.all_to_all_seconds`).
 
         Every token's ``top_k`` rows of [hidden] in the working dtype; under sequence parallelism with

@@ -81,7 +81,11 @@ class ProfileStore:
             logger.info("could not store a planner profile in %s: %s", self.directory, exc)
 
 
-_JOB: dict = {}  # what a forked worker profiles with (set before the fork)
+_JOB: dict = {}  # what a worker process profiles with (set by the pool's initializer)
+
+
+def _start_worker(config: Any, seq: int, dtype: Any) -> None:
+    _JOB.update(config=config, seq=seq, dtype=dtype)
 
 
 def _profile_group(keys: list[ProfileKey]) -> list[tuple[ProfileKey, Any]]:
@@ -96,22 +100,37 @@ def _cost(keys: list[ProfileKey]) -> int:
     return sum(key[1] * (4 if key[5] and key[7] and key[0] in ("middle", "last") else 1) for key in keys)
 
 
-def compute(config: Any, seq: int, dtype: Any, keys: Iterable[ProfileKey], workers: int) -> dict[ProfileKey, Any]:
-    """Each key's profile (or its ProfileError), on ``workers`` forked processes when more than one.
+class Profiler:
+    """Computes pass profiles, on ``workers`` forked processes when more than one.
 
     The keys that share a built model (``profile.model_key``) go to one worker together
-    (``profile.profile_passes``), the costliest groups first."""
-    from parallel3d.planner.profile import model_key
+    (``profile.profile_passes``), the costliest groups first. The pool is made at the first batch
+    that can use it and kept until :meth:`close`: the search profiles in several batches, and a
+    worker's first pass costs several times a later one's (fake-tensor dispatch caches warm up)."""
 
-    groups: dict[tuple, list[ProfileKey]] = {}
-    for key in sorted(keys, key=repr):  # neighbours share most ops: the fake-tensor dispatch cache serves them
-        groups.setdefault(model_key(key), []).append(key)
-    work = sorted(groups.values(), key=_cost, reverse=True)
-    _JOB.update(config=config, seq=seq, dtype=dtype)
-    try:
-        if workers <= 1 or len(work) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-            return {key: value for group in work for key, value in _profile_group(group)}
-        with multiprocessing.get_context("fork").Pool(min(workers, len(work))) as pool:
-            return {key: value for done in pool.imap_unordered(_profile_group, work) for key, value in done}
-    finally:
-        _JOB.clear()
+    def __init__(self, config: Any, seq: int, dtype: Any, workers: int) -> None:
+        self.config, self.seq, self.dtype, self.workers = config, seq, dtype, workers
+        self._pool = None
+
+    def __call__(self, keys: Iterable[ProfileKey], parallel: bool = True) -> dict[ProfileKey, Any]:
+        """Each key's profile (or its ProfileError)."""
+        from parallel3d.planner.profile import model_key, profile_passes
+
+        groups: dict[tuple, list[ProfileKey]] = {}
+        for key in sorted(keys, key=repr):  # neighbours share most ops: the fake-tensor dispatch cache serves them
+            groups.setdefault(model_key(key), []).append(key)
+        work = sorted(groups.values(), key=_cost, reverse=True)
+        if not parallel or self.workers <= 1 or len(work) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+            return {key: value for group in work
+                    for key, value in profile_passes(self.config, group, seq=self.seq, dtype=self.dtype).items()}
+        if self._pool is None:
+            self._pool = multiprocessing.get_context("fork").Pool(
+                self.workers, initializer=_start_worker, initargs=(self.config, self.seq, self.dtype))
+        return {key: value for done in self._pool.imap_unordered(_profile_group, work) for key, value in done}
+
+    def close(self) -> None:
+        """Stop the worker processes (a later call starts new ones)."""
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool.join()
+            self._pool = None

@@ -13,17 +13,21 @@ with Ulysses and ring (``Planner.check`` applies the engine's refusals: the head
 the sequence dividing by cp or 2 x cp). ``Choice`` pins any of them.
 
 The search prices model states first (no profile needed: ``states.model_state_bytes``) and drops
-what cannot fit before it profiles activations, so a large space stays cheap.
+what cannot fit before it profiles activations, then profiles a layout's own passes only when a
+lower bound of its step (``bound.step_floor``) says it could rank, so a large space stays cheap.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.schedules import SCHEDULES
+from parallel3d.planner.bound import floor_keys
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.predict import Layout, Planner, Prediction
 from parallel3d.planner.profile import ProfileError
@@ -242,9 +246,10 @@ def _most_frequent(reasons: dict[str, int]) -> str:
 def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int = 10) -> SearchResult:
     """The ``top`` fastest layouts that fit and what was considered (:class:`SearchResult`).
 
-    Two passes: every candidate whose model states fit is priced quickly (a few ranks of a long
-    pipeline, the schedule's closed-form makespan); the best ``3 x top`` of those that fit are
-    then priced exactly (every rank, the simulated table) and ranked again. A layout whose
+    Two passes: the candidates whose model states fit are priced quickly (a few ranks of a long
+    pipeline, the schedule's closed-form makespan), each profiled only if a lower bound of its
+    step says it could be among the best (:func:`_fastest_that_fit`); the best ``3 x top`` of those
+    that fit are then priced exactly (every rank, the simulated table) and ranked again. A layout whose
     profile fails in the model's code (:class:`ProfileError`) is left out with the reason.
     """
     refused: dict[str, int] = {}
@@ -262,10 +267,11 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
         considered += 1
         if model_states_fit(planner, layout, hw):
             fitting.append(layout)
-    # the first pass's profiles at once: on the planner's worker processes and from its store, if any
-    planner.prefetch({key for layout in fitting for key in planner.profile_keys(layout, hw, exact=False)})
-    rough = _fastest_that_fit(planner, hw, fitting, 3 * top, unpriced)
-    exact = [p for p in (priced(r.layout, exact=True) for r in rough) if p is not None and p.fits(hw.memory)]
+    try:
+        rough = _fastest_that_fit(planner, hw, fitting, 3 * top, unpriced)
+        exact = [p for p in (priced(r.layout, exact=True) for r in rough) if p is not None and p.fits(hw.memory)]
+    finally:
+        planner.close()
     exact.sort(key=lambda p: (p.step_seconds, p.peak))
     return SearchResult(exact[:top], considered, refused, unpriced)
 
@@ -273,36 +279,83 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
 def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], count: int,
                       unpriced: dict[str, int]) -> list[Prediction]:
     """The first pass: the ``count`` layouts that fit with the shortest step (ties: the smaller
-    peak), each priced with ``exact=False``.
+    peak), each priced with ``exact=False``: the sort of every layout's prediction by (step, peak),
+    cut to ``count``, computed without pricing most of them.
 
-    The step time needs no memory walk (`Planner.step_time`), and the walk (the pipeline's whole
-    schedule table, built and walked per rank) is most of a prediction's cost: so every layout
-    is timed, and only the fastest are walked, in order of their step time, until ``count`` fit
-    and the next one is strictly slower than the last of them. The result is the sort of every
-    layout's prediction by (step, peak), cut to ``count``: a layout not walked is slower than all
-    of those kept.
+    A layout's step is priced in the order of its lower bound (`bound.step_floor`, from the
+    cheapest profiles), and profiled only then; the memory walk (the pipeline's whole schedule
+    table, built and walked per rank, most of a prediction's cost) only for the fastest, in order of
+    their step, until ``count`` fit and the next one is strictly slower than the last of them. A
+    priced layout is walked once no unpriced one can come before it (its bound is higher than the
+    step; ties go in candidate order, as a stable sort of every step gives), so the layouts walked
+    and their order are those of pricing every layout, and a layout never priced is slower than
+    all of those kept. Hybrid sharding and ZeRO++ are worth a row only where faster than their flat
+    twin (hybrid sharding holds more per rank than flat ZeRO over the same ranks, ZeRO++ more than
+    ZeRO and it rounds weights and gradients).
     """
-    timed = []
-    for layout in layouts:
-        try:
-            parts, _ = planner.step_time(layout, hw, exact=False)
-        except ProfileError as exc:
-            unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
-            continue
-        timed.append((sum(parts.values()), layout))
-    # hybrid sharding holds more per rank than flat ZeRO over the same ranks, ZeRO++ more than ZeRO
-    # and rounds its weights and gradients: each is worth a row only where faster than its twin
-    steps = {layout: step for step, layout in timed}
-    timed = [(step, layout) for step, layout in timed
-             if (layout.shard is None or step < steps.get(replace(layout, shard=None, zeropp=0), float("inf")))
-             and (not layout.zeropp or step < steps.get(replace(layout, zeropp=0), float("inf")))]
-    timed.sort(key=lambda t: t[0])
+    index = {layout: i for i, layout in enumerate(layouts)}
+    planner.prefetch({key for layout in layouts for key in floor_keys(planner, layout, hw)})
+    floors = [planner.step_floor(layout, hw) for layout in layouts]
+    order = sorted(range(len(layouts)), key=lambda i: (floors[i], i))
+    steps: dict[int, float | None] = {}
+
+    def step(i: int) -> float | None:
+        if i not in steps:
+            try:
+                steps[i] = sum(planner.step_time(layouts[i], hw, exact=False)[0].values())
+            except ProfileError as exc:
+                unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
+                steps[i] = None
+        return steps[i]
+
+    def faster_than_twin(i: int, own: float) -> bool:
+        layout = layouts[i]
+        twins = ([replace(layout, shard=None, zeropp=0)] if layout.shard is not None else []) \
+            + ([replace(layout, zeropp=0)] if layout.zeropp else [])
+        for twin in twins:
+            other = step(index[twin]) if twin in index else None
+            if other is not None and own >= other:
+                return False
+        return True
+
+    for i in order:  # priced now where no profile is missing: a first guess of where the walk will stop
+        if not planner.unknown(planner.profile_keys(layouts[i], hw, exact=False)):
+            step(i)
+    priced: list[tuple[float, int]] = []  # (step, candidate index), a heap
     fit: list[Prediction] = []
-    for step, layout in timed:
-        if len(fit) >= count and step > fit[count - 1].step_seconds:
+    done = 0  # layouts of ``order`` priced
+    while True:
+        bound = floors[order[done]] if done < len(order) else math.inf
+        slowest = fit[count - 1].step_seconds if len(fit) >= count else math.inf
+        if min(priced[0][0] if priced else math.inf, bound) > slowest or (not priced and bound == math.inf):
             break
-        prediction = planner.predict(layout, hw, exact=False)
-        if prediction.fits(hw.memory):
-            fit.append(prediction)
+        if priced and priced[0][0] < bound:
+            _, i = heapq.heappop(priced)
+            prediction = planner.predict(layouts[i], hw, exact=False)
+            if prediction.fits(hw.memory):
+                fit.append(prediction)
+            continue
+        i = order[done]
+        if planner.unknown(planner.profile_keys(layouts[i], hw, exact=False)):
+            _profile_ahead(planner, hw, layouts, order[done:], floors, [v for v in steps.values() if v is not None],
+                           count)
+        done += 1
+        if (own := step(i)) is not None and faster_than_twin(i, own):
+            heapq.heappush(priced, (own, i))
     fit.sort(key=lambda p: (p.step_seconds, p.peak))
     return fit[:count]
+
+
+def _profile_ahead(planner: Planner, hw: Hardware, layouts: list[Layout], pending: list[int], floors: list[float],
+                   priced: list[float], count: int) -> None:
+    """Before pricing ``pending[0]``, whose profiles are missing: profile them together with those of
+    the pending layouts likely to be priced too, on the planner's workers. Sure to be priced are
+    those whose bound is under the ``count``-th smallest of the steps priced so far and the pending
+    bounds (the ``count``-th step kept, where the walk stops, cannot be under it); likely, those
+    under the ``count``-th step priced so far. A profile made for nothing costs time, not the result."""
+    sure = heapq.nsmallest(count, priced + [floors[i] for i in pending[:count]])[-1]
+    likely = heapq.nsmallest(count, priced)[-1] if len(priced) >= count else sure
+    limit = max(sure, likely)
+    wanted = {key for i in pending if i == pending[0] or floors[i] < limit
+              for key in planner.profile_keys(layouts[i], hw, exact=False)}
+    planner.prefetch(planner.unknown(wanted))

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -98,8 +99,12 @@ def _compute_table(schedule: str, pp: int, m: int, virtual: int) -> list:
 
 
 def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, m: int, hidden_bytes: int,
-               overlap: bool, tied_numel: int, exact: bool) -> dict[str, float]:
-    """Seconds of one optimizer step by cause (see the module docstring)."""
+               overlap: bool, tied_numel: int, exact: bool, hidden_compute: bool = False) -> dict[str, float]:
+    """Seconds of one optimizer step by cause (see the module docstring).
+
+    ``hidden_compute``: the data-parallel collectives as if the passes were long enough to hide
+    all that overlap can hide (no more is exposed at any compute time): with lower bounds for
+    ``costs``, the parts add up to a lower bound of the step (`bound.step_floor`)."""
     fwd, bwd = max(c.forward for c in costs), max(c.backward for c in costs)
     pp_link = hw.link(layout.tp * layout.dp * layout.cp, layout.pp)
     if layout.pp == 1:
@@ -110,7 +115,8 @@ def step_parts(layout, zero: ZeroSetup, costs: list[RankCost], hw: Hardware, *, 
                            pp_link.seconds("send", hidden_bytes, 2))
         pipeline = pipeline_seconds(layout.schedule, layout.pp, m, layout.virtual_stages, step_costs, exact)
     exposed = max(dp_seconds(c.params, zero, hw, layout.tp, m, pipelined=layout.pp > 1, overlap=overlap,
-                             compute=(c.forward, c.backward)) for c in costs)
+                             compute=(math.inf, math.inf) if hidden_compute else (c.forward, c.backward))
+                  for c in costs)
     replicas = layout.dp * layout.cp // layout.zero_shard
     if replicas > 1:  # hybrid sharding: each reduced gradient shard averaged across the replicas, once per step
         replica_link = hw.link(layout.tp * layout.zero_shard, replicas)
