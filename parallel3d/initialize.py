@@ -298,6 +298,7 @@ def initialize(
                          {"world size": world, "ZeRO shard ranks per node (qgZ; LOCAL_WORLD_SIZE / tp)": node_shard_ranks},
                          model))
     _warn_on_rank0(cfg.expert_parallel.unused_size_notice())
+    _warn_on_rank0(cfg.expert_parallel.unused_etp_notice(cfg.tensor_parallel.size))
     source = None  # where a meta model's parameters come from
     if on_meta(model):
         replay = take_source(model)  # before anything changes the model

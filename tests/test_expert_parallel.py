@@ -173,12 +173,12 @@ def test_lora_on_stacked_experts_is_refused_with_the_way_out():
     check_expert_parallel(model, 1)
 
 
-def _started_notices(ep_section: dict) -> tuple[list[str], bool]:
-    """initialize the tiny Mixtral at dp 2 with ``ep_section``: (initialize's expert_parallel warnings on
-    this rank, whether its experts were split)."""
+def _started_notices(ep_section: dict, tp: int = 1) -> tuple[list[str], bool]:
+    """initialize the tiny Mixtral on 2 ranks at tp ``tp`` with ``ep_section``: (initialize's expert_parallel
+    warnings on this rank, whether its experts were split by expert parallelism)."""
     import parallel3d
 
-    config = {**ep_config(0, 1, 2, 1), "expert_parallel": ep_section}
+    config = {**ep_config(0, 1, 2 // tp, 1), "expert_parallel": ep_section, "tensor_parallel": {"size": tp}}
     with log_lines("parallel3d.initialize") as lines:
         engine = parallel3d.initialize(model=make_moe("mixtral"), config=config)[0]
     return [line for line in lines if "expert_parallel" in line], engine.ep_info is not None
@@ -192,6 +192,20 @@ def test_autoep_size_without_enabled_is_ignored_with_one_warning(dist):
                            "or remove autoep_size"], False)
     assert ignored[1] == ([], False)
     assert dist.run(2, _started_notices, {"enabled": True, "autoep_size": 2}) == [([], True)] * 2
+
+
+def test_expert_tensor_parallel_size_1_without_enabled_is_ignored_with_one_warning(dist):
+    """expert_tensor_parallel_size 1 written out at tp 2 without expert parallelism: tp still splits the
+    experts (documented); rank 0 says so once. Left out, or at tp 1, nothing is said."""
+    ignored = dist.run(2, _started_notices, {"expert_tensor_parallel_size": 1}, 2)
+    assert ignored[0] == (["expert_parallel.expert_tensor_parallel_size 1 has no effect without "
+                           "expert_parallel.enabled: true: without expert parallelism tensor_parallel.size 2 splits "
+                           "every expert over the tensor-parallel ranks as any MLP; set enabled: true (with "
+                           "autoep_size) to keep the experts whole on each tensor-parallel rank, or remove "
+                           "expert_tensor_parallel_size"], False)
+    assert ignored[1] == ([], False)
+    assert dist.run(2, _started_notices, {}, 2) == [([], False)] * 2
+    assert dist.run(2, _started_notices, {"expert_tensor_parallel_size": 1}) == [([], False)] * 2
 
 
 SAVE_AT = 2

@@ -699,6 +699,19 @@ class ExpertParallelConfig(Section):
                 "(as in DeepSpeed AutoEP): every rank holds every expert; set enabled: true to split the experts, "
                 "or remove autoep_size")
 
+    def unused_etp_notice(self, tp_size: int) -> str | None:
+        """The line to log when ``expert_tensor_parallel_size`` 1 is written out under tensor parallelism
+        while ``enabled`` is not true: it applies only to the experts expert parallelism splits, so the
+        tensor-parallel plan still splits the experts over the tp ranks as any MLP; said once, as for
+        ``autoep_size``."""
+        if (self.enabled or tp_size == 1 or self.expert_tensor_parallel_size != 1
+                or "expert_tensor_parallel_size" not in self.model_fields_set):
+            return None
+        return (f"expert_parallel.expert_tensor_parallel_size 1 has no effect without expert_parallel.enabled: true: "
+                f"without expert parallelism tensor_parallel.size {tp_size} splits every expert over the "
+                "tensor-parallel ranks as any MLP; set enabled: true (with autoep_size) to keep the experts whole "
+                "on each tensor-parallel rank, or remove expert_tensor_parallel_size")
+
 
 class CheckpointConfig(Section):
     """`checkpoint`: how `engine.save_checkpoint` writes (DeepSpeed's section, plus async_save)."""
