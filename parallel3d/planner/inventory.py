@@ -62,6 +62,16 @@ class RankParams:
         return sum(p.numel for g in self.groups for p in g)
 
 
+def pipeline_split(model: nn.Module) -> tuple[PipelineAnatomy | AnatomyPaths | None, str | None]:
+    """Where a pipeline splits ``model`` (its anatomy: paths and programs, nothing of the copy it was
+    read from) or why it cannot (None and the reason): the same at every tp, ep and etp."""
+    try:
+        return _checked_anatomy(copy.deepcopy(model)), None
+    except AnatomyError as exc:
+        refusal = str(exc)
+        return None, refusal if refusal.startswith("pipeline parallelism") else f"pipeline parallelism: {refusal}"
+
+
 def _checked_anatomy(model: nn.Module) -> PipelineAnatomy | AnatomyPaths:
     """``split_model``'s checks (its cut of the forward run on a probe included) on a copy of
     ``model`` whose meta tensors are made CPU ones that read as shapes: buffers zeros, parameters
@@ -102,19 +112,16 @@ class ModelShapes:
     """
 
     def __init__(self, model: nn.Module, tp: int, sequence_parallel: bool = False, ep: int = 1,
-                 etp: int = 1) -> None:
+                 etp: int = 1, split: tuple[PipelineAnatomy | AnatomyPaths | None, str | None] | None = None) -> None:
+        """``split``: :func:`pipeline_split` of ``model``, if known (a planner reads it once for every tp)."""
         if etp not in (1, tp):
             raise ConfigError(f"expert_parallel.expert_tensor_parallel_size {etp} with tensor_parallel.size {tp}: "
                               f"allowed: 1 or {tp}")
+        # on the whole model: tensor parallelism keeps every module's name, and its hooks hold the
+        # group, which the probe's copy could not copy
+        self.paths, self.pipeline_refusal = split if split is not None else pipeline_split(model)
         local = copy.deepcopy(model)
         self.tp, self.ep, self.etp = tp, ep, etp
-        self.pipeline_refusal: str | None = None  # why pipeline stages cannot split this model
-        try:  # on the whole model: tensor parallelism keeps every module's name, and its hooks hold the
-            self.paths = _checked_anatomy(local)  # group, which the probe's copy could not copy
-        except AnatomyError as exc:
-            self.paths, self.pipeline_refusal = None, str(exc)
-            if not self.pipeline_refusal.startswith("pipeline parallelism"):
-                self.pipeline_refusal = f"pipeline parallelism: {self.pipeline_refusal}"
         experts = resolve_experts(local, ep) if ep > 1 else []
         expert_names = {f"{m.name}.{name}" for m in experts
                         for name in _keep_share(local.get_submodule(m.name), m.num_experts // ep)}

@@ -31,7 +31,7 @@ from parallel3d.errors import ConfigError
 from parallel3d.expert_parallel.plan import resolve_experts
 from parallel3d.pipeline.schedules import has_weight_pass, validate_schedule_args
 from parallel3d.planner.hardware import Hardware
-from parallel3d.planner.inventory import ModelShapes, RankParams
+from parallel3d.planner.inventory import ModelShapes, RankParams, pipeline_split
 from parallel3d.planner.memory import RankMemory, pipeline_table, predict_rank
 from parallel3d.planner.profile import PassProfile, ProfileError
 from parallel3d.planner.profile_store import Profiler, ProfileStore
@@ -282,8 +282,13 @@ class Planner:
     def shapes(self, tp: int, ep: int = 1, etp: int = 1) -> ModelShapes:
         etp = etp if ep > 1 else 1  # without expert parallelism tp splits the experts in any case
         if (tp, ep, etp) not in self._shapes:
-            self._shapes[tp, ep, etp] = ModelShapes(self.model, tp, ep=ep, etp=etp)
+            self._shapes[tp, ep, etp] = ModelShapes(self.model, tp, ep=ep, etp=etp, split=self.pipeline_split)
         return self._shapes[tp, ep, etp]
+
+    @cached_property
+    def pipeline_split(self):
+        """Where a pipeline splits the model, or why it cannot (`inventory.pipeline_split`), read once."""
+        return pipeline_split(self.model)
 
     def layout_shapes(self, layout: Layout) -> ModelShapes:
         """The parameters of ``layout``'s ranks (its tp, ep and expert tensor parallelism)."""
