@@ -482,3 +482,32 @@ def test_ring_refuses_a_short_window_its_layers_do_not_pass(window, refused):
             split.run(forward, {"input_ids": ids, "labels": ids})
     else:
         assert split.run(forward, {"input_ids": ids, "labels": ids})["input_ids"].shape == (2, 8)
+
+
+def _differing(batches: list) -> str | None:
+    """The cp-group agreement check of a ulysses SequenceSplit over the 2 ranks, on this rank's ``batches``."""
+    from types import SimpleNamespace
+
+    from parallel3d.context_parallel.batch import SequenceSplit
+
+    attention = SimpleNamespace(size=2, method="ulysses", group=dist.group.WORLD)
+    split = SequenceSplit(attention, dist.get_rank(), token_mean=False, layers=1)
+    return split.differing([batch(dist.get_rank()) for batch in batches], torch.device("cpu"))
+
+
+def _with_nan(rank: int, at: int = 3) -> dict:
+    embeds = torch.arange(2 * SEQ * 4, dtype=torch.float32).reshape(2, SEQ, 4)
+    embeds[0, at, 1] = float("nan")
+    return {"inputs_embeds": embeds, "labels": torch.arange(2 * SEQ).reshape(2, SEQ)}
+
+
+def _nan_on_rank_1(rank: int) -> dict:
+    return _with_nan(rank, 3 + rank)
+
+
+def test_agreement_check_compares_bits_so_nan_is_not_a_difference(dist):
+    """The same micro-batch with a NaN in inputs_embeds on both ranks agrees (NaN != NaN must not
+    accuse the loader); the NaN at different places on the two ranks does not."""
+    assert dist.run(2, _differing, [_with_nan]) == [None, None]
+    for got in dist.run(2, _differing, [_with_nan, _nan_on_rank_1]):
+        assert "were handed different micro-batches" in got

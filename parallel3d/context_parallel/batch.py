@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch import nn
 
 from parallel3d.context_parallel.mask_inputs import MaskInputs
@@ -54,6 +55,19 @@ def _sequence_length(batch: dict) -> int | None:
         if isinstance(batch.get(key), torch.Tensor):
             return batch[key].shape[1]
     return None
+
+
+def _digest(batches: list) -> int:
+    """A 62-bit digest (so that its negation fits an int64) of the micro-batches' tensors, bit for bit:
+    each one's dtype, shape and bytes (XXH3, as the checkpoint's checksums)."""
+    digest = xxhash.xxh3_64()
+    for batch in batches:
+        values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
+        for value in values:
+            if isinstance(value, torch.Tensor) and value.numel():
+                digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+                digest.update(value.detach().to("cpu").contiguous().flatten().view(torch.uint8).numpy())
+    return digest.intdigest() >> 2
 
 
 class SequenceSplit:
@@ -100,15 +114,10 @@ class SequenceSplit:
     def differing(self, batches: list, device: torch.device) -> str | None:
         """Whether the cp group's ranks were handed different micro-batches (one all-reduce over cp):
         a loader that shards over every rank instead of over dp would otherwise train on pieces of
-        unrelated sequences without a word."""
-        total = torch.zeros((), dtype=torch.float64)
-        for batch in batches:
-            values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (tuple, list)) else ()
-            for value in values:
-                if isinstance(value, torch.Tensor) and value.numel():
-                    flat = value.detach().flatten().to("cpu", torch.float64)
-                    total += (flat * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum()
-        both = torch.stack([total, -total]).to(device)
+        unrelated sequences without a word. The ranks compare a digest of the tensors' bits, so a NaN
+        (in inputs_embeds, say) agrees with itself."""
+        total = _digest(batches)
+        both = torch.tensor([total, -total], dtype=torch.int64, device=device)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.attention.group)
         if bool(both[0] == -both[1]):
             return None
