@@ -235,3 +235,31 @@ def test_a_bias_written_after_initialize_is_the_one_that_moves():
     for value in engine.expert_bias.state_dict().values():
         moved = (value - 2.0).abs()  # 2.0 moved by one step: +-coeff, or 0 for an expert at the mean load
         assert bool(((moved < 1e-6) | ((moved - 1e-3).abs() < 1e-6)).all()) and moved.max() > 0, value
+
+
+def test_a_checkpoint_router_bias_of_another_shape_is_refused_before_anything_loads(tmp_path):
+    """A checkpoint whose router bias has another number of experts than this model's router (here its
+    checkpoint.json edited: with the experts' weights changed too, the model check names those first) stops
+    with one ConfigError naming the bias and both shapes, and changes nothing."""
+    import json
+
+    import parallel3d
+    from parallel3d.checkpoint.checkpoint import encode_value
+
+    config = ds_config(1, 1, 1)
+    config["expert_parallel"] = {"load_balance_coeff": COEFF}
+    engine = parallel3d.initialize(model=make_deepseek_v3(), config=config)[0]
+    engine.save_checkpoint(tmp_path, tag="t")
+    manifest = json.loads((tmp_path / "t" / "checkpoint.json").read_text())
+    name = sorted(manifest["router_biases"])[0]
+    manifest["router_biases"][name] = encode_value(torch.ones(EXPERTS + 2), "bias")
+    (tmp_path / "t" / "checkpoint.json").write_text(json.dumps(manifest))
+    before = {r.name: r.owner.get_buffer(BIAS).clone() for r in engine.expert_bias.routers}
+    with pytest.raises(ConfigError) as info:
+        engine.load_checkpoint(tmp_path, tag="t")
+    assert str(info.value) == (
+        f"checkpoint {tmp_path / 't'} holds the router bias {name} with shape [{EXPERTS + 2}], this model's "
+        f"is [{EXPERTS}]: it was written for a model with another number of routed experts; load it into the model "
+        "it was written for, or leave expert_parallel.load_balance_coeff out to keep this model's biases (the "
+        "checkpoint's are then not read)")
+    assert all(torch.equal(r.owner.get_buffer(BIAS), before[r.name]) for r in engine.expert_bias.routers)

@@ -519,6 +519,16 @@ def _check_optimizer(zero: ZeroOptimizer, manifest: dict, path: Path) -> None:
                           f"{mine}: give initialize() the param groups of the run that wrote it")
 
 
+def _check_router_biases(engine, biases: dict[str, torch.Tensor], path: Path) -> None:
+    """The checkpoint's router biases fit this rank's routers (``load_balance_coeff``; changes nothing)."""
+    balancer = getattr(engine, "expert_bias", None)
+    mismatch = balancer.state_mismatch(biases) if balancer is not None else None
+    if mismatch is not None:
+        raise ConfigError(f"checkpoint {path} holds {mismatch}: it was written for a model with another number of "
+                          "routed experts; load it into the model it was written for, or leave expert_parallel."
+                          "load_balance_coeff out to keep this model's biases (the checkpoint's are then not read)")
+
+
 def _check_names(parallel: ParallelModel, metadata, path) -> None:
     """Every model tensor of the checkpoint is held by some rank of this engine (one all-reduce)."""
     saved = sorted(fqn[len("model/"):] for fqn in metadata.state_dict_metadata if fqn.startswith("model/"))
@@ -558,6 +568,7 @@ def load(engine, load_dir: str | os.PathLike, tag: str | None = None,
         if optimizer_states:
             check_for_engine(manifest, path, zero.inner, zero.loss_scaler.state_dict())
         values = _decoded(manifest, path)
+        _check_router_biases(engine, values[ROUTER_BIASES], path)
         chunks, states = _chunks_to_load(parallel, metadata, manifest, optimizer_states)
         planned = plan_load(path, metadata, chunks)
     except ConfigError as exc:

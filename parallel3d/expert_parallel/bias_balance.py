@@ -192,6 +192,16 @@ class ExpertBiasBalancer:
         """This rank's router biases by name, in float32 (a checkpoint holds every stage's)."""
         return {r.name: value.cpu().clone() for r, value in zip(self.routers, self._synced())}
 
+    def state_mismatch(self, values: dict[str, torch.Tensor]) -> str | None:
+        """What in ``values`` (a checkpoint's biases by name) does not fit this rank's routers: the first bias
+        whose number of entries differs from its router's, with both shapes; None when all fit."""
+        for router, value in zip(self.routers, self.biases):
+            saved = values.get(router.name)
+            if saved is not None and saved.numel() != value.numel():
+                return (f"the router bias {router.name} with shape {list(saved.shape)}, this model's is "
+                        f"{list(value.shape)}")
+        return None
+
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Set the biases a checkpoint holds (one saved without ``load_balance_coeff`` holds none: the
         model's stay)."""
