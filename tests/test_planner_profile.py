@@ -29,6 +29,8 @@ from parallel3d.planner.profile import LiveBytes, ProfileError, profile_pass, pr
 
 LLAMA = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2)
+MIXTRAL = MixtralConfig(vocab_size=512, hidden_size=64, intermediate_size=36, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
 
 
 def _real_pass(config, micro_batch: int, seq: int, prepare=None) -> tuple[int, int, int, int]:
@@ -55,14 +57,28 @@ def _real_pass(config, micro_batch: int, seq: int, prepare=None) -> tuple[int, i
     return kept, forward_peak, live.peak, flops
 
 
-@pytest.mark.parametrize("config", [LLAMA, GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4)],
-                         ids=["llama", "gpt2"])
+@pytest.mark.parametrize("config", [LLAMA, GPT2Config(vocab_size=512, n_embd=64, n_layer=2, n_head=4), MIXTRAL],
+                         ids=["llama", "gpt2", "mixtral"])
 def test_fake_profile_equals_a_real_run(config):
+    """In float32 (Mixtral: its experts' grouped matrix multiplies, which torch's meta kernel refuses
+    outside bf16 while the kernels take float32; an intermediate size of 36 gives the experts' down
+    projection a 144-byte stride, allowed in float32, not in bf16)."""
     fake = profile_pass(config, "only", 2, micro_batch=2, seq=32, dtype=torch.float32)
     kept, forward_peak, backward_peak, flops = _real_pass(config, 2, 32)
     assert (fake.at_rest, fake.forward_peak, fake.backward_peak, sum(fake.flops)) == \
         (kept, forward_peak, backward_peak, flops)
     assert kept > 0 and flops > 0
+
+
+def test_fake_profile_refuses_a_float32_grouped_mm_the_kernel_refuses():
+    """Mixtral with an intermediate size of 30: its experts' down projection has a 120-byte stride, which the
+    grouped-mm kernel refuses in float32; the profile reports the kernel's own refusal."""
+    config = MixtralConfig(**{**MIXTRAL.to_diff_dict(), "intermediate_size": 30})
+    message = "strides should be multiple of 16 bytes"
+    with pytest.raises(RuntimeError, match=message):
+        _real_pass(config, 2, 8)
+    with pytest.raises(ProfileError, match=message):
+        profile_pass(config, "only", 2, micro_batch=2, seq=8, dtype=torch.float32)
 
 
 def _fields(profile) -> tuple:

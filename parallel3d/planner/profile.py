@@ -392,13 +392,52 @@ def _hook(model: nn.Module, kind: str, live: LiveBytes) -> list:
     return handles
 
 
+class _GroupedMMAnyDtype(TorchDispatchMode):
+    """``aten._grouped_mm`` on fake tensors of any floating dtype (float32 MoE experts), as the kernels run it.
+
+    torch's meta kernel holds every call to the CUDA fast path's rule (bf16 operands only), while the
+    kernels themselves take float32 and float16 too: CPU's, and CUDA's fallback (one matrix multiply per
+    group, written into one output). On those the operands' strides are checked as the kernels check them
+    (``_check_grouped_mm_strides``) and the output is allocated as the meta kernel allocates it
+    (``_create_grouped_mm_output_tensor``: the same rule as the kernels', padded on a CUDA build), so the
+    profile keeps, and counts the FLOPs of, what a real run of that dtype does, and fails where it fails.
+    Sits under ``LiveBytes``."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten._grouped_mm.default or args[0].dtype == torch.bfloat16:
+            return func(*args, **kwargs)
+        from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+        _check_grouped_mm_strides(args[0])
+        _check_grouped_mm_strides(args[1])
+        offs = args[2] if len(args) > 2 else kwargs.get("offs")
+        return _create_grouped_mm_output_tensor(args[0], args[1], offs, kwargs.get("out_dtype"))
+
+
+def _check_grouped_mm_strides(mat: torch.Tensor) -> None:
+    """The grouped-mm kernels' rule on an operand, for every dtype (ATen's ``check_valid_strides_and_return_transposed``,
+    which the meta kernel applies to bf16 only): row- or column-major in its last two dims, the leading stride a
+    multiple of 16 bytes."""
+    stride, size = mat.stride(), mat.shape
+    alignment = 16 // mat.element_size()
+    if stride[-2] == 1 and stride[-1] >= max(1, size[-2]):
+        leading = stride[-1]
+    elif stride[-1] == 1 and stride[-2] >= max(1, size[-1]):
+        leading = stride[-2]
+    else:
+        raise RuntimeError(f"Invalid strides/sizes, got {list(stride)} for strides and {list(size)} for sizes")
+    if leading % alignment:
+        raise RuntimeError("strides should be multiple of 16 bytes")
+
+
 @contextlib.contextmanager
 def _profiling(tp: int, cp: int = 1) -> Iterator[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]:
     """What every pass runs inside: fake tensors, the fake tp and cp groups, the planner's random stream
     kept (tp regions draw their seeds from it), the model's deprecation notices silenced (they
     are about how the profile calls it, not the user's plan)."""
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), \
-            fake_tp_cp_groups(tp, cp) as groups:
+            fake_tp_cp_groups(tp, cp) as groups, _GroupedMMAnyDtype():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         yield groups
