@@ -112,7 +112,7 @@ def test_a_profile_leaves_the_planners_config_alone():
 def test_a_one_layer_model_is_planned_and_llama_prices_every_layout(capsys, tmp_path):
     from parallel3d.planner.hardware import a100
     from parallel3d.planner.predict import Planner, Workload
-    from parallel3d.planner.search import Choice, search
+    from parallel3d.planner.search import Choice, candidates, search
 
     one = tmp_path / "one"
     LlamaConfig(**SMALL, intermediate_size=128, num_hidden_layers=1, num_key_value_heads=2).save_pretrained(one)
@@ -121,6 +121,11 @@ def test_a_one_layer_model_is_planned_and_llama_prices_every_layout(capsys, tmp_
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
             LlamaConfig(**SMALL, intermediate_size=128, num_hidden_layers=4, num_key_value_heads=2))
-    result = search(Planner(model, Workload(seq=32, global_batch=8, dtype=torch.bfloat16)), a100(4),
-                    Choice(zero_stage=1, micro_batch=1))
-    assert result.best and not result.unpriced
+    # every layout priced (the search itself prices only those that could rank), on two worker processes
+    planner = Planner(model, Workload(seq=32, global_batch=8, dtype=torch.bfloat16), workers=2)
+    hw, choice = a100(4), Choice(zero_stage=1, micro_batch=1)
+    layouts = list(candidates(planner, hw, choice))
+    planner.prefetch({key for layout in layouts for key in planner.profile_keys(layout, hw, exact=False)})
+    planner.close()
+    assert all(planner.step_time(layout, hw, exact=False) for layout in layouts)  # a failed profile raises
+    assert search(planner, hw, choice).best
