@@ -432,12 +432,15 @@ def _check_grouped_mm_strides(mat: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
-def _profiling(tp: int, cp: int = 1) -> Iterator[tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]]:
+def _profiling(tp: int, cp: int, dtype: torch.dtype) -> Iterator[tuple[dist.ProcessGroup | None,
+                                                                      dist.ProcessGroup | None]]:
     """What every pass runs inside: fake tensors, the fake tp and cp groups, the planner's random stream
     kept (tp regions draw their seeds from it), the model's deprecation notices silenced (they
-    are about how the profile calls it, not the user's plan)."""
+    are about how the profile calls it, not the user's plan); in a dtype other than bf16,
+    :class:`_GroupedMMAnyDtype` (a dispatch mode costs every op some time: not where it does nothing)."""
+    grouped = contextlib.nullcontext() if dtype == torch.bfloat16 else _GroupedMMAnyDtype()
     with torch.random.fork_rng(devices=[]), warnings.catch_warnings(), FakeTensorMode(allow_non_fake_inputs=True), \
-            fake_tp_cp_groups(tp, cp) as groups, _GroupedMMAnyDtype():
+            fake_tp_cp_groups(tp, cp) as groups, grouped:
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
         yield groups
@@ -471,7 +474,7 @@ def profile_pass(config, kind: str, blocks: int, *, micro_batch: int, seq: int, 
     are the real ones; which tokens the rank holds does not change them).
     """
     _check(kind, attention)
-    with _profiling(tp, cp) as (group, cp_group):
+    with _profiling(tp, cp, dtype) as (group, cp_group):
         model = _build(config, blocks, dtype, group, sequence_parallel, checkpointing, whole_experts, cp_group,
                        cp_method)
         return _run(model, config, kind, blocks, micro_batch, seq // cp, dtype, tp, attention, split_backward,
@@ -503,7 +506,7 @@ def profile_passes(config, keys: Iterable[tuple], *, seq: int,
         groups.setdefault(model_key(key), []).append(key)
     out: dict[tuple, PassProfile | ProfileError] = {}
     for (blocks, tp, sp, ac, whole, cp, method), group_keys in groups.items():
-        with _profiling(tp, cp) as (group, cp_group):
+        with _profiling(tp, cp, dtype) as (group, cp_group):
             model = None
             for key in group_keys:
                 kind, micro_batch, attention, split = key[0], key[2], key[6], key[7]
