@@ -23,6 +23,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaConfig, LlamaForCausalLM, MixtralConfig
 
 from parallel3d.planner.fake_tp import fake_tp_group
+from parallel3d.planner.bound import step_floor
 from parallel3d.planner.hardware import a100
 from parallel3d.planner.predict import Planner, Workload
 from parallel3d.planner.profile import profile_pass
@@ -75,7 +76,7 @@ def test_a_compute_bound_model_profiles_only_the_settings_that_can_rank():
     assert any(layout.checkpointing for layout in layouts)
     steps = {layout: sum(planner.step_time(layout, hw, exact=False)[0].values()) for layout in layouts}
     assert [p.layout for p in got] == sorted(layouts, key=lambda layout: steps[layout])[:3]
-    assert all(planner.step_floor(layout, hw) <= steps[layout] for layout in layouts)
+    assert all(step_floor(planner, layout, hw) <= steps[layout] for layout in layouts)
 
 
 @pytest.mark.parametrize("config, choice", [
@@ -96,7 +97,7 @@ def test_the_bound_is_never_above_the_step(config, choice):
     assert any(layout.checkpointing for layout in layouts)
     for layout in layouts:
         step = sum(planner.step_time(layout, hw, exact=False)[0].values())
-        assert 0 < planner.step_floor(layout, hw) <= step, layout.describe()
+        assert 0 < step_floor(planner, layout, hw) <= step, layout.describe()
 
 
 def test_no_fake_group_is_left_behind():

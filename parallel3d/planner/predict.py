@@ -314,7 +314,7 @@ class Planner:
             for key in missing:
                 if (stored := self.store.get(key)) is not None:
                     self._record(key, stored)
-            missing = [k for k in missing if k not in self._profiles and k not in self._failed]
+            missing = self.unknown(missing)
         if not missing:
             return
         for key, value in self._profiler(missing, parallel=workers > 1).items():
@@ -501,7 +501,7 @@ class Planner:
         return self.parts(layout, costs, hw, exact=exact), flops * layout.world / len(costs)
 
     def parts(self, layout: Layout, costs: list[RankCost], hw: Hardware, *, exact: bool,
-                   hidden_compute: bool = False) -> dict[str, float]:
+              hidden_compute: bool = False) -> dict[str, float]:
         """`timing.step_parts` of ``layout`` with its ranks' ``costs`` (``hidden_compute``: the
         data-parallel collectives as if compute hid all it can, for a lower bound)."""
         w = self.workload
@@ -510,13 +510,6 @@ class Planner:
         return step_parts(layout, self.zero(layout), costs, hw, m=layout.microbatches(w.global_batch),
                           hidden_bytes=self._hidden_bytes(layout), overlap=overlap, tied_numel=tied, exact=exact,
                           hidden_compute=hidden_compute)
-
-    def step_floor(self, layout: Layout, hw: Hardware) -> float:
-        """A lower bound on ``step_time(layout, hw, exact=False)`` from the cheapest profiles
-        (`bound.step_floor`); 0 where there is none."""
-        from parallel3d.planner.bound import step_floor
-
-        return step_floor(self, layout, hw)
 
     @cached_property
     def recomputes_every_block(self) -> bool:

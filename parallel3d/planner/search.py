@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from parallel3d.errors import ConfigError
 from parallel3d.pipeline.schedules import SCHEDULES
-from parallel3d.planner.bound import floor_keys
+from parallel3d.planner.bound import floor_keys, step_floor
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.predict import Layout, Planner, Prediction
 from parallel3d.planner.profile import ProfileError
@@ -295,8 +295,9 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
     """
     index = {layout: i for i, layout in enumerate(layouts)}
     planner.prefetch({key for layout in layouts for key in floor_keys(planner, layout, hw)})
-    floors = [planner.step_floor(layout, hw) for layout in layouts]
+    floors = [step_floor(planner, layout, hw) for layout in layouts]
     order = sorted(range(len(layouts)), key=lambda i: (floors[i], i))
+    needs = [planner.profile_keys(layout, hw, exact=False) for layout in layouts]  # each layout's profiles
     steps: dict[int, float | None] = {}
 
     def step(i: int) -> float | None:
@@ -319,7 +320,7 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
         return True
 
     for i in order:  # priced now where no profile is missing: a first guess of where the walk will stop
-        if not planner.unknown(planner.profile_keys(layouts[i], hw, exact=False)):
+        if not planner.unknown(needs[i]):
             step(i)
     priced: list[tuple[float, int]] = []  # (step, candidate index), a heap
     fit: list[Prediction] = []
@@ -336,9 +337,8 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
                 fit.append(prediction)
             continue
         i = order[done]
-        if planner.unknown(planner.profile_keys(layouts[i], hw, exact=False)):
-            _profile_ahead(planner, hw, layouts, order[done:], floors, [v for v in steps.values() if v is not None],
-                           count)
+        if planner.unknown(needs[i]):
+            _profile_ahead(planner, needs, order[done:], floors, [v for v in steps.values() if v is not None], count)
         done += 1
         if (own := step(i)) is not None and faster_than_twin(i, own):
             heapq.heappush(priced, (own, i))
@@ -346,7 +346,7 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
     return fit[:count]
 
 
-def _profile_ahead(planner: Planner, hw: Hardware, layouts: list[Layout], pending: list[int], floors: list[float],
+def _profile_ahead(planner: Planner, needs: list[set[tuple]], pending: list[int], floors: list[float],
                    priced: list[float], count: int) -> None:
     """Before pricing ``pending[0]``, whose profiles are missing: profile them together with those of
     the pending layouts likely to be priced too, on the planner's workers. Sure to be priced are
@@ -356,6 +356,5 @@ def _profile_ahead(planner: Planner, hw: Hardware, layouts: list[Layout], pendin
     sure = heapq.nsmallest(count, priced + [floors[i] for i in pending[:count]])[-1]
     likely = heapq.nsmallest(count, priced)[-1] if len(priced) >= count else sure
     limit = max(sure, likely)
-    wanted = {key for i in pending if i == pending[0] or floors[i] < limit
-              for key in planner.profile_keys(layouts[i], hw, exact=False)}
+    wanted = {key for i in pending if i == pending[0] or floors[i] < limit for key in needs[i]}
     planner.prefetch(planner.unknown(wanted))
