@@ -237,10 +237,10 @@ def test_a_bias_written_after_initialize_is_the_one_that_moves():
         assert bool(((moved < 1e-6) | ((moved - 1e-3).abs() < 1e-6)).all()) and moved.max() > 0, value
 
 
-def test_a_checkpoint_router_bias_of_another_shape_is_refused_before_anything_loads(tmp_path):
-    """A checkpoint whose router bias has another number of experts than this model's router (here its
-    checkpoint.json edited: with the experts' weights changed too, the model check names those first) stops
-    with one ConfigError naming the bias and both shapes, and changes nothing."""
+def _saved_with_a_wider_bias(path) -> tuple:
+    """A one-process engine (DeepSeek V3 under ``load_balance_coeff``) and the name of the router bias whose
+    value its checkpoint ``path``/t holds with two entries more than the model's router has (checkpoint.json
+    edited: with the experts' weights changed too, the model check would name those first)."""
     import json
 
     import parallel3d
@@ -249,11 +249,18 @@ def test_a_checkpoint_router_bias_of_another_shape_is_refused_before_anything_lo
     config = ds_config(1, 1, 1)
     config["expert_parallel"] = {"load_balance_coeff": COEFF}
     engine = parallel3d.initialize(model=make_deepseek_v3(), config=config)[0]
-    engine.save_checkpoint(tmp_path, tag="t")
-    manifest = json.loads((tmp_path / "t" / "checkpoint.json").read_text())
+    engine.save_checkpoint(path, tag="t")
+    manifest = json.loads((path / "t" / "checkpoint.json").read_text())
     name = sorted(manifest["router_biases"])[0]
     manifest["router_biases"][name] = encode_value(torch.ones(EXPERTS + 2), "bias")
-    (tmp_path / "t" / "checkpoint.json").write_text(json.dumps(manifest))
+    (path / "t" / "checkpoint.json").write_text(json.dumps(manifest))
+    return engine, name
+
+
+def test_a_checkpoint_router_bias_of_another_shape_is_refused_before_anything_loads(tmp_path):
+    """A checkpoint whose router bias has another number of experts than this model's router stops with one
+    ConfigError naming the bias and both shapes, and changes nothing."""
+    engine, name = _saved_with_a_wider_bias(tmp_path)
     before = {r.name: r.owner.get_buffer(BIAS).clone() for r in engine.expert_bias.routers}
     with pytest.raises(ConfigError) as info:
         engine.load_checkpoint(tmp_path, tag="t")
@@ -263,3 +270,19 @@ def test_a_checkpoint_router_bias_of_another_shape_is_refused_before_anything_lo
         "it was written for, or leave expert_parallel.load_balance_coeff out to keep this model's biases (the "
         "checkpoint's are then not read)")
     assert all(torch.equal(r.owner.get_buffer(BIAS), before[r.name]) for r in engine.expert_bias.routers)
+
+
+def test_export_refuses_a_router_bias_of_another_shape_than_its_config(tmp_path):
+    """``zero3d export`` checks the router biases as the loader does, against the model its config.json
+    describes: one ConfigError naming the bias and both shapes, and nothing written."""
+    from parallel3d.export.export import export_checkpoint
+
+    _, name = _saved_with_a_wider_bias(tmp_path)
+    with pytest.raises(ConfigError) as info:
+        export_checkpoint(tmp_path / "t", tmp_path / "hf")
+    assert str(info.value) == (
+        f"checkpoint {tmp_path / 't'} holds the router bias {name} with shape [{EXPERTS + 2}], this model's "
+        f"is [{EXPERTS}] (the model of its config.json): its checkpoint.json and config.json are of models with "
+        "another number of routed experts (one of them was edited or copied from another checkpoint); export a "
+        "checkpoint directory as one save wrote it")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "t"]

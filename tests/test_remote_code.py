@@ -98,5 +98,6 @@ def test_export_passes_the_setting_to_the_tokenizer_and_model_it_loads(tmp_path,
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_config", from_config)
     for trust in (False, True):
-        assert export._model_order(config, ["b", "a"], trust) == ["a", "b"]
+        assert export._meta_model(config, trust) is None
+    assert export._model_order(None, ["b", "a"]) == ["a", "b"]
     assert seen == [False, True]

@@ -38,7 +38,7 @@ taken back into float32 before the next update or save, so the write is not undo
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +109,17 @@ def check_bias_balance(model: nn.Module, compiled: bool) -> None:
 
 def _parent(name: str) -> str:
     return name.rpartition(".")[0]
+
+
+def bias_mismatch(shapes: Mapping[str, torch.Size], values: Mapping[str, torch.Tensor]) -> str | None:
+    """What in ``values`` (a checkpoint's router biases by name) does not fit the model's biases (``shapes``, by
+    name): the first bias whose number of entries differs from the model's, with both shapes; None when all fit.
+    The check of the checkpoint loader (this rank's routers) and of ``zero3d export`` (the config's model)."""
+    for name, shape in shapes.items():
+        saved = values.get(name)
+        if saved is not None and saved.numel() != shape.numel():
+            return f"the router bias {name} with shape {list(saved.shape)}, this model's is {list(shape)}"
+    return None
 
 
 class ExpertBiasBalancer:
@@ -193,14 +204,9 @@ class ExpertBiasBalancer:
         return {r.name: value.cpu().clone() for r, value in zip(self.routers, self._synced())}
 
     def state_mismatch(self, values: dict[str, torch.Tensor]) -> str | None:
-        """What in ``values`` (a checkpoint's biases by name) does not fit this rank's routers: the first bias
-        whose number of entries differs from its router's, with both shapes; None when all fit."""
-        for router, value in zip(self.routers, self.biases):
-            saved = values.get(router.name)
-            if saved is not None and saved.numel() != value.numel():
-                return (f"the router bias {router.name} with shape {list(saved.shape)}, this model's is "
-                        f"{list(value.shape)}")
-        return None
+        """What in ``values`` (a checkpoint's biases by name) does not fit this rank's routers
+        (:func:`bias_mismatch`); None when all fit."""
+        return bias_mismatch({r.name: value.shape for r, value in zip(self.routers, self.biases)}, values)
 
     def load_state_dict(self, values: dict[str, torch.Tensor]) -> None:
         """Set the biases a checkpoint holds (one saved without ``load_balance_coeff`` holds none: the

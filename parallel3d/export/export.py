@@ -15,7 +15,9 @@ What is exported: the fp32 master weights of every trainable parameter. Frozen p
 not in a checkpoint (they have no master); they are reported and ``from_pretrained`` will
 initialize them. The routers' ``e_score_correction_bias`` buffers that ``load_balance_coeff`` trained
 (held in the checkpoint's manifest) are written in float32 under their HF names, as
-``save_pretrained`` writes them (``_keep_in_fp32_modules_strict``). Tied weights (GPT-2's ``lm_head`` = ``wte``) are stored once, as in the
+``save_pretrained`` writes them (``_keep_in_fp32_modules_strict``); one whose number of entries is not that of
+the buffer of the model config.json describes is refused before anything is written, as the loader refuses
+it. Tied weights (GPT-2's ``lm_head`` = ``wte``) are stored once, as in the
 checkpoint, and ``from_pretrained`` re-ties them from the config.
 """
 
@@ -43,6 +45,7 @@ from parallel3d.export.guard import check_output
 from parallel3d.build.remote_code import check_remote_code
 from parallel3d.export.report import describe_export
 from parallel3d.export.tokens import save_model_configs
+from parallel3d.expert_parallel.bias_balance import bias_mismatch
 
 logger = logging.getLogger(__name__)
 
@@ -159,16 +162,36 @@ def _find_tokenizer(tag_dir: Path, explicit: str | None) -> Path | None:
     return None
 
 
-def _model_order(config, names: list[str], trust_remote_code: bool = False, buffers: Sequence[str] = ()) -> list[str]:
-    """``names`` (parameters, then the ``buffers`` written too) in the model's own order; warns of parameters
-    missing (frozen) or of names unknown."""
+def _meta_model(config, trust_remote_code: bool = False) -> torch.nn.Module | None:
+    """The model of ``config`` on the meta device, to check the checkpoint's names and router biases against;
+    None (with a warning) for a model class that cannot be built there: the export goes on unchecked."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - a custom model class: skip the check, not the export
         logger.warning("could not build %s on the meta device to check names: %s", config.model_type, exc)
+        return None
+
+
+def _check_router_biases(model: torch.nn.Module | None, biases: dict[str, torch.Tensor], tag_dir: Path) -> None:
+    """ConfigError, before anything is written, when a router bias of the checkpoint has another number of
+    entries than the buffer of the model its config.json describes (the loader's check, :func:`bias_mismatch`)."""
+    if model is None or not biases:
+        return
+    mismatch = bias_mismatch({n: b.shape for n, b in model.named_buffers() if n in biases}, biases)
+    if mismatch is not None:
+        raise ConfigError(f"checkpoint {tag_dir} holds {mismatch} (the model of its config.json): its checkpoint.json "
+                          "and config.json are of models with another number of routed experts (one of them was "
+                          "edited or copied from another checkpoint); export a checkpoint directory as one save "
+                          "wrote it")
+
+
+def _model_order(model: torch.nn.Module | None, names: list[str], buffers: Sequence[str] = ()) -> list[str]:
+    """``names`` (parameters, then the ``buffers`` written too) in the order of ``model`` (sorted without one);
+    warns of parameters missing (frozen) or of names unknown."""
+    if model is None:
         return sorted(names)
     expected = [n for n, _ in model.named_parameters()]  # named_parameters drops tied duplicates
     if missing := [n for n in expected if n not in names]:
@@ -261,6 +284,8 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
     shapes = {fqn[len("model/") :]: tuple(md.size) for fqn, md in metadata.state_dict_metadata.items()
               if fqn.startswith("model/")}
     tok = _find_tokenizer(tag_dir, tokenizer)
+    model = _meta_model(config, trust) if adapters is None else None  # an adapter export writes no bias
+    _check_router_biases(model, biases, tag_dir)
 
     tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -274,7 +299,7 @@ def export_checkpoint(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype:
         else:
             tensors = {n: Entry(n, shapes[n]) for n in shapes}
             tensors |= {n: Entry(n, tuple(b.shape), value=b) for n, b in biases.items()}
-            entries = [tensors[n] for n in _model_order(config, list(tensors), trust, list(biases))]
+            entries = [tensors[n] for n in _model_order(model, list(tensors), list(biases))]
             total = _write_model(tmp, entries, tag_dir, metadata, dtype, max_shard_size)
             config.dtype = DTYPES[dtype][0]
             save_model_configs(config, tmp, tag_dir, tok, trust)  # config.json, generation_config.json
