@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,3 +44,13 @@ def cache_dir(tmp_path_factory) -> Path:
     of the tiny job (cached by content) are built once, not once per module (seconds each).
     Building them cold is tested by tests/test_job_data.py, on caches of its own."""
     return tmp_path_factory.mktemp("zero3d-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, cache_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """The tiny job trained once by `zero3d train` on 2 processes (12 steps; checkpoints at steps 8
+    and 12): its run directory and the finished launcher. For the tests that only read the run
+    (its files, or its latest checkpoint exported elsewhere): each own run costs a launch (seconds)."""
+    from tests.test_train_cli import train_two_processes
+
+    return train_two_processes(tmp_path_factory.mktemp("tiny-run"), cache_dir)

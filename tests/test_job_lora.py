@@ -13,16 +13,16 @@ import yaml
 
 from parallel3d import cli
 from parallel3d.errors import ConfigError
-from tests.test_train_cli import ROOT, read_metrics, tiny_job, train_two_processes
+from tests.test_train_cli import ROOT, read_metrics, tiny_job
 
 
-def test_lora_job_from_a_model_directory(tmp_path, cache_dir):
+def test_lora_job_from_a_model_directory(tmp_path, cache_dir, tiny_run):
     """train -> export -> a LoRA job on the export at ZeRO 3: it starts from the exported model
     (lora_B starts at zero), trains, saves the adapters only, and exports a PEFT adapter directory."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run, _ = train_two_processes(tmp_path, cache_dir, "train.max_steps=4")
+    run, _ = tiny_run
     hf = tmp_path / "hf"
     assert cli.main(["export", str(run / "checkpoints" / "latest"), str(hf)]) == 0
     second = tmp_path / "second"

@@ -62,13 +62,13 @@ def train_two_processes(tmp_path: Path, cache_dir: Path, *overrides: str) -> tup
     return run, proc
 
 
-def test_exported_model_trains_on_from_model_path(tmp_path, cache_dir):
+def test_exported_model_trains_on_from_model_path(tmp_path, cache_dir, tiny_run):
     """train -> zero3d export -> a job with model.path: it starts from the exported weights.
 
     The same data split, seed and layout, so the second job's step-0 validation loss is the
     first job's last one: every rank read exactly its share of the exported tensors.
     """
-    run, _ = train_two_processes(tmp_path, cache_dir, "train.max_steps=4")
+    run, _ = tiny_run
     hf = tmp_path / "hf"
     assert cli.main(["export", str(run / "checkpoints" / "latest"), str(hf)]) == 0
     second = tmp_path / "second"
@@ -96,8 +96,8 @@ def test_zero3d_train_with_pipeline_stages(tmp_path, cache_dir):
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-def test_zero3d_train_two_processes_end_to_end(tmp_path, cache_dir):
-    run, proc = train_two_processes(tmp_path, cache_dir)
+def test_zero3d_train_two_processes_end_to_end(tiny_run):
+    run, proc = tiny_run
     records = read_metrics(run)
     assert [r["step"] for r in records] == list(range(13))
     vals = [r["val_loss"] for r in records if "val_loss" in r]
