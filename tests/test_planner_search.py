@@ -4,8 +4,9 @@
   same list as predicting every layout and sorting by (step, peak), ties and layouts that do
   not fit included, and the same plan.
 * It prices a layout only when its lower bound (`bound.step_floor`) says it could rank: the bound
-  is never above the step, on every candidate of several families (tied heads, GPT-2's Conv1D,
-  experts under expert parallelism, softcapping), and a compute-bound model's first pass never
+  is never above the step, nor is a ZB-H1 layout's second bound from its one-backward passes
+  (`bound.split_floor`, where GPT-2's LayerNorm runs its backward twice), on every candidate of
+  several families (tied heads, GPT-2's Conv1D, experts under expert parallelism, softcapping), and a compute-bound model's first pass never
   profiles recomputation, which cannot rank there, yet gives the same list as pricing everything.
 * Tensor parallelism is priced with the engine's ``apply_tensor_parallel`` on a fake default
   process group (`planner.fake_tp`): none is left behind, none is made beside an existing
@@ -23,7 +24,8 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Gemma2Config, GPT2Config, LlamaConfig, LlamaForCausalLM, MixtralConfig
 
 from parallel3d.planner.fake_tp import fake_tp_group
-from parallel3d.planner.bound import step_floor
+from parallel3d.pipeline.schedules import has_weight_pass
+from parallel3d.planner.bound import split_floor, step_floor
 from parallel3d.planner.hardware import a100
 from parallel3d.planner.predict import Planner, Workload
 from parallel3d.planner.profile import profile_pass
@@ -64,7 +66,8 @@ def test_the_first_pass_walks_only_the_fastest_and_gives_every_layouts_order():
 def test_a_compute_bound_model_profiles_only_the_settings_that_can_rank():
     """A 7B-wide Llama (fake tensors: the size costs nothing) on two devices: recomputation adds a
     third to each step, so its bound is above the fastest steps and its passes are never profiled;
-    the first pass's list is still the sort of every layout's step."""
+    nor are ZB-H1's split-backward passes, whose second bound (its pipeline of two stages priced from
+    one-backward passes) is above them too; the first pass's list is still the sort of every layout's step."""
     config = LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=4,
                          num_attention_heads=32, num_key_value_heads=32)
     with torch.device("meta"):
@@ -72,8 +75,8 @@ def test_a_compute_bound_model_profiles_only_the_settings_that_can_rank():
     hw = a100(2, 2)
     layouts = list(candidates(planner, hw, Choice(max_micro_batch=2)))
     got = _fastest_that_fit(planner, hw, layouts, 3, {})
-    assert not any(key[5] for key in planner._profiles)  # no checkpointing pass was profiled
-    assert any(layout.checkpointing for layout in layouts)
+    assert not any(key[5] or key[7] for key in planner._profiles)  # no checkpointing nor split-backward pass
+    assert any(layout.checkpointing for layout in layouts) and any(layout.schedule == "zb_h1" for layout in layouts)
     steps = {layout: sum(planner.step_time(layout, hw, exact=False)[0].values()) for layout in layouts}
     assert [p.layout for p in got] == sorted(layouts, key=lambda layout: steps[layout])[:3]
     assert all(step_floor(planner, layout, hw) <= steps[layout] for layout in layouts)
@@ -95,9 +98,15 @@ def test_the_bound_is_never_above_the_step(config, choice):
     hw = a100(4, 4)
     layouts = list(candidates(planner, hw, replace(choice, hybrid_sharding=False, zeropp=False)))
     assert any(layout.checkpointing for layout in layouts)
+    splits = 0
     for layout in layouts:
         step = sum(planner.step_time(layout, hw, exact=False)[0].values())
-        assert 0 < step_floor(planner, layout, hw) <= step, layout.describe()
+        floor = step_floor(planner, layout, hw)
+        assert 0 < floor <= step, layout.describe()
+        if has_weight_pass(layout.schedule):  # the second bound of a split backward, from one-backward profiles
+            splits += 1
+            assert floor <= split_floor(planner, layout, hw) <= step, layout.describe()
+    assert splits or all(layout.pp == 1 for layout in layouts)
 
 
 def test_no_fake_group_is_left_behind():

@@ -23,6 +23,14 @@ that ranks; each step below says why it holds.
   priced as if compute hid all it can (``hidden_compute``), the parts are each at most the step's.
   Expert-parallel all-to-alls, the tied embedding and the optimizer need no profile: they are the
   step's own.
+* **A split backward costs at least the one backward** (`split_floor`, a second, tighter bound
+  for a ZB-H1 layout, from the profiles of the same chunks with one backward). The executor's
+  input pass and weight passes run every autograd node the one backward runs, each for part of
+  its gradients: the same kernels, or a node's kernel twice where its gradients fall in both
+  passes (a LayerNorm's input gradient in the first, its weight's in the second), each call
+  reading the node's saved tensors again. The forward and the tp collectives are the same. So
+  the search profiles a ZB-H1 layout's own passes (whose memory differs) only when even this
+  bound could rank.
 * **Context parallelism gets no bound (0)**: ring attention's causal work per rank is not a fixed
   share of the whole, so those layouts are always profiled.
 """
@@ -92,3 +100,11 @@ def recomputes_every_block(model) -> bool:
 
     blocks = fetch_unit_modules(model)
     return bool(blocks) and all(isinstance(b, GradientCheckpointingLayer) for b in blocks)
+
+
+def split_floor(planner: Planner, layout: Layout, hw: Hardware) -> float:
+    """A lower bound on the first-pass step of ``layout``, whose schedule splits the backward (ZB-H1),
+    from the profiles of its chunks with one backward (see the module docstring); at least as high
+    as :func:`step_floor` where those profiles are the base's."""
+    costs, _ = planner.rank_costs(layout, hw, exact=False, split=False)
+    return sum(planner.parts(layout, costs, hw, exact=False, hidden_compute=True).values())

@@ -337,26 +337,29 @@ class Planner:
         else:
             self._profiles[key] = value
 
-    def chunk_keys(self, layout: Layout, kind: str, hw: Hardware) -> list[tuple]:
+    def chunk_keys(self, layout: Layout, kind: str, hw: Hardware, split: bool | None = None) -> list[tuple]:
+        """The four profiles of a chunk; ``split``: with (True) or without (False) ZB-H1's split backward,
+        None: as the layout's schedule runs it."""
+        split = has_weight_pass(layout.schedule) if split is None else split
         # at expert tensor parallelism the profile is tp's own (experts split); else the experts stay whole
-        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, has_weight_pass(layout.schedule),
+        key = (layout.tp, layout.sequence_parallel, layout.checkpointing, hw.attention, split,
                layout.whole_experts, layout.cp, layout.cp_method if layout.cp > 1 else "ulysses")
         return [(kind, n, mb, *key) for mb in (1, 2) for n in (1, 2)]
 
-    def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware) -> Chunk:
+    def chunk(self, layout: Layout, kind: str, blocks: int, hw: Hardware, split: bool | None = None) -> Chunk:
         """The chunk's figures, one object per (profiles, blocks, micro-batch): layouts that differ in
         what the chunk does not see (ZeRO stage, dp, schedule) share its computed values."""
-        keys = tuple(self.chunk_keys(layout, kind, hw))
+        keys = tuple(self.chunk_keys(layout, kind, hw, split))
         known = self._chunks.get((keys, blocks, layout.micro_batch))
         if known is None:
             known = Chunk(kind, blocks, layout.micro_batch, tuple(self._profile(*key) for key in keys))
             self._chunks[keys, blocks, layout.micro_batch] = known
         return known
 
-    def profile_keys(self, layout: Layout, hw: Hardware, exact: bool) -> set[tuple]:
-        """The profiles `predict` reads for ``layout``."""
+    def profile_keys(self, layout: Layout, hw: Hardware, exact: bool, split: bool | None = None) -> set[tuple]:
+        """The profiles `predict` reads for ``layout`` (``split``: as :meth:`chunk_keys`)."""
         return {key for rank in self.ranks_to_price(layout, exact) for kind, _ in self.chunk_kinds(layout, rank)
-                for key in self.chunk_keys(layout, kind, hw)}
+                for key in self.chunk_keys(layout, kind, hw, split)}
 
     def zero(self, layout: Layout) -> ZeroSetup:
         w = self.workload
@@ -463,8 +466,9 @@ class Planner:
         stage_layout = shapes.stage_layout(layout.pp, layout.virtual_stages, balance=self.workload.balance)
         return shapes.rank_params(pp=layout.pp, pp_rank=rank, layout=stage_layout, stage3=stage3)
 
-    def rank_chunks(self, layout: Layout, rank: int, hw: Hardware) -> tuple[RankParams, list[Chunk]]:
-        return self.rank_params(layout, rank), [self.chunk(layout, kind, n, hw)
+    def rank_chunks(self, layout: Layout, rank: int, hw: Hardware,
+                    split: bool | None = None) -> tuple[RankParams, list[Chunk]]:
+        return self.rank_params(layout, rank), [self.chunk(layout, kind, n, hw, split)
                                                 for kind, n in self.chunk_kinds(layout, rank)]
 
     def ranks_to_price(self, layout: Layout, every_rank: bool) -> list[int]:
@@ -488,17 +492,23 @@ class Planner:
         The ranks timed are those `predict` prices; so `predict`'s ``parts`` are these exactly.
         """
         self.check(layout)
+        costs, flops = self.rank_costs(layout, hw, exact=exact)
+        return self.parts(layout, costs, hw, exact=exact), flops
+
+    def rank_costs(self, layout: Layout, hw: Hardware, *, exact: bool,
+                   split: bool | None = None) -> tuple[list[RankCost], float]:
+        """The pass seconds of each rank :meth:`step_time` times, and the FLOPs per step (all devices);
+        ``split``: the profiles read (:meth:`chunk_keys`)."""
         m = layout.microbatches(self.workload.global_batch)
         costs, flops = [], 0.0
-        ranks = self.ranks_to_price(layout, exact)
-        for rank in ranks:
-            params, chunks = self.rank_chunks(layout, rank, hw)
+        for rank in self.ranks_to_price(layout, exact):
+            params, chunks = self.rank_chunks(layout, rank, hw, split)
             moe = self.moe_seconds(layout, params, hw)
             fwd = sum(c.seconds(hw, layout.tp, False, layout.cp) for c in chunks) + moe
             bwd = sum(c.seconds(hw, layout.tp, True, layout.cp) for c in chunks) + moe
             costs.append(RankCost(fwd, bwd, params))
             flops += m * sum(c.flops() for c in chunks)
-        return self.parts(layout, costs, hw, exact=exact), flops * layout.world / len(costs)
+        return costs, flops * layout.world / len(costs)
 
     def parts(self, layout: Layout, costs: list[RankCost], hw: Hardware, *, exact: bool,
               hidden_compute: bool = False) -> dict[str, float]:

@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from parallel3d.errors import ConfigError
-from parallel3d.pipeline.schedules import SCHEDULES
-from parallel3d.planner.bound import floor_keys, step_floor
+from parallel3d.pipeline.schedules import SCHEDULES, has_weight_pass
+from parallel3d.planner.bound import floor_keys, split_floor, step_floor
 from parallel3d.planner.hardware import Hardware
 from parallel3d.planner.predict import Layout, Planner, Prediction
 from parallel3d.planner.profile import ProfileError
@@ -283,7 +283,9 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
     cut to ``count``, computed without pricing most of them.
 
     A layout's step is priced in the order of its lower bound (`bound.step_floor`, from the
-    cheapest profiles), and profiled only then; the memory walk (the pipeline's whole schedule
+    cheapest profiles), and profiled only then; a ZB-H1 layout that comes up is first bounded again
+    from its passes with one backward (`bound.split_floor`, shared with its twins of other
+    schedules) and put back in that order. The memory walk (the pipeline's whole schedule
     table, built and walked per rank, most of a prediction's cost) only for the fastest, in order of
     their step, until ``count`` fit and the next one is strictly slower than the last of them. A
     priced layout is walked once no unpriced one can come before it (its bound is higher than the
@@ -295,9 +297,12 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
     """
     index = {layout: i for i, layout in enumerate(layouts)}
     planner.prefetch({key for layout in layouts for key in floor_keys(planner, layout, hw)})
-    floors = [step_floor(planner, layout, hw) for layout in layouts]
-    order = sorted(range(len(layouts)), key=lambda i: (floors[i], i))
+    pending = [(step_floor(planner, layout, hw), i) for i, layout in enumerate(layouts)]  # (bound, index), a heap
+    heapq.heapify(pending)
     needs = [planner.profile_keys(layout, hw, exact=False) for layout in layouts]  # each layout's profiles
+    # ZB-H1 layouts not yet bounded by split_floor: the one-backward profiles that bound reads
+    unsplit = {i: planner.profile_keys(layout, hw, exact=False, split=False) for i, layout in enumerate(layouts)
+               if has_weight_pass(layout.schedule)}
     steps: dict[int, float | None] = {}
 
     def step(i: int) -> float | None:
@@ -319,14 +324,17 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
                 return False
         return True
 
-    for i in order:  # priced now where no profile is missing: a first guess of where the walk will stop
+    def wants(i: int) -> set[tuple]:
+        """The profiles the next look at layout ``i`` reads."""
+        return unsplit.get(i, needs[i])
+
+    for i in range(len(layouts)):  # priced now where no profile is missing: a first guess of where the walk will stop
         if not planner.unknown(needs[i]):
             step(i)
     priced: list[tuple[float, int]] = []  # (step, candidate index), a heap
     fit: list[Prediction] = []
-    done = 0  # layouts of ``order`` priced
     while True:
-        bound = floors[order[done]] if done < len(order) else math.inf
+        bound = pending[0][0] if pending else math.inf
         slowest = fit[count - 1].step_seconds if len(fit) >= count else math.inf
         if min(priced[0][0] if priced else math.inf, bound) > slowest or (not priced and bound == math.inf):
             break
@@ -336,25 +344,32 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
             if prediction.fits(hw.memory):
                 fit.append(prediction)
             continue
-        i = order[done]
-        if planner.unknown(needs[i]):
-            _profile_ahead(planner, needs, order[done:], floors, [v for v in steps.values() if v is not None], count)
-        done += 1
+        floor, i = heapq.heappop(pending)
+        if planner.unknown(wants(i)):
+            _profile_ahead(planner, wants, (floor, i), pending, [v for v in steps.values() if v is not None], count)
+        if unsplit.pop(i, None) is not None:
+            try:
+                floor = max(floor, split_floor(planner, layouts[i], hw))
+            except ProfileError:  # pricing it with its own profiles says why
+                pass
+            heapq.heappush(pending, (floor, i))
+            continue
         if (own := step(i)) is not None and faster_than_twin(i, own):
             heapq.heappush(priced, (own, i))
     fit.sort(key=lambda p: (p.step_seconds, p.peak))
     return fit[:count]
 
 
-def _profile_ahead(planner: Planner, needs: list[set[tuple]], pending: list[int], floors: list[float],
+def _profile_ahead(planner: Planner, wants, first: tuple[float, int], pending: list[tuple[float, int]],
                    priced: list[float], count: int) -> None:
-    """Before pricing ``pending[0]``, whose profiles are missing: profile them together with those of
-    the pending layouts likely to be priced too, on the planner's workers. Sure to be priced are
-    those whose bound is under the ``count``-th smallest of the steps priced so far and the pending
-    bounds (the ``count``-th step kept, where the walk stops, cannot be under it); likely, those
-    under the ``count``-th step priced so far. A profile made for nothing costs time, not the result."""
-    sure = heapq.nsmallest(count, priced + [floors[i] for i in pending[:count]])[-1]
+    """Before looking at layout ``first`` = (bound, index), whose profiles (``wants(index)``) are missing:
+    profile them together with those of the ``pending`` (bound, index) likely to be looked at too, on
+    the planner's workers. Sure to be are those whose bound is under the ``count``-th smallest of the
+    steps priced so far and the pending bounds (the ``count``-th step kept, where the walk stops,
+    cannot be under it); likely, those under the ``count``-th step priced so far. A profile made for
+    nothing costs time, not the result."""
+    sure = heapq.nsmallest(count, priced + [first[0]] + [floor for floor, _ in heapq.nsmallest(count, pending)])[-1]
     likely = heapq.nsmallest(count, priced)[-1] if len(priced) >= count else sure
     limit = max(sure, likely)
-    wanted = {key for i in pending if i == pending[0] or floors[i] < limit for key in needs[i]}
+    wanted = set(wants(first[1])).union(*(wants(i) for floor, i in pending if floor < limit))
     planner.prefetch(planner.unknown(wanted))
