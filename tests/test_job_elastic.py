@@ -5,9 +5,10 @@ fixed global batch; every process of node 1 is killed mid-training. Node 0's wor
 peer, torchrun's agent restarts it in a new rendezvous round of one node, and it resumes from
 the latest checkpoint on dp 1 (twice the accumulation steps, the same 16-block batch), so the
 run's training losses are those of an uninterrupted two-process run. Node 0 is started first: its agent
-hosts the rendezvous (``--master-addr``), which the job cannot lose. The uninterrupted run starts
-when node 1 is killed: node 0's agent then waits in the rendezvous' last call (30 s, torch's
-default) for a second node, and the reference trains meanwhile instead of before the elastic run.
+hosts the rendezvous (``--master-addr``), which the job cannot lose; node 1 starts once that port
+listens. The uninterrupted run starts when node 1 is killed: node 0's agent then waits in the
+rendezvous' last call for a second node, and the reference trains meanwhile instead of before
+the elastic run.
 """
 
 from __future__ import annotations
@@ -22,8 +23,27 @@ import uuid
 import yaml
 
 from parallel3d.launch.launcher import free_port
-from tests.test_job_signals import MARK, PEER_LOSS_TIMEOUT_S, job_processes, wait_for_agent
+from tests.test_job_signals import MARK, PEER_LOSS_TIMEOUT_S, job_processes
 from tests.test_train_cli import ROOT, assert_close_records, read_metrics, tiny_job
+
+# The rendezvous' last call: how long an agent whose round has its minimum of nodes waits for more
+# (torchrun's --rdzv-conf, read from PET_RDZV_CONF; torch's default 30 s). Node 1 must join within
+# it of node 0 (it does ~1.5 s after its start on an idle machine), and after node 1 is lost node 0
+# waits all of it before it goes on alone.
+LAST_CALL_S = 10
+
+
+def wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    """Wait until a socket of this machine listens on TCP ``port`` (read from /proc, no connection made)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+            if any(row[1].endswith(f":{port:04X}") and row[3] == "0A" for row in rows):  # 0A: LISTEN
+                return
+        assert proc.poll() is None and time.monotonic() < deadline, f"nothing listens on port {port}"
+        time.sleep(0.1)
 
 
 def elastic_job(run) -> dict:
@@ -36,6 +56,7 @@ def elastic_job(run) -> dict:
 
 def test_a_job_that_loses_a_node_goes_on_with_fewer_ranks(tmp_path, cache_dir):
     env = dict(os.environ, ZERO3D_CACHE=str(cache_dir), PYTHONPATH=str(ROOT))
+    nodes_env = {**env, "PET_RDZV_CONF": f"last_call_timeout={LAST_CALL_S}"}
     for name in ("reference", "elastic"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "job.yaml").write_text(yaml.safe_dump(elastic_job(tmp_path / name / "run")))
@@ -47,12 +68,12 @@ def test_a_job_that_loses_a_node_goes_on_with_fewer_ranks(tmp_path, cache_dir):
             [sys.executable, "-m", "parallel3d.cli", "launch", "--nnodes", "1:2", "--nproc-per-node", "1",
              "--max-restarts", "1", "--master-addr", "127.0.0.1", "--master-port", port, "--node-rank", str(node),
              "-m", "parallel3d.job.run", "job.yaml"],
-            cwd=tmp_path / "elastic", env={**env, MARK: marks[node]}, stdout=subprocess.DEVNULL, stderr=logs[node])
+            cwd=tmp_path / "elastic", env={**nodes_env, MARK: marks[node]}, stdout=subprocess.DEVNULL,
+            stderr=logs[node])
 
     try:
         nodes.append(start(0))
-        wait_for_agent(marks[0], nodes[0])
-        time.sleep(3)  # node 0's agent binds the rendezvous port before node 1's tries
+        wait_for_listener(int(port), nodes[0])  # node 0's agent binds the rendezvous port before node 1's tries
         nodes.append(start(1))
         run = tmp_path / "elastic" / "run"
         deadline = time.monotonic() + 300
