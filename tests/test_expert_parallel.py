@@ -154,23 +154,44 @@ def test_refusals_name_the_problem():
         make_moe("mixtral"), preset_model="mixtral")
 
 
-def test_lora_on_stacked_experts_is_refused_with_the_way_out():
-    """peft's target_parameters wraps the experts module in a ParamWrapper whose adapters span all its
-    experts: refused before any collective (initialize's check on the unwrapped model), saying so."""
+def _lora_on_stacked_experts() -> torch.nn.Module:
+    """The tiny Mixtral with LoRA on q_proj and on its experts' stacked weights (peft's target_parameters),
+    unwrapped from its PeftModel as initialize unwraps it."""
     from peft import LoraConfig, get_peft_model
 
     from parallel3d.build.peft_model import unwrap_peft
-    from parallel3d.expert_parallel import check_expert_parallel
 
     config = LoraConfig(r=2, target_modules=["q_proj"],
                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    model = unwrap_peft(get_peft_model(make_moe("mixtral"), config))
+    return unwrap_peft(get_peft_model(make_moe("mixtral"), config))
+
+
+def test_lora_on_stacked_experts_is_refused_with_the_way_out():
+    """peft's target_parameters wraps the experts module in a ParamWrapper whose adapters span all its
+    experts: refused before any collective (initialize's check on the unwrapped model), saying so."""
+    from parallel3d.expert_parallel import check_expert_parallel
+
+    model = _lora_on_stacked_experts()
     message = str(pytest.raises(ConfigError, check_expert_parallel, model, 2).value)
     assert message.startswith("expert_parallel: LoRA on stacked expert weights (model.layers.0.mlp.experts.gate_up_proj, "
                               "model.layers.0.mlp.experts.down_proj, peft's target_parameters) is not supported with "
                               "expert parallelism (autoep_size 2)"), message
     assert "target_modules such as q_proj" in message and "expert_parallel.enabled false" in message
+    assert "tensor_parallel.size 1" in message  # the way out: tensor parallelism cuts the experts too (below)
     check_expert_parallel(model, 1)
+
+
+def test_lora_on_stacked_experts_is_refused_under_tensor_parallelism_with_the_way_out():
+    """Without expert parallelism, tensor parallelism splits every expert over the tp ranks, and the same
+    ParamWrapper cannot run on a slice of each: refused, saying so, rather than as a weight its plan does not
+    name (``base_layer.base_layer.gate_up_proj``)."""
+    from parallel3d.tensor_parallel.apply import prepare_tensor_parallel
+
+    message = str(pytest.raises(ConfigError, prepare_tensor_parallel, _lora_on_stacked_experts(), 2).value)
+    assert message.startswith("tensor_parallel: LoRA on stacked expert weights (model.layers.0.mlp.experts.gate_up_proj, "
+                              "model.layers.0.mlp.experts.down_proj, peft's target_parameters) is not supported with "
+                              "tensor parallelism (tensor_parallel.size 2)"), message
+    assert "target_modules such as q_proj" in message and "tensor_parallel.size 1" in message
 
 
 def _started_notices(ep_section: dict, tp: int = 1) -> tuple[list[str], bool]:

@@ -10,8 +10,9 @@ whose plan names no module of this config (no MoE layer), is refused with the re
 An experts module is split when every parameter it holds is stacked over its ``num_experts``
 experts (a parameter shared by all experts would get gradients from the local tokens only) and
 ``num_experts`` divides by the expert-parallel degree. LoRA on the stacked weights themselves
-(``peft``'s ``target_parameters``, a ``ParamWrapper`` around the experts module) is refused: its
-adapters cover all the experts at once (see ``_refuse_expert_adapters``).
+(``peft``'s ``target_parameters``, a ``ParamWrapper`` around the experts module) is refused, here
+and under tensor parallelism: its adapters cover all the experts at once, whole (see
+``refuse_expert_adapters``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def resolve_experts(model: nn.Module, ep: int) -> list[ExpertsModule]:
         module = base.get_submodule(name)
         full = f"{prefix}.{name}"
         if ep > 1:
-            _refuse_expert_adapters(module, full, ep)
+            refuse_expert_adapters(module, full, "expert_parallel", f"expert parallelism (autoep_size {ep})",
+                                   "expert parallelism keeps only each rank's share of the experts and routes "
+                                   "tokens to them")
         count = getattr(module, "num_experts", None)
         if not isinstance(count, int) or count < 1:
             raise ConfigError(f"expert_parallel: {full} ({type(module).__name__}) has no num_experts attribute, so "
@@ -87,23 +90,24 @@ def resolve_experts(model: nn.Module, ep: int) -> list[ExpertsModule]:
     return found
 
 
-def _refuse_expert_adapters(module: nn.Module, full: str, ep: int) -> None:
-    """ConfigError when ``peft`` wrapped the experts module ``full`` to put LoRA on its stacked weights.
+def refuse_expert_adapters(module: nn.Module, full: str, section: str, parallelism: str, keeps: str) -> None:
+    """ConfigError when ``peft`` wrapped the experts module ``full`` to put LoRA on its stacked weights, which
+    ``parallelism`` (of config ``section``) cannot cut; ``keeps``: the clause saying what it keeps on a rank.
 
     A ``ParamWrapper`` holds one ``lora_A [r * E, in]`` and ``lora_B [out, r * E]`` per weight for
     all ``E`` experts and adds their product to the whole stacked weight when it runs, while
     expert parallelism keeps ``E / ep`` experts per rank and replaces the module's forward by the
-    all-to-all: the adapters would have to be cut along ``r * E`` and run inside the routed call.
+    all-to-all, and tensor parallelism keeps a slice of every expert: the adapters would have to be
+    cut as the weight is and run inside the parallel call.
     """
     wrapped, layer = [], module
     while is_adapter_module(layer):
         wrapped.append(f"{full}.{getattr(layer, 'parameter_name', '?')}")
         layer = layer.base_layer
     if wrapped:
-        raise ConfigError(f"expert_parallel: LoRA on stacked expert weights ({', '.join(reversed(wrapped))}, peft's "
-                          f"target_parameters) is not supported with expert parallelism (autoep_size {ep}): peft "
-                          "keeps one adapter pair for all the experts of the module and adds it to the whole "
-                          "stacked weight, while expert parallelism keeps only each rank's share of the experts "
-                          "and routes tokens to them; instead put the adapters on the attention or dense "
-                          "projections (target_modules such as q_proj, v_proj, o_proj, the experts frozen in the "
-                          "base), or train this model without expert parallelism (expert_parallel.enabled false)")
+        raise ConfigError(f"{section}: LoRA on stacked expert weights ({', '.join(reversed(wrapped))}, peft's "
+                          f"target_parameters) is not supported with {parallelism}: peft keeps one adapter pair for "
+                          f"all the experts of the module and adds it to the whole stacked weight, while {keeps}; "
+                          "instead put the adapters on the attention or dense projections (target_modules such as "
+                          "q_proj, v_proj, o_proj, the experts frozen in the base), or train this model without "
+                          "expert or tensor parallelism (expert_parallel.enabled false, tensor_parallel.size 1)")

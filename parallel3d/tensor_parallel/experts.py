@@ -27,7 +27,8 @@ its own tokens' sums: Megatron's sequence-parallel MoE layer without expert para
 experts compute token by token, so the gathered order (rank by rank) does not change any value.
 
 Refused, naming the parameter or the attribute: expert weights the plan does not name (a
-down-projection bias would be added once per rank) and a norm after each expert
+down-projection bias would be added once per rank), LoRA on the stacked weights (peft's
+``target_parameters``: one adapter pair spans every expert whole) and a norm after each expert
 (``has_post_expert_norm``: it would normalize a partial sum); under sequence parallelism, an
 experts module called with an input that is not a tensor of tokens.
 """
@@ -41,6 +42,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from parallel3d.errors import ConfigError
+from parallel3d.expert_parallel.plan import refuse_expert_adapters
 from parallel3d.tensor_parallel.comm import all_gather_tokens, copy_to_tp, gather_seq, reduce_from_tp, reduce_scatter_seq
 from parallel3d.tensor_parallel.sequence import first_output_hook
 from parallel3d.tensor_parallel.sharding import ShardSpec, make_spec
@@ -59,6 +61,8 @@ def expert_specs(model: nn.Module, path: str, planned: set[str], world: int) -> 
     """How each weight of the experts module ``path`` is split (full names); ConfigError if it cannot be."""
     module = model.get_submodule(path)
     owner = type(model).__name__
+    refuse_expert_adapters(module, path, "tensor_parallel", f"tensor parallelism (tensor_parallel.size {world})",
+                           "tensor parallelism keeps only each rank's slice of every expert")
     if getattr(module, "has_post_expert_norm", False):
         raise ConfigError(f"{owner}: {path} normalizes each expert's output (has_post_expert_norm), which under "
                           "tensor parallelism would normalize a partial sum")
