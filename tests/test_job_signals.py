@@ -27,9 +27,10 @@ MARK = "ZERO3D_TEST_JOB"
 GONE_S = 30.0  # a graceful stop ends the step, saves and tears torch down: seconds on a loaded 2-core box
 # A worker whose peer died names the missing rank after asking the others for two heartbeat
 # intervals (comm.timeout_s / 10 each, parallel3d/runtime/watchdog.py): 20 s at the default 300 s,
-# and the agent waits for it. The jobs that lose a worker use 60 s (a 12.5 s wait), far above any
-# wait of a healthy tiny job; the message is the same.
-PEER_LOSS_TIMEOUT_S = 60
+# and the agent waits for it. The jobs that lose a worker use 30 s (a 6.5 s wait), far above any
+# wait of a healthy tiny job (its longest, a rank saving alone, is under a second); the message is
+# the same.
+PEER_LOSS_TIMEOUT_S = 30
 PEER_LOSS_TIMEOUT = f"engine.comm.timeout_s={PEER_LOSS_TIMEOUT_S}"
 
 
