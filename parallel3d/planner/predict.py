@@ -303,12 +303,13 @@ class Planner:
             raise ProfileError(self._failed[key])
         return self._profiles[key]
 
-    def prefetch(self, keys: Iterable[tuple]) -> None:
-        """Profile ``keys`` now, on ``workers`` processes and from ``store`` (else lazily, when read)."""
+    def prefetch(self, keys: Iterable[tuple], wait: bool = True) -> None:
+        """Profile ``keys`` now, on ``workers`` processes and from ``store`` (else lazily, when read);
+        ``wait=False``: those not stored are started on the workers and this returns (a read waits for them)."""
         if self.workers > 1 or self.store is not None:
-            self._fill(keys, self.workers)
+            self._fill(keys, self.workers, wait)
 
-    def _fill(self, keys: Iterable[tuple], workers: int) -> None:
+    def _fill(self, keys: Iterable[tuple], workers: int, wait: bool = True) -> None:
         missing = self.unknown(dict.fromkeys(keys))
         if self.store is not None:
             for key in missing:
@@ -317,7 +318,14 @@ class Planner:
             missing = self.unknown(missing)
         if not missing:
             return
-        for key, value in self._profiler(missing, parallel=workers > 1).items():
+        if wait:
+            self._take(self._profiler(missing, parallel=workers > 1))
+        else:
+            self._profiler.ahead(missing)
+
+    def _take(self, profiled: dict[tuple, PassProfile | ProfileError]) -> None:
+        """Record (and store) what the profiler made; a failure as the message that names its settings."""
+        for key, value in profiled.items():
             if isinstance(value, ProfileError):
                 kind, blocks, micro_batch, tp, sp, ac, attention, split, whole_experts, cp, method = key
                 value = (f"tp {tp}{', sequence parallel' if sp else ''}{', checkpointing' if ac else ''}"
@@ -328,8 +336,9 @@ class Planner:
                 self.store.put(key, value)
 
     def close(self) -> None:
-        """Stop the profiling worker processes, if any (a later profile starts new ones)."""
-        self._profiler.close()
+        """Stop the profiling worker processes, if any (a later profile starts new ones), keeping the
+        profiles they made ahead that nothing read (stored for the next run)."""
+        self._take(self._profiler.close())
 
     def _record(self, key: tuple, value: PassProfile | str) -> None:
         if isinstance(value, str):

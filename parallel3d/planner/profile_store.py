@@ -19,6 +19,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import threading
 import uuid
 from collections.abc import Iterable
 from functools import lru_cache
@@ -104,33 +105,110 @@ class Profiler:
     """Computes pass profiles, on ``workers`` forked processes when more than one.
 
     The keys that share a built model (``profile.model_key``) go to one worker together
-    (``profile.profile_passes``), the costliest groups first. The pool is made at the first batch
-    that can use it and kept until :meth:`close`: the search profiles in several batches, and a
-    worker's first pass costs several times a later one's (fake-tensor dispatch caches warm up)."""
+    (``profile.profile_passes``), the costliest groups of a batch first. The pool is made at the
+    first batch that can use it and kept until :meth:`close`: the search profiles in several
+    batches, and a worker's first pass costs several times a later one's (fake-tensor dispatch
+    caches warm up).
+
+    :meth:`ahead` starts profiles in the background and returns: the search asks for the passes it
+    will most likely read while it computes its bounds, so the workers are busy while it is.
+    A call waits for its keys; those of its keys not sent to a worker yet go before everything
+    queued ahead, so a profile made ahead never delays one that is read now. At most one group per
+    worker is sent at a time (a pool's own queue could not be reordered)."""
 
     def __init__(self, config: Any, seq: int, dtype: Any, workers: int) -> None:
         self.config, self.seq, self.dtype, self.workers = config, seq, dtype, workers
         self._pool = None
+        self._changed = threading.Condition()
+        self._queued: list[list[ProfileKey]] = []  # groups not sent to a worker yet, the next first
+        self._sent = 0  # groups at the workers
+        self._pending: set[ProfileKey] = set()  # queued or sent
+        self._results: dict[ProfileKey, Any] = {}  # done, not taken yet
+        self._failure: BaseException | None = None
+
+    @property
+    def parallel(self) -> bool:
+        return self.workers > 1 and "fork" in multiprocessing.get_all_start_methods()
+
+    def ahead(self, keys: Iterable[ProfileKey]) -> None:
+        """Start profiling ``keys`` on the workers, after what is queued, and return (no-op on one worker)."""
+        if self.parallel:
+            with self._changed:
+                self._queue(keys, first=False)
 
     def __call__(self, keys: Iterable[ProfileKey], parallel: bool = True) -> dict[ProfileKey, Any]:
-        """Each key's profile (or its ProfileError)."""
-        from parallel3d.planner.profile import model_key, profile_passes
+        """Each key's profile (or its ProfileError): those on the workers or queued for them waited
+        for, the others computed on the workers (in this process where ``parallel`` is False or
+        there is only one worker)."""
+        from parallel3d.planner.profile import profile_passes
 
-        groups: dict[tuple, list[ProfileKey]] = {}
-        for key in sorted(keys, key=repr):  # neighbours share most ops: the fake-tensor dispatch cache serves them
-            groups.setdefault(model_key(key), []).append(key)
-        work = sorted(groups.values(), key=_cost, reverse=True)
-        if not parallel or self.workers <= 1 or len(work) < 2 or "fork" not in multiprocessing.get_all_start_methods():
-            return {key: value for group in work
-                    for key, value in profile_passes(self.config, group, seq=self.seq, dtype=self.dtype).items()}
-        if self._pool is None:
+        keys = list(dict.fromkeys(keys))
+        with self._changed:
+            known = self._pending.union(self._results)
+            here = [key for key in keys if key not in known and not (parallel and self.parallel)]
+            self._queue([key for key in keys if key not in here], first=True)
+        out = {key: value for group in _groups(here)
+               for key, value in profile_passes(self.config, group, seq=self.seq, dtype=self.dtype).items()}
+        with self._changed:
+            while any(key not in self._results for key in keys if key not in out):
+                if self._failure is not None:
+                    raise RuntimeError("a planner profiling worker failed") from self._failure
+                self._changed.wait()
+            return out | {key: self._results.pop(key) for key in keys if key not in out}
+
+    def _queue(self, keys: Iterable[ProfileKey], first: bool) -> None:
+        """Queue the groups of ``keys`` not queued or done yet (``first``: before the others, with the
+        queued groups that hold any of ``keys``), and send what the workers can take. Holds the lock."""
+        keys = set(keys)
+        if first:
+            holding = [group for group in self._queued if keys.intersection(group)]
+            self._queued = [group for group in self._queued if not keys.intersection(group)]
+        else:
+            holding = []
+        new = _groups(key for key in keys if key not in self._pending and key not in self._results)
+        self._pending.update(key for group in new for key in group)
+        self._queued = [*new, *holding, *self._queued] if first else [*self._queued, *new]
+        if self._queued and self._pool is None:
             self._pool = multiprocessing.get_context("fork").Pool(
                 self.workers, initializer=_start_worker, initargs=(self.config, self.seq, self.dtype))
-        return {key: value for done in self._pool.imap_unordered(_profile_group, work) for key, value in done}
+        while self._queued and self._sent < self.workers:
+            self._sent += 1
+            self._pool.apply_async(_profile_group, (self._queued.pop(0),), callback=self._done,
+                                   error_callback=self._failed)
 
-    def close(self) -> None:
-        """Stop the worker processes (a later call starts new ones)."""
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
-            self._pool = None
+    def _done(self, profiled: list[tuple[ProfileKey, Any]]) -> None:
+        with self._changed:
+            self._sent -= 1
+            for key, value in profiled:
+                self._results[key] = value
+                self._pending.discard(key)
+            if self._pool is not None:
+                self._queue((), first=False)
+            self._changed.notify_all()
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._changed:
+            self._failure = exc
+            self._changed.notify_all()
+
+    def close(self) -> dict[ProfileKey, Any]:
+        """Stop the worker processes (a later call starts new ones); returns the profiles they made
+        that were not taken (made ahead and not read), so they can be stored."""
+        with self._changed:
+            pool, self._pool = self._pool, None
+            left, self._results = self._results, {}
+            self._queued, self._sent, self._pending, self._failure = [], 0, set(), None
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        return left
+
+
+def _groups(keys: Iterable[ProfileKey]) -> list[list[ProfileKey]]:
+    """The keys grouped by the model they run on (``profile.model_key``), the costliest group first."""
+    from parallel3d.planner.profile import model_key
+
+    groups: dict[tuple, list[ProfileKey]] = {}
+    for key in sorted(keys, key=repr):  # neighbours share most ops: the fake-tensor dispatch cache serves them
+        groups.setdefault(model_key(key), []).append(key)
+    return sorted(groups.values(), key=_cost, reverse=True)

@@ -262,18 +262,36 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
             unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
             return None
 
-    considered, fitting = 0, []
-    for layout in candidates(planner, hw, choice, refused):
-        considered += 1
-        if model_states_fit(planner, layout, hw):
-            fitting.append(layout)
+    considered, fitting, ahead = 0, [], set()
     try:
+        for layout in candidates(planner, hw, choice, refused):
+            considered += 1
+            if model_states_fit(planner, layout, hw):
+                fitting.append(layout)
+                _profile_early(planner, hw, layout, ahead)
         rough = _fastest_that_fit(planner, hw, fitting, 3 * top, unpriced)
         exact = [p for p in (priced(r.layout, exact=True) for r in rough) if p is not None and p.fits(hw.memory)]
     finally:
         planner.close()
     exact.sort(key=lambda p: (p.step_seconds, p.peak))
     return SearchResult(exact[:top], considered, refused, unpriced)
+
+
+def _profile_early(planner: Planner, hw: Hardware, layout: Layout, started: set[tuple]) -> None:
+    """Start, on the planner's workers and while the candidates are still being listed, the profiles
+    the first pass will most likely read for ``layout``: the bound's and, without recomputation, its
+    chunks' with one backward (what the bound or the step reads first; recomputation ranks only where
+    memory is short). Once per set of settings the profiles depend on (``started``). A profile read
+    later goes ahead of these; one made for nothing costs CPU, not the result."""
+    settings = (layout.pp, layout.virtual_stages, layout.tp, layout.sequence_parallel, layout.checkpointing,
+                layout.ep, layout.etp, layout.cp, layout.cp_method)
+    if settings in started:
+        return
+    started.add(settings)
+    keys = floor_keys(planner, layout, hw)
+    if not layout.checkpointing:
+        keys |= planner.profile_keys(layout, hw, exact=False, split=False)
+    planner.prefetch(keys, wait=False)
 
 
 def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], count: int,
@@ -296,13 +314,19 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
     ZeRO and it rounds weights and gradients).
     """
     index = {layout: i for i, layout in enumerate(layouts)}
-    planner.prefetch({key for layout in layouts for key in floor_keys(planner, layout, hw)})
-    pending = [(step_floor(planner, layout, hw), i) for i, layout in enumerate(layouts)]  # (bound, index), a heap
-    heapq.heapify(pending)
+    base = {key for layout in layouts for key in floor_keys(planner, layout, hw)}
+    planner.prefetch(base, wait=False)
     needs = [planner.profile_keys(layout, hw, exact=False) for layout in layouts]  # each layout's profiles
     # ZB-H1 layouts not yet bounded by split_floor: the one-backward profiles that bound reads
     unsplit = {i: planner.profile_keys(layout, hw, exact=False, split=False) for i, layout in enumerate(layouts)
                if has_weight_pass(layout.schedule)}
+
+    def wants(i: int) -> set[tuple]:
+        """The profiles the next look at layout ``i`` reads."""
+        return unsplit.get(i, needs[i])
+
+    pending = [(step_floor(planner, layout, hw), i) for i, layout in enumerate(layouts)]  # (bound, index), a heap
+    heapq.heapify(pending)
     steps: dict[int, float | None] = {}
 
     def step(i: int) -> float | None:
@@ -323,10 +347,6 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
             if other is not None and own >= other:
                 return False
         return True
-
-    def wants(i: int) -> set[tuple]:
-        """The profiles the next look at layout ``i`` reads."""
-        return unsplit.get(i, needs[i])
 
     for i in range(len(layouts)):  # priced now where no profile is missing: a first guess of where the walk will stop
         if not planner.unknown(needs[i]):
