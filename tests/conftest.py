@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import subprocess
@@ -25,6 +26,14 @@ _install_float64_loss()
 if "ZERO3D_CACHE" not in os.environ:  # the suite neither reads nor fills the user's cache: it starts cold, as on CI
     os.environ["ZERO3D_CACHE"] = tempfile.mkdtemp(prefix="zero3d-test-cache-")
     atexit.register(shutil.rmtree, os.environ["ZERO3D_CACHE"], True)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection left alive (torch, transformers, the test modules: ~400k objects), so
+    the full collections Python runs during the tests do not walk them each time; they are never
+    garbage before the session ends. (The ranks of tests/dist_harness.py freeze after each call.)"""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
