@@ -71,22 +71,22 @@ def step_floor(planner: Planner, layout: Layout, hw: Hardware) -> float:
     if layout.cp > 1:
         return 0.0
     planner.check(layout)
+    base = base_layout(layout)
     try:
-        costs = [_rank_floor(planner, layout, rank, hw) for rank in planner.ranks_to_price(layout, False)]
+        costs = [_rank_floor(planner, layout, base, rank, hw) for rank in planner.ranks_to_price(layout, False)]
     except ProfileError:
         return 0.0
     return sum(planner.parts(layout, costs, hw, exact=False, hidden_compute=True).values())
 
 
-def _rank_floor(planner: Planner, layout: Layout, rank: int, hw: Hardware) -> RankCost:
-    base = base_layout(layout)
+def _rank_floor(planner: Planner, layout: Layout, base: Layout, rank: int, hw: Hardware) -> RankCost:
     forward = backward = 0.0
     for kind, blocks in planner.chunk_kinds(layout, rank):
         chunk = planner.chunk(base, kind, blocks, hw)
         forward += chunk.pass_flops(False)
         backward += chunk.pass_flops(True)
         if layout.checkpointing and planner.recomputes_every_block:
-            backward += chunk.blocks_forward_flops()
+            backward += chunk.blocks_forward_flops
     params = planner.rank_params(layout, rank)
     moe = planner.moe_seconds(layout, params, hw)
     rate = hw.flop_rate * layout.tp

@@ -66,7 +66,7 @@ def pipeline_split(model: nn.Module) -> tuple[PipelineAnatomy | AnatomyPaths | N
     """Where a pipeline splits ``model`` (its anatomy: paths and programs, nothing of the copy it was
     read from) or why it cannot (None and the reason): the same at every tp, ep and etp."""
     try:
-        return _checked_anatomy(copy.deepcopy(model)), None
+        return _checked_anatomy(model), None
     except AnatomyError as exc:
         refusal = str(exc)
         return None, refusal if refusal.startswith("pipeline parallelism") else f"pipeline parallelism: {refusal}"
@@ -74,11 +74,12 @@ def pipeline_split(model: nn.Module) -> tuple[PipelineAnatomy | AnatomyPaths | N
 
 def _checked_anatomy(model: nn.Module) -> PipelineAnatomy | AnatomyPaths:
     """``split_model``'s checks (its cut of the forward run on a probe included) on a copy of
-    ``model`` whose meta tensors are made CPU ones that read as shapes: buffers zeros, parameters
-    storage-less (the probe runs no block and reads no weight)."""
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return pipeline_anatomy(model)
+    ``model`` (one copy: a 7B meta model's takes a fifth of a second), whose meta tensors are made CPU
+    ones that read as shapes: buffers zeros, parameters storage-less (the probe runs no block and
+    reads no weight); where that cannot be, the structure alone is checked, which reads ``model``."""
     probe = copy.deepcopy(model)
+    if not any(t.is_meta for t in (*probe.parameters(), *probe.buffers())):
+        return pipeline_anatomy(probe)
     buffers = ((n, torch.zeros(b.shape, dtype=b.dtype)) for n, b in probe.named_buffers(remove_duplicate=False))
     try:
         detach_from_meta(probe, buffers, torch.device("cpu"))

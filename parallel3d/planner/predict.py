@@ -234,8 +234,14 @@ class Chunk:
 
     def pass_flops(self, backward: bool) -> float:
         """FLOPs of one forward (or backward) pass of the chunk (recomputation included)."""
-        return self._grow(tuple(float(r.flops[backward]) for r in self.runs))
+        return self._pass_flops[backward]
 
+    @cached_property
+    def _pass_flops(self) -> tuple[float, float]:
+        return (self._grow(tuple(float(r.flops[0]) for r in self.runs)),
+                self._grow(tuple(float(r.flops[1]) for r in self.runs)))
+
+    @cached_property
     def blocks_forward_flops(self) -> float:
         """FLOPs of its blocks' forward passes: the forward's less the chunk's without blocks (its
         embedding, head and loss)."""
@@ -277,6 +283,7 @@ class Planner:
         self._profiles: dict[tuple, PassProfile] = {}
         self._failed: dict[tuple, str] = {}  # profiles that failed (why), not run again
         self._chunks: dict[tuple, Chunk] = {}
+        self._kinds: dict[tuple, list[tuple[str, int]]] = {}  # chunk_kinds, by what it depends on
         self._refusals: dict[tuple, str | None] = {}  # the engine's checks, by what they were asked (_refuse_once)
 
     def shapes(self, tp: int, ep: int = 1, etp: int = 1) -> ModelShapes:
@@ -453,7 +460,14 @@ class Planner:
         return value if isinstance(value, int) else None
 
     def chunk_kinds(self, layout: Layout, rank: int) -> list[tuple[str, int]]:
-        """(kind, blocks) of each of the rank's chunks."""
+        """(kind, blocks) of each of the rank's chunks (computed once per pipeline, model shapes and rank)."""
+        settings = (layout.pp, layout.virtual_stages, layout.tp, layout.ep, layout.etp if layout.ep > 1 else 1, rank)
+        known = self._kinds.get(settings)
+        if known is None:
+            known = self._kinds[settings] = self._chunk_kinds(layout, rank)
+        return known
+
+    def _chunk_kinds(self, layout: Layout, rank: int) -> list[tuple[str, int]]:
         shapes = self.layout_shapes(layout)
         if layout.pp == 1:
             return [("only", len(shapes.block_params))]

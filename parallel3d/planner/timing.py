@@ -137,11 +137,7 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, hw: Hardware, tp: int, m: in
     """
     if zero.dp == 1:
         return 0.0
-    calls: dict[str, float] = {}
-    for part in shard_sets(params, zero):
-        links = zero_links(hw, tp * part.stride, part.zero)
-        for key, value in _collective_seconds(part.params, part.zero, links).items():
-            calls[key] = calls.get(key, 0.0) + value
+    calls = _dp_calls(params, zero, hw, tp)
     after_step = calls["gather persistent"] if zero.stage >= 1 else 0.0
     fwd, bwd = compute
     if pipelined:
@@ -165,6 +161,18 @@ def dp_seconds(params: RankParams, zero: ZeroSetup, hw: Hardware, tp: int, m: in
     if overlap:
         return m * (max(0.0, per_mb_fwd - fwd) + max(0.0, per_mb_bwd - bwd)) + after_step
     return m * (per_mb_fwd + per_mb_bwd) + after_step
+
+
+@lru_cache(maxsize=8192)
+def _dp_calls(params: RankParams, zero: ZeroSetup, hw: Hardware, tp: int) -> dict[str, float]:
+    """Seconds of each kind of ZeRO collective of one rank, its shard sets' added (read only: cached
+    for every micro-batch count, schedule and compute time that prices the rank)."""
+    calls: dict[str, float] = {}
+    for part in shard_sets(params, zero):
+        links = zero_links(hw, tp * part.stride, part.zero)
+        for key, value in _collective_seconds(part.params, part.zero, links).items():
+            calls[key] = calls.get(key, 0.0) + value
+    return calls
 
 
 @lru_cache(maxsize=8192)
