@@ -294,6 +294,7 @@ def test_cli_pins_expert_tensor_parallelism():
     # pins the search would ignore (no expert parallelism or no tp to split over), or cannot meet
     for pins, message in ((["--ep", "1", "--etp", "2"], "needs --ep > 1 and --tp > 1"),
                           (["--tp", "1", "--etp", "2"], "needs --ep > 1 and --tp > 1"),
+                          (["--tp", "2", "--ep", "1", "--etp", "1"], "needs --ep > 1 "),
                           (["--tp", "4", "--ep", "2", "--etp", "2"], "allowed: 1 or 4")):
         with pytest.raises(ConfigError, match=message):
             _choice(build_parser().parse_args([*base, *pins]))

@@ -156,6 +156,10 @@ def _choice(args: argparse.Namespace):
 
     for flag in ("tp", "pp", "micro_batch", "virtual_stages", "ep", "etp"):
         _positive(getattr(args, flag), "--" + flag.replace("_", "-"))
+    if args.etp == 1 and args.ep == 1:
+        raise ConfigError("--etp 1 keeps each expert whole on every tp rank, the experts that expert parallelism "
+                          "splits: it needs --ep > 1 (at --ep 1 tensor parallelism splits the experts, whatever --etp "
+                          "says; unset: searched)")
     if args.etp is not None and args.etp > 1 and (args.ep == 1 or args.tp == 1):
         raise ConfigError(f"--etp {args.etp} splits the experts that expert parallelism cuts over the tp ranks: it "
                           f"needs --ep > 1 and --tp > 1 (given --ep {args.ep}, --tp {args.tp}; unset: searched)")
