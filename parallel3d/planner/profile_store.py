@@ -1,14 +1,15 @@
-"""The planner's pass profiles computed ahead, in parallel, and kept on disk between runs.
+"""The planner's pass profiles computed on worker processes, ahead of their use, and kept on disk
+between runs.
 
 A search profiles a few hundred (chunk kind, blocks, micro-batch, tp, sequence parallelism,
-checkpointing, attention, split backward) passes on fake tensors, one after another when a
-layout first needs them; for a 7B Llama on 64 GPUs that was most of a minute. ``prefetch``
-computes every profile the search's first pass will read before it starts, on a pool of
-worker processes (one per core), and `ProfileStore` (``zero3d plan``: under ``$ZERO3D_CACHE``
-or ~/.cache/zero3d, ``plan-profiles/``) keeps each one under a hash of everything it depends on:
-the model config, sequence length, dtype, the pass's key, the torch and transformers versions
-and the source of the code that profiles. A profile is deterministic, so a stored one is the
-one the run would compute.
+checkpointing, attention, split backward) passes on fake tensors; for a 7B Llama on 64 GPUs that
+was most of a minute one after another. `Profiler` runs them on a pool of forked worker processes
+(one per core): those the search will most likely read start while it is still listing
+candidates and computing bounds (``ahead``), and a pass it reads now goes before those. `ProfileStore`
+(``zero3d plan``: under ``$ZERO3D_CACHE`` or ~/.cache/zero3d, ``plan-profiles/``) keeps each one
+under a hash of everything it depends on: the model config, sequence length, dtype, the pass's
+key, the torch and transformers versions and the source of the code that profiles. A profile is
+deterministic, so a stored one is the one the run would compute.
 """
 
 from __future__ import annotations
@@ -173,21 +174,25 @@ class Profiler:
                 self.workers, initializer=_start_worker, initargs=(self.config, self.seq, self.dtype))
         while self._queued and self._sent < self.workers:
             self._sent += 1
-            self._pool.apply_async(_profile_group, (self._queued.pop(0),), callback=self._done,
-                                   error_callback=self._failed)
+            pool = self._pool
+            pool.apply_async(_profile_group, (self._queued.pop(0),), callback=lambda done: self._done(pool, done),
+                             error_callback=lambda exc: self._failed(pool, exc))
 
-    def _done(self, profiled: list[tuple[ProfileKey, Any]]) -> None:
+    def _done(self, pool, profiled: list[tuple[ProfileKey, Any]]) -> None:
         with self._changed:
+            if pool is not self._pool:  # a pool closed since (its late results are not this profiler's)
+                return
             self._sent -= 1
             for key, value in profiled:
                 self._results[key] = value
                 self._pending.discard(key)
-            if self._pool is not None:
-                self._queue((), first=False)
+            self._queue((), first=False)
             self._changed.notify_all()
 
-    def _failed(self, exc: BaseException) -> None:
+    def _failed(self, pool, exc: BaseException) -> None:
         with self._changed:
+            if pool is not self._pool:
+                return
             self._failure = exc
             self._changed.notify_all()
 
