@@ -264,6 +264,9 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
 
     considered, fitting, ahead = 0, [], set()
     try:
+        if choice.pp in (None, 1) and choice.cp in (None, 1):  # the bound's passes without a pipeline, read in
+            # nearly every search: started before the model's shapes at each tp are read
+            planner.prefetch(planner.chunk_keys(Layout(1, hw.gpus, 1, 0, 1), "only", hw), wait=False)
         for layout in candidates(planner, hw, choice, refused):
             considered += 1
             if model_states_fit(planner, layout, hw):
@@ -383,13 +386,14 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
 def _profile_ahead(planner: Planner, wants, first: tuple[float, int], pending: list[tuple[float, int]],
                    priced: list[float], count: int) -> None:
     """Before looking at layout ``first`` = (bound, index), whose profiles (``wants(index)``) are missing:
-    profile them together with those of the ``pending`` (bound, index) likely to be looked at too, on
-    the planner's workers. Sure to be are those whose bound is under the ``count``-th smallest of the
-    steps priced so far and the pending bounds (the ``count``-th step kept, where the walk stops,
-    cannot be under it); likely, those under the ``count``-th step priced so far. A profile made for
-    nothing costs time, not the result."""
+    start on the planner's workers those of the ``pending`` (bound, index) likely to be looked at
+    too, and wait for its own (which go first). Sure to be are those whose bound is under the
+    ``count``-th smallest of the steps priced so far and the pending bounds (the ``count``-th step
+    kept, where the walk stops, cannot be under it); likely, those under the ``count``-th step
+    priced so far. A profile made for nothing costs time, not the result; the walk goes on while
+    the workers make the others."""
     sure = heapq.nsmallest(count, priced + [first[0]] + [floor for floor, _ in heapq.nsmallest(count, pending)])[-1]
     likely = heapq.nsmallest(count, priced)[-1] if len(priced) >= count else sure
     limit = max(sure, likely)
-    wanted = set(wants(first[1])).union(*(wants(i) for floor, i in pending if floor < limit))
-    planner.prefetch(planner.unknown(wanted))
+    planner.prefetch(planner.unknown(set().union(*(wants(i) for floor, i in pending if floor < limit))), wait=False)
+    planner.prefetch(planner.unknown(wants(first[1])))
