@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from parallel3d.errors import ConfigError
@@ -383,7 +383,7 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
     return fit[:count]
 
 
-def _profile_ahead(planner: Planner, wants, first: tuple[float, int], pending: list[tuple[float, int]],
+def _profile_ahead(planner: Planner, wants: Callable[[int], set[tuple]], first: tuple[float, int], pending: list[tuple[float, int]],
                    priced: list[float], count: int) -> None:
     """Before looking at layout ``first`` = (bound, index), whose profiles (``wants(index)``) are missing:
     start on the planner's workers those of the ``pending`` (bound, index) likely to be looked at
