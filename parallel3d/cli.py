@@ -140,7 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(exc.code or 0)
     if command in _DISPATCH:
         module = importlib.import_module(_DISPATCH[command][0])
-        return int(module.main(rest) or 0)
+        code = int(module.main(rest) or 0)
+        if command == "plan" and argv_given is None:  # printed: skip tearing down torch and the model (a second)
+            from parallel3d.runtime.lifeline import exit_now
+
+            exit_now(code)
+        return code
     print(f"zero3d: unknown command {command!r}\n\n" + USAGE.format(others=others), file=sys.stderr)
     return 2
 

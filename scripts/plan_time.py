@@ -40,7 +40,7 @@ def _run(source: Path, model: Path, cache: Path, extra: list[str]) -> tuple[floa
     env = {**os.environ, "PYTHONPATH": str(source), "ZERO3D_CACHE": str(cache)}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "parallel3d.planner.cli", str(model), *PLAN, *extra], env=env,
+    done = subprocess.run([sys.executable, "-m", "parallel3d.cli", "plan", str(model), *PLAN, *extra], env=env,
                           cwd=source, capture_output=True, check=True)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

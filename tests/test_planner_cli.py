@@ -236,3 +236,4 @@ def test_a_first_run_prints_only_the_plan(model_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert done.stdout.startswith("assuming 4 x "), done.stdout[:300]
+    assert done.stdout.endswith("}\n")  # all of it, to the config snippet's end (zero3d plan ends with os._exit)

@@ -33,7 +33,7 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -83,6 +83,7 @@ def _op_flops(func, args, kwargs, out) -> int:
     return int(sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape))
 
 
+_DEVICE = torch.ops.prim.device.default
 _NO_DATA = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view",
                       "lift_fresh"})
 
@@ -190,6 +191,11 @@ class LiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE and type(args[0]) is FakeTensor:
+            # the autograd engine asks each gradient's device: two thirds of a pass's dispatches, answered
+            # as FakeTensor's own handler answers them, without the round trip through FakeTensorMode
+            fake = args[0]
+            return torch.device("meta") if fake.fake_mode.in_kernel_invocation else fake.fake_device
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         outputs = _tensors(out)

@@ -262,7 +262,7 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
             unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
             return None
 
-    considered, fitting, ahead = 0, [], set()
+    considered, fitting, ahead, last = 0, [], set(), set()
     try:
         if choice.pp in (None, 1) and choice.cp in (None, 1):  # the bound's passes without a pipeline, read in
             # nearly every search: started before the model's shapes at each tp are read
@@ -272,6 +272,11 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
             if model_states_fit(planner, layout, hw):
                 fitting.append(layout)
                 _profile_early(planner, hw, layout, ahead)
+                if layout.tp == 1 and not layout.checkpointing and layout.cp == 1 and has_weight_pass(layout.schedule):
+                    last |= planner.profile_keys(layout, hw, exact=False)
+        # ZB-H1's split passes at tp 1 (the bound's own settings, the likeliest of them to rank), after the
+        # others: they keep the workers busy while the walk comes to them
+        planner.prefetch(last, wait=False)
         rough = _fastest_that_fit(planner, hw, fitting, 3 * top, unpriced)
         exact = [p for p in (priced(r.layout, exact=True) for r in rough) if p is not None and p.fits(hw.memory)]
     finally:
