@@ -14,7 +14,7 @@ import signal
 from tests.test_job_signals import PEER_LOSS_TIMEOUT, Job, wait_for_agent
 from tests.test_train_cli import read_metrics
 
-STEPS = ("train.max_steps=20", "train.save_interval=5", PEER_LOSS_TIMEOUT)
+STEPS = ("train.max_steps=40", "train.save_interval=5", PEER_LOSS_TIMEOUT)
 
 
 def numbers(records: list[dict]) -> list[tuple]:
@@ -29,7 +29,8 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_as_an_uninterrupted_one(t
     try:
         wait_for_agent(full.mark, full.launcher)
         job = Job(tmp_path / "b", cache_dir, *STEPS, "--max-restarts", "1")
-        job.wait_for_step(8)  # global_step5 is saved; 12 steps are left to train when the worker dies
+        job.wait_for_step(8)  # global_step5 is saved; 32 steps are left to train when the worker dies (at a few
+        # hundredths of a second a step, time enough for the kill to find it)
         os.kill(job.pid_of("worker"), signal.SIGKILL)
         assert job.launcher.wait(600) == 0, job.stderr()[-3000:]
         said = job.stderr()
