@@ -316,6 +316,10 @@ class Planner:
         if self.workers > 1 or self.store is not None:
             self._fill(keys, self.workers, wait)
 
+    def started(self, keys: Iterable[tuple]) -> bool:
+        """Whether the workers have (or had) every one of ``keys`` to profile."""
+        return self._profiler.started(keys)
+
     def _fill(self, keys: Iterable[tuple], workers: int, wait: bool = True) -> None:
         missing = self.unknown(dict.fromkeys(keys))
         if self.store is not None:

@@ -14,6 +14,7 @@ deterministic, so a stored one is the one the run would compute.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -88,6 +89,7 @@ _JOB: dict = {}  # what a worker process profiles with (set by the pool's initia
 
 def _start_worker(config: Any, seq: int, dtype: Any) -> None:
     _JOB.update(config=config, seq=seq, dtype=dtype)
+    gc.freeze()  # what the worker inherited (modules, the model) is never garbage: its collections skip it
 
 
 def _profile_group(keys: list[ProfileKey]) -> list[tuple[ProfileKey, Any]]:
@@ -136,6 +138,11 @@ class Profiler:
         if self.parallel:
             with self._changed:
                 self._queue(keys, first=False)
+
+    def started(self, keys: Iterable[ProfileKey]) -> bool:
+        """Whether every one of ``keys`` is queued, at a worker or done (and not taken yet)."""
+        with self._changed:
+            return all(key in self._pending or key in self._results for key in keys)
 
     def __call__(self, keys: Iterable[ProfileKey], parallel: bool = True) -> dict[ProfileKey, Any]:
         """Each key's profile (or its ProfileError): those on the workers or queued for them waited

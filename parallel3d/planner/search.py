@@ -388,8 +388,8 @@ def _fastest_that_fit(planner: Planner, hw: Hardware, layouts: list[Layout], cou
     return fit[:count]
 
 
-def _profile_ahead(planner: Planner, wants: Callable[[int], set[tuple]], first: tuple[float, int], pending: list[tuple[float, int]],
-                   priced: list[float], count: int) -> None:
+def _profile_ahead(planner: Planner, wants: Callable[[int], set[tuple]], first: tuple[float, int],
+                   pending: list[tuple[float, int]], priced: list[float], count: int) -> None:
     """Before looking at layout ``first`` = (bound, index), whose profiles (``wants(index)``) are missing:
     start on the planner's workers those of the ``pending`` (bound, index) likely to be looked at
     too, and wait for its own (which go first). Sure to be are those whose bound is under the
@@ -397,8 +397,11 @@ def _profile_ahead(planner: Planner, wants: Callable[[int], set[tuple]], first: 
     kept, where the walk stops, cannot be under it); likely, those under the ``count``-th step
     priced so far. A profile made for nothing costs time, not the result; the walk goes on while
     the workers make the others."""
-    sure = heapq.nsmallest(count, priced + [first[0]] + [floor for floor, _ in heapq.nsmallest(count, pending)])[-1]
-    likely = heapq.nsmallest(count, priced)[-1] if len(priced) >= count else sure
-    limit = max(sure, likely)
-    planner.prefetch(planner.unknown(set().union(*(wants(i) for floor, i in pending if floor < limit))), wait=False)
-    planner.prefetch(planner.unknown(wants(first[1])))
+    own = planner.unknown(wants(first[1]))
+    if not planner.started(own):  # else the batch it belongs to was asked for already
+        sure = heapq.nsmallest(count, priced + [first[0]] + [floor for floor, _ in heapq.nsmallest(count, pending)])[-1]
+        likely = heapq.nsmallest(count, priced)[-1] if len(priced) >= count else sure
+        limit = max(sure, likely)
+        planner.prefetch(planner.unknown(set().union(*(wants(i) for floor, i in pending if floor < limit))),
+                         wait=False)
+    planner.prefetch(own)
