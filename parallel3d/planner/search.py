@@ -262,7 +262,7 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
             unpriced[str(exc)] = unpriced.get(str(exc), 0) + 1
             return None
 
-    considered, fitting, ahead, last = 0, [], set(), set()
+    considered, fitting, started, last = 0, [], set(), set()
     try:
         if choice.pp in (None, 1) and choice.cp in (None, 1):  # the bound's passes without a pipeline, read in
             # nearly every search: started before the model's shapes at each tp are read
@@ -271,11 +271,7 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
             considered += 1
             if model_states_fit(planner, layout, hw):
                 fitting.append(layout)
-                _profile_early(planner, hw, layout, ahead)
-                if layout.tp == 1 and not layout.checkpointing and layout.cp == 1 and has_weight_pass(layout.schedule):
-                    last |= planner.profile_keys(layout, hw, exact=False)
-        # ZB-H1's split passes at tp 1 (the bound's own settings, the likeliest of them to rank), after the
-        # others: they keep the workers busy while the walk comes to them
+                _profile_early(planner, hw, layout, started, last)
         planner.prefetch(last, wait=False)
         rough = _fastest_that_fit(planner, hw, fitting, 3 * top, unpriced)
         exact = [p for p in (priced(r.layout, exact=True) for r in rough) if p is not None and p.fits(hw.memory)]
@@ -285,20 +281,26 @@ def search(planner: Planner, hw: Hardware, choice: Choice = Choice(), top: int =
     return SearchResult(exact[:top], considered, refused, unpriced)
 
 
-def _profile_early(planner: Planner, hw: Hardware, layout: Layout, started: set[tuple]) -> None:
+def _profile_early(planner: Planner, hw: Hardware, layout: Layout, started: set[tuple], last: set[tuple]) -> None:
     """Start, on the planner's workers and while the candidates are still being listed, the profiles
     the first pass will most likely read for ``layout``: the bound's and, without recomputation, its
     chunks' with one backward (what the bound or the step reads first; recomputation ranks only where
-    memory is short). Once per set of settings the profiles depend on (``started``). A profile read
-    later goes ahead of these; one made for nothing costs CPU, not the result."""
+    memory is short). Once per set of settings the profiles depend on (``started``). A ZB-H1
+    layout's split passes at tp 1 (the bound's own settings, the likeliest of the split ones to
+    rank) go into ``last``, to start after all the others: they keep the workers busy while the walk
+    comes to them. A profile read later goes ahead of these; one made for nothing costs CPU, not the
+    result."""
+    split = has_weight_pass(layout.schedule)
     settings = (layout.pp, layout.virtual_stages, layout.tp, layout.sequence_parallel, layout.checkpointing,
-                layout.ep, layout.etp, layout.cp, layout.cp_method)
+                layout.ep, layout.etp, layout.cp, layout.cp_method, split)
     if settings in started:
         return
     started.add(settings)
     keys = floor_keys(planner, layout, hw)
     if not layout.checkpointing:
         keys |= planner.profile_keys(layout, hw, exact=False, split=False)
+        if split and layout.tp == 1 and layout.cp == 1:
+            last |= planner.profile_keys(layout, hw, exact=False)
     planner.prefetch(keys, wait=False)
 
 
